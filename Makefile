@@ -1,0 +1,16 @@
+# Set-up and test targets. `make test` is the README's test command and what CI runs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	# The pinned CPU torch first: an unpinned torch requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+
+.PHONY: install test
+install: $(PY)
+
+test: $(PY)
+	$(PY) -m pytest -q

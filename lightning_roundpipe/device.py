@@ -1,0 +1,201 @@
+"""The device pool: per-device streams and events, with CPU stand-ins that are truly asynchronous.
+
+Why the stand-ins are threads and not plain function calls: if a CPU "copy" or "event" completed
+inside the call that enqueued it, a missing wait between two streams would never fail on CPU, and
+ordering bugs would only show up on a GPU. Each stand-in stream is a thread with its own queue; an
+event is set when its stream reaches it; ``jitter`` adds random delays before every operation so a
+missing wait makes a test fail instead of passing by luck.
+
+Every wait takes the engine's :class:`AbortSignal` and a timeout, so an error anywhere wakes every
+waiter and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+class EngineAborted(RuntimeError):
+    """Raised in waits once the engine has failed or is shutting down."""
+
+
+class AbortSignal:
+    """The engine's shared failure flag: the first error wins, every wait checks it."""
+
+    def __init__(self, timeout: float) -> None:
+        self._flag = threading.Event()
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.timeout = timeout
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        self._flag.set()
+
+    def abort(self) -> None:
+        """Stop without an error (shutdown): waiters raise :class:`EngineAborted`."""
+        self._flag.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, event: threading.Event, what: str) -> None:
+        """Block until ``event`` is set; raise if the engine aborts or the timeout passes."""
+        deadline = time.monotonic() + self.timeout
+        while not event.wait(0.02):
+            if self._flag.is_set():
+                raise EngineAborted(f"engine stopped while waiting for {what}")
+            if time.monotonic() > deadline:
+                error = TimeoutError(
+                    f"waited more than {self.timeout:.0f} s for {what}; the pipeline is stuck. "
+                    "Raise `wait_timeout` if a single stage really takes that long."
+                )
+                self.fail(error)
+                raise error
+
+
+class HostEvent:
+    """An event on the host: set once, waited on by any thread."""
+
+    __slots__ = ("_flag", "name")
+
+    def __init__(self, name: str = "event", done: bool = False) -> None:
+        self._flag = threading.Event()
+        self.name = name
+        if done:
+            self._flag.set()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, abort: AbortSignal) -> None:
+        abort.wait(self._flag, self.name)
+
+
+_STOP = object()
+
+
+class CpuStream:
+    """A stand-in for a CUDA stream: operations run in order on the stream's own thread."""
+
+    def __init__(self, name: str, abort: AbortSignal, jitter: float = 0.0, seed: int = 0) -> None:
+        self.name = name
+        self._abort = abort
+        self._jitter = jitter
+        self._random = random.Random(seed)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"roundpipe-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, operation: Callable[[], None]) -> None:
+        """Run ``operation`` on this stream after everything enqueued before it."""
+        self._queue.put(operation)
+
+    def record(self, name: str = "event") -> HostEvent:
+        """An event that is set when the stream reaches this point."""
+        event = HostEvent(f"{self.name}:{name}")
+        self._queue.put(event.set)
+        return event
+
+    def wait_event(self, event: HostEvent | None) -> None:
+        """Later operations on this stream wait until ``event`` is set."""
+        if event is not None and not event.is_set():
+            self._queue.put(lambda: event.wait(self._abort))
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            operation = self._queue.get()
+            if operation is _STOP:
+                return
+            if self._abort.aborted:
+                continue  # drain without running: waiters are woken by the abort flag
+            if self._jitter:
+                time.sleep(self._random.uniform(0.0, self._jitter))
+            try:
+                operation()
+            except EngineAborted:
+                pass
+            except BaseException as error:  # noqa: BLE001 - reported to the caller through the abort signal
+                self._abort.fail(error)
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """A device's accounted bytes would exceed its budget."""
+
+
+@dataclass
+class Residency:
+    """Bytes resident on one device, by kind, with the peak; raises past the budget."""
+
+    device_index: int
+    budget: int | None = None
+    current: int = 0
+    peak: int = 0
+    resident_stages: int = 0
+    peak_stages: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def allocate(self, nbytes: int, what: str, stage: bool = False) -> None:
+        with self._lock:
+            if self.budget is not None and self.current + nbytes > self.budget:
+                raise OutOfDeviceMemory(
+                    f"device {self.device_index} would hold {self.current + nbytes} bytes for {what}, over its "
+                    f"budget of {self.budget} bytes. Raise `device_memory_limit`, use more stages "
+                    "(`num_stages`), fewer samples per microbatch (`num_microbatches`), or `recompute='layer'`."
+                )
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+            if stage:
+                self.resident_stages += 1
+                self.peak_stages = max(self.peak_stages, self.resident_stages)
+
+    def release(self, nbytes: int, stage: bool = False) -> None:
+        with self._lock:
+            self.current -= nbytes
+            if stage:
+                self.resident_stages -= 1
+
+
+class Device:
+    """One member of the ring: a torch device, its four streams and its residency accounting.
+
+    Streams: parameter upload, activation upload, compute, download. Activation uploads have their
+    own stream so a large parameter prefetch never delays an input the compute stream is about to use.
+    """
+
+    def __init__(self, index: int, torch_device: torch.device, abort: AbortSignal, *,
+                 budget: int | None, jitter: float) -> None:
+        if torch_device.type != "cpu":
+            raise ValueError(
+                f"device {torch_device} is not supported by this engine yet; use CPU devices "
+                "(accelerator='cpu'), which run the same schedule"
+            )
+        self.index = index
+        self.torch_device = torch_device
+        self.residency = Residency(index, budget)
+        seed = 1000 * (index + 1)
+        self.param_stream = CpuStream(f"dev{index}-params", abort, jitter, seed)
+        self.act_stream = CpuStream(f"dev{index}-acts", abort, jitter, seed + 1)
+        self.compute_stream = CpuStream(f"dev{index}-compute", abort, jitter, seed + 2)
+        self.download_stream = CpuStream(f"dev{index}-download", abort, jitter, seed + 3)
+
+    def close(self) -> None:
+        for stream in (self.param_stream, self.act_stream, self.compute_stream, self.download_stream):
+            stream.close()

@@ -1,0 +1,175 @@
+"""The host optimizer: gradient windows, and steps on a dedicated thread, sync or async.
+
+The module's parameters are the master weights; the user's optimizer steps them directly. Devices
+never read them while a step may be writing:
+
+* ``sync``: every upload after a step waits for that step to finish, so results are exactly those
+  of plain training. The step itself still runs off the main thread.
+* ``async`` (the paper's schedule): devices read a *published* copy of the weights. Step k first
+  publishes the masters (which hold W(k-1)) once every upload of iteration k has read the old copy,
+  then computes W(k) = step(W(k-1), g(k)). Iteration k+1 waits only for the publish, so it runs on
+  W(k-1) while step k runs: exactly one step stale, whatever the timing.
+
+Gradients from the devices accumulate in a :class:`GradWindow` (one per optimizer step), never in
+``param.grad`` directly, so the next iteration's gradients cannot mix into a step in flight.
+Hyperparameters (lr, ...) are copied when a step is queued, so a scheduler or user write that
+follows ``step()`` applies to the next step, as in plain training.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.device import AbortSignal, EngineAborted, HostEvent
+from lightning_roundpipe.trace import Timeline
+
+
+class GradWindow:
+    """Gradients of one optimizer step, summed on the host as device jobs finish."""
+
+    def __init__(self, abort: AbortSignal) -> None:
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._grads: dict[int, torch.Tensor] = {}
+        self._params: dict[int, nn.Parameter] = {}
+        self._outstanding = 0
+        self._closed = False
+        self._complete = threading.Event()
+        self.upload_events: list[HostEvent] = []
+
+    def job_started(self, upload_done: HostEvent | None) -> None:
+        with self._lock:
+            self._outstanding += 1
+            if upload_done is not None:
+                self.upload_events.append(upload_done)
+
+    def job_read_only(self, upload_done: HostEvent) -> None:
+        """A job that produces no gradient but reads the weights (a forward stage)."""
+        with self._lock:
+            self.upload_events.append(upload_done)
+
+    def add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a gradient computed on a device (already copied to the host) into the window."""
+        with self._lock:
+            existing = self._grads.get(id(param))
+            if existing is None:
+                self._grads[id(param)] = grad
+                self._params[id(param)] = param
+            else:
+                existing.add_(grad)
+
+    def job_finished(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            if self._closed and self._outstanding == 0:
+                self._complete.set()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._outstanding == 0:
+                self._complete.set()
+
+    def wait_complete(self) -> None:
+        self._abort.wait(self._complete, "the gradients of the iteration")
+
+    def wait_uploads(self) -> None:
+        for event in list(self.upload_events):
+            event.wait(self._abort)
+
+    def publish(self) -> None:
+        """Move the summed gradients into ``param.grad`` (adding to what is there)."""
+        for key, grad in self._grads.items():
+            param = self._params[key]
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        self._grads.clear()
+        self._params.clear()
+
+
+def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """A copy of every param group's hyperparameters, sharing the parameter lists."""
+    groups = []
+    for group in optimizer.param_groups:
+        copied = {key: (value.clone() if isinstance(value, torch.Tensor) else value)
+                  for key, value in group.items() if key != "params"}
+        copied["params"] = group["params"]
+        groups.append(copied)
+    return groups
+
+
+def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """Run ``optimizer``'s step arithmetic with ``groups`` as its param groups.
+
+    The step runs on a shallow twin of the optimizer that shares its state and hooks but has its own
+    ``param_groups``: the main thread may meanwhile write ``lr`` into the real groups (a scheduler
+    step) without changing this step. The class's ``step`` is called directly because an LR scheduler
+    replaces the instance's ``step`` with a wrapper bound to the original.
+    """
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    twin.param_groups = groups
+    type(optimizer).step(twin)
+
+
+class HostOptimizer:
+    """The optimizer thread: runs queued tasks in order, one at a time."""
+
+    def __init__(self, abort: AbortSignal, timeline: Timeline) -> None:
+        self._abort = abort
+        self._timeline = timeline
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], None], done: HostEvent, label: str) -> None:
+        self._tasks.put((task, done, label))
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            task, done, label = item
+            if self._abort.aborted:
+                continue
+            start = self._timeline.now()
+            try:
+                task()
+            except EngineAborted:
+                continue
+            except BaseException as error:  # noqa: BLE001 - surfaced by the engine's next wait
+                self._abort.fail(error)
+                continue
+            self._timeline.add(-1, -1, label, 0, "optimizer", start)
+            done.set()
+
+
+class PublishedWeights:
+    """Async mode's copy of the trainable weights that devices read (W(k-2) during iteration k)."""
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._copies = {id(p): p.detach().clone() for p in params if p.requires_grad}
+
+    def source(self, param: nn.Parameter) -> torch.Tensor:
+        """What a device uploads for ``param``: the published copy, or the module's own frozen tensor."""
+        copy = self._copies.get(id(param))
+        return param.detach() if copy is None else copy
+
+    def publish(self, params: Iterable[nn.Parameter]) -> None:
+        with torch.no_grad():
+            for param in params:
+                copy = self._copies.get(id(param))
+                if copy is not None:
+                    copy.copy_(param.detach())

@@ -1,0 +1,935 @@
+"""The RoundPipe engine: runs stage jobs on a ring of stateless devices.
+
+The main thread plans a call, splits it into microbatches and hands stage jobs to devices in ring
+order (job j to device j mod N, the counter continuing across calls and iterations). Each device
+has a worker thread that turns a job into stream operations: upload the stage's parameters
+(prefetched while the previous job computes), then for every microbatch upload its input, compute,
+download the output. Data moves between devices only through the host. A device holds at most two
+stages' parameters: the upload of its k-th job waits until its (k-2)-th job has released its own.
+
+Job kinds (see ``schedule.py``)::
+
+    forward   run layers without autograd; keep the inputs backward stages will need (checkpoints)
+    fused     run the deepest layers, the loss and the backward per microbatch; never recomputed
+    backward  recompute the stage's layers from their checkpoint, then back-propagate
+
+Gradients of parameters accumulate on the device over the job's microbatches, then are added on
+the host into the optimizer step's :class:`~lightning_roundpipe.optim.GradWindow`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_roundpipe import replica as replicas
+from lightning_roundpipe.config import EngineOptions
+from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent
+from lightning_roundpipe.layers import Trunk, build_trunk
+from lightning_roundpipe.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
+from lightning_roundpipe.optim import GradWindow, HostOptimizer, PublishedWeights, snapshot_param_groups, step_with_groups
+from lightning_roundpipe.partition import LayerCost, Plan, Planner, costs_from_bytes
+from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
+from lightning_roundpipe.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
+from lightning_roundpipe.trace import Timeline, TimelineEvent
+from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, differentiable_leaves, tree_nbytes
+
+
+class PipelineError(RuntimeError):
+    """A layer, the loss or a transfer failed inside the pipeline; ``__cause__`` is the original error."""
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Thread-local state of the caller that must reach the workers, captured when the call starts."""
+
+    grad_enabled: bool
+    inference: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    training: tuple[tuple[bool, ...], ...]
+    random_layers: frozenset[int]
+
+    @staticmethod
+    def capture(trunk: Trunk) -> CallContext:
+        autocast = tuple(
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+        )
+        training = tuple(tuple(module.training for module in layer.modules()) for layer in trunk.layers)
+        random_layers = frozenset(
+            index for index, layer in enumerate(trunk.layers)
+            if any(
+                module.training and (isinstance(module, nn.modules.dropout._DropoutNd)
+                                     or getattr(module, "roundpipe_random", False))
+                for module in layer.modules()
+            )
+        )
+        return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, training,
+                           random_layers)
+
+    @contextmanager
+    def applied(self, grad: bool):
+        with ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            else:
+                stack.enter_context(torch.set_grad_enabled(grad))
+            for kind, enabled, dtype in self.autocast:
+                if enabled:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=False))
+            yield
+
+
+class _Slot:
+    """A host value produced by one stream and read by another after ``event``."""
+
+    __slots__ = ("value", "event")
+
+    def __init__(self, name: str) -> None:
+        self.value: Any = None
+        self.event = HostEvent(name)
+
+    def put(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+    @staticmethod
+    def ready(value: Any) -> _Slot:
+        slot = _Slot("ready")
+        slot.put(value)
+        return slot
+
+
+@dataclass
+class _Call:
+    """Everything one trunk call keeps on the host between its forward and backward jobs."""
+
+    step: int
+    index: int
+    plan: Plan
+    context: CallContext
+    sizes: list[int]
+    inputs: list[_Slot]                      # per microbatch: (args, kwargs) for layer 0
+    input_requires_grad: list[bool]          # per differentiable leaf of the inputs
+    checkpoint_layers: frozenset[int]
+    checkpoints: dict[tuple[int, int], _Slot] = field(default_factory=dict)
+    snapshots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
+    outputs: dict[int, list[_Slot]] = field(default_factory=dict)   # job index -> per microbatch
+    targets: list[Any] = field(default_factory=list)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    loss_scales: list[float] = field(default_factory=list)   # microbatch weight / batch weight
+    backward_scale: float = 1.0
+    losses: list[_Slot] = field(default_factory=list)          # fused path: per microbatch
+    first_grads: list[_Slot] | None = None                     # transparent backward: from autograd
+    merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.sizes)
+
+
+@dataclass
+class _Task:
+    job: Job
+    call: _Call
+    window: GradWindow
+    weights_ready: HostEvent | None
+    buffer_waits: list[HostEvent]
+    buffer_done: dict[int, HostEvent]
+    upload_done: HostEvent
+    done: HostEvent
+    needs_grad: bool          # the job differentiates (fused, backward)
+
+    @property
+    def kind(self) -> StageKind:
+        return self.job.kind
+
+
+class _Stage:
+    """One job's parameters and buffers on one device, bound into that device's layer replicas."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, list[torch.Tensor]] = {}
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.nbytes = 0
+        self.forward_time: dict[int, float] = {}
+
+
+class RoundPipeEngine:
+    """Trains an ``nn.Sequential`` trunk whose state lives on the host over a ring of devices.
+
+    Use as a context manager (or call :meth:`start` and :meth:`close`): threads run between the two.
+
+    >>> with RoundPipeEngine(model, devices=2, options=EngineOptions(num_microbatches=4)) as engine:
+    ...     loss = engine.forward_backward(x, y, torch.nn.functional.cross_entropy)
+    ...     engine.step(optimizer)
+    """
+
+    def __init__(self, module: nn.Module | Trunk, devices: int | Sequence[torch.device | str] = 1,
+                 options: EngineOptions | None = None) -> None:
+        self.trunk = module if isinstance(module, Trunk) else build_trunk(module)
+        if isinstance(devices, int):
+            if devices < 1:
+                raise ValueError(f"`devices` must be at least 1, got {devices}")
+            devices = [torch.device("cpu")] * devices
+        self.torch_devices = [torch.device(device) for device in devices]
+        if not self.torch_devices:
+            raise ValueError("`devices` is empty; give at least one device")
+        self.options = options or EngineOptions()
+        self.num_devices = len(self.torch_devices)
+        self.num_microbatches = self.options.microbatches_for(self.num_devices)
+        initial = costs_from_bytes([s.param_bytes() for s in self.trunk.states],
+                                   [s.grad_bytes() for s in self.trunk.states])
+        self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
+                               memory_budget=self.options.device_memory_limit,
+                               hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)
+        self.planner.initial(initial)
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> RoundPipeEngine:
+        if self._started:
+            raise RuntimeError("the engine is already started")
+        self._abort = AbortSignal(self.options.wait_timeout)
+        self.timeline = Timeline(self.options.record_timeline)
+        self.devices = [
+            Device(index, device, self._abort, budget=self.options.device_memory_limit, jitter=self.options.jitter)
+            for index, device in enumerate(self.torch_devices)
+        ]
+        self._workers = [_Worker(self, device) for device in self.devices]
+        self._optimizer = HostOptimizer(self._abort, self.timeline)
+        self._published = PublishedWeights(self.trunk.parameters()) if self.options.async_step else None
+        self._replicas: list[dict[int, nn.Module]] = [{} for _ in self.devices]
+        self._next_job = 0
+        self._step = 0
+        self._calls_in_step = 0
+        self._window = GradWindow(self._abort)
+        self._weights_ready: HostEvent | None = None
+        self._buffer_ready: dict[int, HostEvent] = {}
+        self._last_done: list[HostEvent | None] = [None] * self.num_devices
+        self._warned_short_batch = False
+        self._measure_lock = threading.Lock()
+        self._measured_forward: dict[int, list[float]] = {}
+        self._measured_backward: dict[int, list[float]] = {}
+        self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Stop every thread. Safe to call twice and after an error; waits for a step in flight."""
+        if not self._started or self._closed:
+            return
+        self._closed = True
+        self._optimizer.close()  # lets a running step finish: weights stay consistent
+        self._abort.abort()
+        for worker in self._workers:
+            worker.close()
+        for device in self.devices:
+            device.close()
+
+    def __enter__(self) -> RoundPipeEngine:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_running(self) -> None:
+        if not self._started:
+            raise RuntimeError("the engine is not started: use `with RoundPipeEngine(...) as engine:` or call start()")
+        if self._abort.error is not None:
+            self._raise_failure()
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def _raise_failure(self) -> None:
+        error = self._abort.error
+        self.close()
+        if isinstance(error, PipelineError):
+            raise PipelineError(str(error)) from error.__cause__
+        raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}") from error
+
+    def _wait(self, event: HostEvent) -> None:
+        try:
+            event.wait(self._abort)
+        except (EngineAborted, TimeoutError):
+            if self._abort.error is not None:
+                self._raise_failure()
+            raise
+
+    # ------------------------------------------------------------------ observability
+    @property
+    def plan(self) -> Plan:
+        return self.planner.plan
+
+    @property
+    def step_index(self) -> int:
+        return self._step
+
+    def events(self) -> list[TimelineEvent]:
+        return self.timeline.events()
+
+    def peak_resident_bytes(self) -> list[int]:
+        return [device.residency.peak for device in self.devices]
+
+    def peak_resident_stages(self) -> list[int]:
+        return [device.residency.peak_stages for device in self.devices]
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the trunk. With grad enabled the result is wired into autograd: ``.backward()`` on
+        anything computed from it runs the pipelined backward."""
+        self._check_running()
+        context = CallContext.capture(self.trunk)
+        inputs = (args, kwargs)
+        differentiable = differentiable_leaves(inputs)
+        wants_backward = context.grad_enabled and not context.inference
+        if not wants_backward:
+            call = self._new_call(inputs, context, checkpoints=False)
+            output = merge(self._run_forward(call))
+            return output
+        call = self._new_call(inputs, context, checkpoints=True)
+        anchor = torch.zeros((), requires_grad=True)
+        result = _PipelineFunction.apply(self, call, anchor, *differentiable)
+        flat_out, out_spec = call.merged
+        call.merged = None
+        differentiable_out = iter(result)
+        rebuilt = [next(differentiable_out) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf
+                   for leaf in flat_out]
+        return pytree.tree_unflatten(rebuilt, out_spec)
+
+    def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         loss_weight: LossWeight = sample_count, scale: float = 1.0) -> torch.Tensor:
+        """Forward, loss and backward of a whole batch, the loss fused into the last stage.
+
+        ``inputs`` is the first layer's argument (a tuple is passed as several arguments). ``loss_fn(output,
+        target)`` returns a microbatch's loss as a mean over its ``loss_weight(target)`` elements (default:
+        samples); microbatch losses are combined with those weights, so the gradient is the whole batch's
+        (also for token means with ignored targets: use ``token_count()``). ``scale`` multiplies the loss
+        before backward only (gradient accumulation, loss scaling). Returns the batch loss, detached.
+        Parameter gradients are added into the current step's window; :meth:`step` applies them.
+        """
+        self._check_running()
+        context = CallContext.capture(self.trunk)
+        if not context.grad_enabled or context.inference:
+            raise RuntimeError("forward_backward needs grad mode: it was called under no_grad or inference_mode")
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        call = self._new_call((args, {}), context, checkpoints=True)
+        targets = split(target, call.sizes) if batch_size(target, "target") is not None else [target] * len(call.sizes)
+        if batch_size(target, "target") not in (None, sum(call.sizes)):
+            raise ValueError(
+                f"the target has {batch_size(target, 'target')} samples on dim 0 but the inputs have "
+                f"{sum(call.sizes)}; they are split into microbatches together and must agree"
+            )
+        weights = [float(loss_weight(t)) for t in targets]
+        total = sum(weights)
+        if total <= 0:
+            raise ValueError(f"the loss weights of the batch sum to {total}; nothing to learn from "
+                             "(every target ignored?)")
+        call.targets = targets
+        call.loss_fn = loss_fn
+        call.loss_scales = [w / total for w in weights]
+        call.backward_scale = scale
+        call.losses = [_Slot(f"loss {m}") for m in range(call.num_microbatches)]
+        jobs = training_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
+        self._next_job += len(jobs)
+        self._dispatch(call, jobs, first_output_grads=None)
+        losses = []
+        for slot, weight in zip(call.losses, call.loss_scales):
+            self._wait(slot.event)
+            losses.append(slot.value * weight)
+        return torch.stack(losses).sum()
+
+    def step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], bool | None] | None = None) -> None:
+        """Apply the step's gradients with ``optimizer`` on the optimizer thread, then clear them.
+
+        ``before_step`` runs on the calling thread once every gradient is final and in ``param.grad``
+        (clipping, an inf check, hooks); returning ``False`` skips the update. Hyperparameters are
+        read now. In sync mode later uploads wait for this step; in async mode they run on the weights
+        published by this step (one step stale).
+        """
+        self._check_running()
+        trunk_ids = {id(p) for p in self.trunk.parameters()}
+        outside = [p for group in optimizer.param_groups for p in group["params"]
+                   if p.requires_grad and id(p) not in trunk_ids]
+        if outside and self.options.async_step:
+            raise ValueError(
+                f"async_step=True needs every trainable parameter inside the pipelined trunk, but the optimizer "
+                f"has {len(outside)} outside it (main-thread code would read them while the step writes them). "
+                "Set async_step=False or move those parameters into the trunk."
+            )
+        window, self._window = self._window, GradWindow(self._abort)
+        window.close()
+        self._step += 1
+        self._calls_in_step = 0
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if before_step is not None or not self.options.async_step:
+            self._wait_window(window)
+            window.publish()
+            proceed = before_step() if before_step is not None else True
+            window_done = True
+        else:
+            proceed, window_done = True, False
+        groups = snapshot_param_groups(optimizer)
+        optimizer._opt_called = True  # an LR scheduler checks that a step preceded its own
+        published = HostEvent("weights published") if self.options.async_step else None
+        finished = HostEvent(f"step {self._step}")
+        trunk_params = list(self.trunk.parameters())
+
+        def run_step() -> None:
+            if published is not None:
+                window.wait_uploads()  # every read of the published copy by this iteration is done
+                self._published.publish(trunk_params)
+                published.set()
+            if not window_done:
+                window.wait_complete()
+                window.publish()
+            if proceed is not False:
+                step_with_groups(optimizer, groups)
+            for param in params:
+                param.grad = None
+
+        self._optimizer.submit(run_step, finished, f"step {self._step}")
+        self._weights_ready = published if published is not None else finished
+        if outside:  # main-thread code reads those parameters next: wait for the update
+            self._wait(finished)
+        self._last_step_done = finished
+        self._replan()
+
+    def synchronize(self) -> None:
+        """Wait for every dispatched job and queued step; afterwards the module's weights are current."""
+        self._check_running()
+        for event in self._last_done:
+            if event is not None:
+                self._wait(event)
+        last = getattr(self, "_last_step_done", None)
+        if last is not None:
+            self._wait(last)
+
+    def _wait_window(self, window: GradWindow) -> None:
+        try:
+            window.wait_complete()
+        except (EngineAborted, TimeoutError):
+            if self._abort.error is not None:
+                self._raise_failure()
+            raise
+
+    # ------------------------------------------------------------------ planning
+    def _replan(self) -> None:
+        with self._measure_lock:
+            forward, backward = self._measured_forward, self._measured_backward
+            self._measured_forward, self._measured_backward = {}, {}
+        if not forward or self.options.freeze_plan:
+            return
+        estimate = self.planner.estimate
+        measured = []
+        for index, state in enumerate(self.trunk.states):
+            fwd = sum(forward.get(index, [0.0])) / max(1, len(forward.get(index, [])))
+            bwd = sum(backward.get(index, [0.0])) / max(1, len(backward.get(index, [])))
+            if index not in forward and estimate is not None:
+                fwd = estimate[index].forward
+            if index not in backward:
+                bwd = 2.0 * fwd
+            measured.append(LayerCost(max(fwd, 1e-9), max(bwd, 1e-9), state.param_bytes(), state.grad_bytes()))
+        self.planner.observe(measured)
+        self.planner.replan()
+
+    # ------------------------------------------------------------------ dispatch
+    def _new_call(self, inputs: tuple[tuple, dict], context: CallContext, checkpoints: bool) -> _Call:
+        size = batch_size(inputs)
+        if size is None:
+            sizes = [1] if self.num_microbatches == 1 else None
+            if sizes is None:
+                raise ValueError(
+                    "no input tensor has a batch dimension (dim 0) to split into microbatches; pass batched "
+                    "tensors or set `num_microbatches=1`"
+                )
+            chunks = [inputs]
+        else:
+            sizes = microbatch_sizes(size, self.num_microbatches)
+            if len(sizes) < self.num_microbatches and not self._warned_short_batch:
+                self._warned_short_batch = True
+                warnings.warn(
+                    f"a batch of {size} samples is smaller than `num_microbatches={self.num_microbatches}`; it "
+                    f"runs as {len(sizes)} microbatches of one sample (this warning is shown once)",
+                    stacklevel=3,
+                )
+            chunks = split(inputs, sizes)
+        plan = self.planner.plan
+        layers: set[int] = set()
+        if checkpoints:
+            if self.options.recompute == "layer":
+                layers = set(range(len(self.trunk)))
+            else:
+                layers = {stage.start for stage in plan.backward} | {plan.fused.start}
+        call = _Call(
+            step=self._step, index=self._calls_in_step, plan=plan, context=context, sizes=sizes,
+            inputs=[_Slot.ready(chunk) for chunk in chunks],
+            input_requires_grad=[leaf.requires_grad for leaf in differentiable_leaves(inputs)],
+            checkpoint_layers=frozenset(layers),
+        )
+        self._calls_in_step += 1
+        return call
+
+    def _run_forward(self, call: _Call) -> list[Any]:
+        jobs = forward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
+        self._next_job += len(jobs)
+        self._dispatch(call, jobs, first_output_grads=None)
+        outputs = []
+        for slot in call.outputs[jobs[-1].index]:
+            self._wait(slot.event)
+            outputs.append(slot.value[0][0])  # slots hold the next layer's (args, kwargs)
+        return outputs
+
+    def _run_backward(self, call: _Call, output_grads: list[list[torch.Tensor | None]]) -> list[_Slot]:
+        jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
+        self._next_job += len(jobs)
+        self._dispatch(call, jobs, first_output_grads=output_grads)
+        return call.outputs[jobs[-1].index]
+
+    def _dispatch(self, call: _Call, jobs: list[Job], first_output_grads: list | None) -> None:
+        for job in jobs:
+            call.outputs[job.index] = [_Slot(f"{job.label}.{m}") for m in range(call.num_microbatches)]
+        if first_output_grads is not None:
+            call.first_grads = [_Slot.ready(g) for g in first_output_grads]
+        for job in jobs:
+            if job.kind is StageKind.FORWARD and call.checkpoint_layers:
+                self._make_checkpoint_slots(call, job)
+        for job in jobs:
+            differentiates = job.kind is not StageKind.FORWARD
+            writes_buffers = job.kind is not StageKind.BACKWARD
+            buffer_waits, buffer_done = [], {}
+            if writes_buffers:
+                for layer in job.layers:
+                    if self.trunk.states[layer].buffers:
+                        previous = self._buffer_ready.get(layer)
+                        if previous is not None:
+                            buffer_waits.append(previous)
+                        buffer_done[layer] = self._buffer_ready[layer] = HostEvent(f"buffers of layer {layer}")
+            task = _Task(
+                job=job, call=call, window=self._window, weights_ready=self._weights_ready,
+                buffer_waits=buffer_waits, buffer_done=buffer_done,
+                upload_done=HostEvent(f"{job.label} upload"), done=HostEvent(f"{job.label} done"),
+                needs_grad=differentiates,
+            )
+            if differentiates:
+                self._window.job_started(task.upload_done)
+            else:
+                self._window.job_read_only(task.upload_done)
+            self._last_done[job.device] = task.done
+            self._workers[job.device].put(task)
+
+    def _make_checkpoint_slots(self, call: _Call, job: Job) -> None:
+        """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
+        order, because the backward job that reads them may be enqueued first by another worker."""
+        for microbatch in range(call.num_microbatches):
+            source = call.outputs[job.depends_on[-1]][microbatch] if job.depends_on else call.inputs[microbatch]
+            for layer in job.layers:
+                if layer in call.checkpoint_layers:
+                    call.checkpoints[(layer, microbatch)] = (
+                        source if layer == job.layers.start else _Slot(f"checkpoint {layer}.{microbatch}"))
+                if self.trunk.states[layer].buffers:
+                    call.snapshots[(layer, microbatch)] = _Slot(f"snapshot {layer}.{microbatch}")
+
+    # ------------------------------------------------------------------ device-side work
+    def _replica(self, device: Device, layer: int) -> nn.Module:
+        cache = self._replicas[device.index]
+        if layer not in cache:
+            cache[layer] = replicas.make_replica(self.trunk.layers[layer], self.trunk.states[layer])
+        return cache[layer]
+
+    def _source(self, param: nn.Parameter) -> torch.Tensor:
+        return self._published.source(param) if self._published is not None else param.detach()
+
+    def _upload_stage(self, device: Device, task: _Task) -> _Stage:
+        stage = _Stage()
+        differentiate = task.needs_grad
+        for layer in task.job.layers:
+            state = self.trunk.states[layer]
+            tensors = []
+            for param in state.params:
+                copied = copy_tensor(self._source(param), device.torch_device)
+                if differentiate and param.requires_grad:
+                    copied.requires_grad_(True)
+                tensors.append(copied)
+            stage.params[layer] = tensors
+            stage.buffers[layer] = [copy_tensor(buffer, device.torch_device) for buffer in state.buffers]
+            stage.nbytes += sum(t.numel() * t.element_size() for t in tensors)
+            stage.nbytes += sum(b.numel() * b.element_size() for b in stage.buffers[layer])
+            if differentiate:
+                stage.nbytes += state.grad_bytes()
+        device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
+        return stage
+
+    def _bind(self, device: Device, task: _Task, stage: _Stage) -> None:
+        for layer in task.job.layers:
+            replica = self._replica(device, layer)
+            replicas.bind(replica, self.trunk.states[layer], stage.params[layer], stage.buffers[layer])
+            replicas.set_training_flags(replica, list(task.call.context.training[layer]))
+
+    def _unbind(self, device: Device, task: _Task) -> None:
+        for layer in task.job.layers:
+            replicas.unbind(self._replica(device, layer), self.trunk.states[layer])
+
+    def _run_layer(self, device: Device, task: _Task, layer: int, microbatch: int, layer_input: Any,
+                   stage: _Stage) -> Any:
+        call = task.call
+        args, kwargs = layer_input
+        module = self._replica(device, layer)
+        start = self.timeline.now()
+        try:
+            if layer in call.context.random_layers:
+                seed = layer_seed(self.base_seed, call.step, call.index, layer, microbatch)
+                with seeded(seed, device.torch_device):
+                    output = module(*args, **kwargs)
+            else:
+                output = module(*args, **kwargs)
+        except EngineAborted:
+            raise
+        except Exception as error:
+            raise PipelineError(
+                f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
+                f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
+            ) from error
+        elapsed = self.timeline.now() - start
+        stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
+        return output
+
+    def _forward_microbatch(self, device: Device, task: _Task, stage: _Stage, microbatch: int,
+                            layer_input: Any) -> tuple[Any, dict[int, Any], dict[int, list[torch.Tensor]]]:
+        """Run a forward stage (or the fused stage's forward) on one microbatch."""
+        call = task.call
+        checkpoints: dict[int, Any] = {}
+        snapshots: dict[int, list[torch.Tensor]] = {}
+        value = layer_input
+        for layer in task.job.layers:
+            if layer in call.checkpoint_layers and layer != task.job.layers.start:
+                checkpoints[layer] = value
+            if call.checkpoint_layers and stage.buffers[layer]:
+                snapshots[layer] = [buffer.clone() for buffer in stage.buffers[layer]]
+            value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+        return value, checkpoints, snapshots
+
+    def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> list[torch.Tensor]:
+        leaves = differentiable_leaves(layer_input)
+        for position, leaf in enumerate(leaves):
+            if requires_grad is None or requires_grad[position]:
+                leaf.requires_grad_(True)
+        return leaves
+
+    def _fused_microbatch(self, device: Device, task: _Task, stage: _Stage, microbatch: int,
+                          layer_input: Any, target: Any) -> tuple[torch.Tensor, list]:
+        call = task.call
+        first = task.job.layers.start
+        with call.context.applied(grad=True):
+            leaves = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
+            value = layer_input
+            for layer in task.job.layers:
+                value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+            output = value[0][0]
+            try:
+                loss = call.loss_fn(output, target)
+            except Exception as error:
+                raise PipelineError(
+                    f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
+                    f"microbatch {microbatch}): {error}") from error
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PipelineError(
+                    f"the loss function must return a scalar tensor (the microbatch mean), got "
+                    f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+            weight = call.loss_scales[microbatch]
+            if weight != 0.0 and loss.requires_grad:
+                (loss.reshape(()) * (weight * call.backward_scale)).backward()
+        return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+
+    def _backward_microbatch(self, device: Device, task: _Task, stage: _Stage, microbatch: int,
+                             checkpoints: dict[int, Any], snapshots: dict[int, list[torch.Tensor]],
+                             output_grads: list | None) -> list | None:
+        if output_grads is None or all(g is None for g in output_grads):
+            return None
+        call = task.call
+        layers = task.job.layers
+        # stage grain: one recompute of every layer from the stage input; layer grain: one at a time
+        groups = [layers] if self.options.recompute == "stage" else [range(l, l + 1) for l in layers]
+        grads = output_grads
+        with call.context.applied(grad=True), recomputing():
+            for group in reversed(groups):
+                value = checkpoints[group.start]
+                leaves = self._prepare_inputs(value, call.input_requires_grad if group.start == 0 else None)
+                for layer in group:
+                    if layer in snapshots:
+                        replicas.bind_buffers(self._replica(device, layer), self.trunk.states[layer],
+                                              snapshots[layer])
+                    value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+                outputs = differentiable_leaves(value[0][0])
+                pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+        return grads
+
+    def _record_measurements(self, task: _Task, stage: _Stage, elapsed: float) -> None:
+        if self.options.freeze_plan:
+            return
+        with self._measure_lock:
+            if task.kind is StageKind.BACKWARD:
+                total_forward = sum(stage.forward_time.values()) or 1.0
+                for layer, forward in stage.forward_time.items():
+                    share = elapsed * forward / total_forward - forward
+                    self._measured_backward.setdefault(layer, []).append(max(share, 0.0) / task.call.num_microbatches)
+            else:
+                for layer, forward in stage.forward_time.items():
+                    self._measured_forward.setdefault(layer, []).append(forward / task.call.num_microbatches)
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """Wires a pipelined forward into autograd; its backward dispatches the backward stages."""
+
+    @staticmethod
+    def forward(ctx, engine: RoundPipeEngine, call: _Call, anchor: torch.Tensor, *inputs: torch.Tensor):
+        outputs = engine._run_forward(call)
+        merged = merge(outputs)
+        leaves, spec = pytree.tree_flatten(merged)
+        call.merged = (leaves, spec)
+        per_microbatch = [differentiable_leaves(output) for output in outputs]
+        ctx.engine, ctx.call = engine, call
+        ctx.split_sizes = [[leaf.shape[0] for leaf in column] for column in zip(*per_microbatch)]
+        ctx.num_inputs = len(inputs)
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "the pipelined trunk supports only `.backward()`: torch.autograd.grad and backward(inputs=...) "
+                "would need gradients the pipeline adds into the optimizer's window instead. Call "
+                "loss.backward() and read param.grad after engine.step(..., before_step=...)."
+            )
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "double backward (create_graph=True) through the pipelined trunk is not supported: backward "
+                "stages recompute and back-propagate on other threads and devices"
+            )
+        engine, call = ctx.engine, ctx.call
+        per_leaf = [
+            torch.split(grad, sizes) if grad is not None else [None] * len(sizes)
+            for grad, sizes in zip(grad_outputs, ctx.split_sizes)
+        ]
+        output_grads = [[column[m] for column in per_leaf] for m in range(call.num_microbatches)]
+        slots = engine._run_backward(call, output_grads)
+        if not any(call.input_requires_grad):
+            return (None, None, None) + (None,) * ctx.num_inputs
+        grads_per_microbatch = []
+        for slot in slots:
+            engine._wait(slot.event)
+            grads_per_microbatch.append(slot.value)
+        input_grads = []
+        for position in range(ctx.num_inputs):
+            pieces = [g[position] if g is not None else None for g in grads_per_microbatch]
+            if any(p is None for p in pieces) or not call.input_requires_grad[position]:
+                input_grads.append(None)
+            elif pieces[0].dim() > 0 and sum(p.shape[0] for p in pieces) == sum(call.sizes) and len(pieces) > 1:
+                input_grads.append(torch.cat(pieces))
+            else:
+                input_grads.append(torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0])
+        return (None, None, None) + tuple(input_grads)
+
+
+class _Worker:
+    """One device's host thread: turns jobs into stream operations, in ring order."""
+
+    def __init__(self, engine: RoundPipeEngine, device: Device) -> None:
+        self.engine = engine
+        self.device = device
+        self._tasks: deque[_Task | None] = deque()
+        self._ready = threading.Condition()
+        self._uploads: dict[int, tuple[_Stage, HostEvent]] = {}
+        self._releases: list[HostEvent] = []
+        self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
+        self._thread.start()
+
+    def put(self, task: _Task | None) -> None:
+        with self._ready:
+            self._tasks.append(task)
+            self._ready.notify()
+
+    def close(self) -> None:
+        self.put(None)
+        self._thread.join()
+
+    def _take(self) -> _Task | None:
+        with self._ready:
+            while not self._tasks:
+                self._ready.wait()
+            return self._tasks.popleft()
+
+    def _peek(self) -> _Task | None:
+        with self._ready:
+            return self._tasks[0] if self._tasks else None
+
+    def _run(self) -> None:
+        sequence = 0
+        while True:
+            task = self._take()
+            if task is None:
+                return
+            if self.engine._abort.aborted:
+                continue
+            try:
+                if task.job.index not in self._uploads:
+                    self._enqueue_upload(task, sequence)
+                following = self._peek()
+                if following is not None and following.job.index not in self._uploads:
+                    self._enqueue_upload(following, sequence + 1)
+                self._enqueue_job(task)
+            except BaseException as error:  # noqa: BLE001
+                self.engine._abort.fail(error)
+            sequence += 1
+
+    def _enqueue_upload(self, task: _Task, sequence: int) -> None:
+        """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
+        stream = self.device.param_stream
+        if sequence >= 2:
+            stream.wait_event(self._releases[sequence - 2])
+        stream.wait_event(task.weights_ready)
+        for event in task.buffer_waits:
+            stream.wait_event(event)
+        holder = _Stage()
+
+        def upload() -> None:
+            start = self.engine.timeline.now()
+            stage = self.engine._upload_stage(self.device, task)
+            holder.__dict__.update(stage.__dict__)
+            task.upload_done.set()
+            self.engine.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
+
+        stream.submit(upload)
+        self._uploads[task.job.index] = (holder, stream.record(f"{task.job.label} params"))
+
+    def _enqueue_job(self, task: _Task) -> None:
+        engine, device, job, call = self.engine, self.device, task.job, task.call
+        stage, params_ready = self._uploads.pop(job.index)
+        compute, acts, download = device.compute_stream, device.act_stream, device.download_stream
+        compute.wait_event(params_ready)
+        compute.submit(lambda: engine._bind(device, task, stage))
+        start_time = [0.0]
+        compute.submit(lambda: start_time.__setitem__(0, engine.timeline.now()))
+        for microbatch in range(call.num_microbatches):
+            self._enqueue_microbatch(task, stage, microbatch)
+        finished = compute.record(f"{job.label} computed")
+        download.wait_event(finished)
+
+        def finish() -> None:
+            start = engine.timeline.now()
+            if task.needs_grad:
+                for layer in job.layers:
+                    state = engine.trunk.states[layer]
+                    for param, copied in zip(state.params, stage.params[layer]):
+                        if param.requires_grad and copied.grad is not None:
+                            task.window.add(param, copy_tensor(copied.grad, HOST))
+            if job.kind is not StageKind.BACKWARD:
+                with torch.no_grad():
+                    for layer in job.layers:
+                        for host, copied in zip(engine.trunk.states[layer].buffers, stage.buffers[layer]):
+                            host.copy_(copied)
+                        if layer in task.buffer_done:
+                            task.buffer_done[layer].set()
+            engine._unbind(device, task)
+            engine._record_measurements(task, stage, engine.timeline.now() - start_time[0])
+            device.residency.release(stage.nbytes, stage=True)
+            stage.params.clear()
+            stage.buffers.clear()
+            if task.needs_grad:
+                task.window.job_finished()
+            engine.timeline.add(device.index, job.index, job.label, -1, "release", start)
+
+        download.submit(finish)
+        release = download.record(f"{job.label} released")
+        self._releases.append(release)
+        download.submit(task.done.set)
+
+    def _input_slots(self, task: _Task) -> list[_Slot]:
+        call, job = task.call, task.job
+        if job.depends_on:
+            return call.outputs[job.depends_on[-1]]
+        if job.kind is StageKind.BACKWARD:
+            return call.first_grads
+        return call.inputs
+
+    def _enqueue_microbatch(self, task: _Task, stage: _Stage, microbatch: int) -> None:
+        engine, device, job, call = self.engine, self.device, task.job, task.call
+        acts, compute, download = device.act_stream, device.compute_stream, device.download_stream
+        source = self._input_slots(task)[microbatch]
+        uploaded: dict[str, Any] = {}
+        kind = job.kind
+        checkpoint_slots: list[tuple[int, _Slot]] = []
+        snapshot_slots: list[tuple[int, _Slot]] = []
+        if kind is StageKind.BACKWARD:
+            starts = [job.layers.start] if engine.options.recompute == "stage" else list(job.layers)
+            checkpoint_slots = [(layer, call.checkpoints[(layer, microbatch)]) if layer != 0
+                                else (layer, call.inputs[microbatch]) for layer in starts]
+            snapshot_slots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
+                              if (layer, microbatch) in call.snapshots]
+
+        acts.wait_event(source.event)
+        for _, slot in checkpoint_slots + snapshot_slots:
+            acts.wait_event(slot.event)
+
+        def upload() -> None:
+            start = engine.timeline.now()
+            uploaded["input"] = copy_tree(source.value, device.torch_device)
+            uploaded["checkpoints"] = {layer: copy_tree(slot.value, device.torch_device)
+                                       for layer, slot in checkpoint_slots}
+            uploaded["snapshots"] = {layer: copy_tree(slot.value, device.torch_device)
+                                     for layer, slot in snapshot_slots}
+            if kind is StageKind.FUSED:
+                uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
+            engine.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
+
+        acts.submit(upload)
+        compute.wait_event(acts.record(f"{job.label}.{microbatch} input"))
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            start = engine.timeline.now()
+            if kind is StageKind.FORWARD:
+                with call.context.applied(grad=False):
+                    output, checkpoints, snapshots = engine._forward_microbatch(
+                        device, task, stage, microbatch, uploaded["input"])
+                result.update(output=output, checkpoints=checkpoints, snapshots=snapshots)
+            elif kind is StageKind.FUSED:
+                loss, input_grads = engine._fused_microbatch(
+                    device, task, stage, microbatch, uploaded["input"], uploaded["target"])
+                result.update(output=input_grads, loss=loss)
+            else:
+                result["output"] = engine._backward_microbatch(
+                    device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
+                    uploaded["input"])
+            uploaded.clear()
+            engine.timeline.add(device.index, job.index, job.label, microbatch, kind.name.lower(), start)
+
+        compute.submit(run)
+        download.wait_event(compute.record(f"{job.label}.{microbatch} computed"))
+        out_slot = call.outputs[job.index][microbatch]
+
+        def store() -> None:
+            start = engine.timeline.now()
+            for layer, value in result.get("checkpoints", {}).items():
+                call.checkpoints[(layer, microbatch)].put(copy_tree(value, HOST))
+            for layer, value in result.get("snapshots", {}).items():
+                call.snapshots[(layer, microbatch)].put([copy_tensor(b, HOST) for b in value])
+            if "loss" in result:
+                call.losses[microbatch].put(copy_tensor(result["loss"], HOST))
+            out_slot.put(copy_tree(result.get("output"), HOST))
+            result.clear()
+            engine.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
+
+        download.submit(store)
