@@ -824,6 +824,8 @@ class _Worker:
         compute.submit(lambda: start_time.__setitem__(0, engine.timeline.now()))
         for microbatch in range(call.num_microbatches):
             self._enqueue_microbatch(task, stage, microbatch)
+        # unbind on the compute stream: the next job on this device may reuse the same replicas
+        compute.submit(lambda: engine._unbind(device, task))
         finished = compute.record(f"{job.label} computed")
         download.wait_event(finished)
 
@@ -842,7 +844,6 @@ class _Worker:
                             host.copy_(copied)
                         if layer in task.buffer_done:
                             task.buffer_done[layer].set()
-            engine._unbind(device, task)
             engine._record_measurements(task, stage, engine.timeline.now() - start_time[0])
             device.residency.release(stage.nbytes, stage=True)
             stage.params.clear()

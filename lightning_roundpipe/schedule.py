@@ -1,0 +1,308 @@
+"""The RoundPipe schedule as data: which stage job runs on which device, after which job.
+
+Pure module (standard library and :mod:`.partition` only). The runtime executes exactly the
+:class:`Job` lists built here; the simulator times them; tests check them with :func:`validate`.
+
+A *job* is one stage over all ``M`` microbatches, run in microbatch order ``0 .. M-1``. Jobs are
+dealt to devices round-robin by a counter that is never reset, so job ``j`` runs on device
+``j % N`` and the next call (or iteration) simply continues the count. One training iteration
+(the fused path) on 2 devices with 2 forward stages and 3 backward stages::
+
+    index   0    1    2    3    4    5        job 6 (next iteration's F0) -> device 0
+    job     F0   F1   L    B0   B1   B2
+    device  0    1    0    1    0    1
+
+Microbatch ``m`` of a job waits for microbatch ``m`` of the job it depends on: a forward stage on
+the previous forward stage, the fused stage ``L`` (forward, loss and backward back to back) on the
+last forward stage, a backward stage on the previous (deeper) backward stage. A backward stage also
+reads the recompute checkpoint of its first layer; that was written to the host by a forward job of
+the same call long before, so it is *not* listed in ``depends_on`` (it can never be the binding
+wait, and listing it would make every backward job depend on many jobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .partition import LayerCost, Plan
+
+
+class StageKind(str, enum.Enum):
+    """What a job computes: a forward stage, the fused last stage, or a recomputing backward stage."""
+
+    FORWARD = "F"
+    FUSED = "L"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One stage over all microbatches, as dispatched to one device."""
+
+    index: int  #: global ring position; the engine's counter continues across calls and iterations
+    device: int  #: ``index % num_devices``
+    kind: StageKind
+    stage: int  #: position within its kind: forward shallow->deep, backward deep->shallow, fused 0
+    layers: range
+    num_microbatches: int
+    depends_on: tuple[int, ...]  #: jobs whose microbatch ``m`` output microbatch ``m`` consumes
+
+    @property
+    def label(self) -> str:
+        """``"F0"``, ``"L"``, ``"B3"``: short names for grids, traces and messages."""
+        return "L" if self.kind is StageKind.FUSED else f"{self.kind.value}{self.stage}"
+
+
+def _chain(
+    stages: Sequence[tuple[StageKind, int, range]],
+    num_devices: int,
+    num_microbatches: int,
+    first_index: int,
+) -> list[Job]:
+    """Jobs for ``stages`` at consecutive ring positions, each consuming the one before it (in all
+    three calls the data flows straight down the dispatch order)."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    jobs: list[Job] = []
+    for k, (kind, stage, layers) in enumerate(stages):
+        index = first_index + k
+        deps = (index - 1,) if k > 0 else ()
+        jobs.append(Job(index, index % num_devices, kind, stage, layers, num_microbatches, deps))
+    return jobs
+
+
+def training_jobs(plan: Plan, num_devices: int, num_microbatches: int, first_index: int = 0) -> list[Job]:
+    """One iteration of the fused path: forward stages, the fused stage, backward stages."""
+    stages = [(StageKind.FORWARD, s, r) for s, r in enumerate(plan.forward)]
+    stages.append((StageKind.FUSED, 0, plan.fused))
+    stages += [(StageKind.BACKWARD, b, r) for b, r in enumerate(plan.backward)]
+    # In the fused path every job consumes the one dispatched just before it.
+    return _chain(stages, num_devices, num_microbatches, first_index)
+
+
+def forward_jobs(plan: Plan, num_devices: int, num_microbatches: int, first_index: int = 0) -> list[Job]:
+    """The transparent path's forward call: the forward stages, then the fused layers as one more
+    forward stage (no loss: the caller computes it on the merged output)."""
+    stages = [(StageKind.FORWARD, s, r) for s, r in enumerate(plan.forward)]
+    stages.append((StageKind.FORWARD, len(plan.forward), plan.fused))
+    return _chain(stages, num_devices, num_microbatches, first_index)
+
+
+def backward_jobs(plan: Plan, num_devices: int, num_microbatches: int, first_index: int = 0) -> list[Job]:
+    """The transparent path's backward call: the fused layers as a recomputing backward stage 0,
+    then ``plan.backward`` as stages 1... Stage 0 depends on no job: its output gradient comes
+    from the caller's autograd graph."""
+    stages = [(StageKind.BACKWARD, 0, plan.fused)]
+    stages += [(StageKind.BACKWARD, b + 1, r) for b, r in enumerate(plan.backward)]
+    return _chain(stages, num_devices, num_microbatches, first_index)
+
+
+def validate(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
+    """Raise ``ValueError`` unless ``jobs`` is one well-formed call: training (``F* L B*``),
+    forward (``F+``) or backward (``B+``). Checks the ring rule, index continuity, microbatches,
+    stage numbering, dependencies (each job on the previous one in the data flow, so all point
+    backwards) and that forward stages cover the layers shallow->deep and backward stages
+    deep->shallow, without gaps or overlaps."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if not jobs:
+        raise ValueError("a schedule needs at least one job, got none")
+    first = jobs[0]
+    for k, job in enumerate(jobs):
+        if job.index != first.index + k:
+            raise ValueError(
+                f"job {job.label} has index {job.index}, expected {first.index + k}: a call's jobs take "
+                f"consecutive ring positions"
+            )
+        if job.device != job.index % num_devices:
+            raise ValueError(
+                f"job {job.label} (index {job.index}) is on device {job.device}, but the ring puts it on "
+                f"device {job.index % num_devices} (index % {num_devices})"
+            )
+        if job.num_microbatches < 1:
+            raise ValueError(f"job {job.label} has num_microbatches={job.num_microbatches}, expected >= 1")
+        if job.num_microbatches != first.num_microbatches:
+            raise ValueError(
+                f"job {job.label} has {job.num_microbatches} microbatches but job {first.label} has "
+                f"{first.num_microbatches}: one call splits its batch once"
+            )
+        if any(d >= job.index for d in job.depends_on):
+            raise ValueError(
+                f"job {job.label} (index {job.index}) depends on {tuple(job.depends_on)}: dependencies "
+                f"must point to earlier jobs"
+            )
+        # Each job consumes the previous one; the call's first job consumes the caller's data.
+        expected = (jobs[k - 1].index,) if k > 0 else ()
+        if tuple(job.depends_on) != expected:
+            raise ValueError(
+                f"job {job.label} (index {job.index}) depends on {tuple(job.depends_on)}, expected "
+                f"{expected}: each job consumes the previous job in the data flow"
+            )
+    kinds = "".join(j.kind.value for j in jobs)
+    if not re.fullmatch(r"F*L?B*", kinds) or ("F" in kinds and "B" in kinds and "L" not in kinds):
+        raise ValueError(
+            f"jobs run {' '.join(j.label for j in jobs)}; a call is forward stages, then the fused "
+            f"stage, then backward stages (training), forward stages only, or backward stages only"
+        )
+    fwd = [j for j in jobs if j.kind is StageKind.FORWARD]
+    fused = [j for j in jobs if j.kind is StageKind.FUSED]
+    bwd = [j for j in jobs if j.kind is StageKind.BACKWARD]
+    for group in (fwd, fused, bwd):
+        for s, job in enumerate(group):
+            if job.stage != s:
+                raise ValueError(f"job at index {job.index} is {job.label}, expected stage {s} of its kind")
+    if fwd or fused:
+        _check_forward([*fwd, *fused], num_layers)
+    if fused or bwd:
+        _check_backward(bwd, fused[0].layers.start if fused else num_layers)
+
+
+def _check_forward(jobs: Sequence[Job], num_layers: int) -> None:
+    pos = 0
+    for job in jobs:
+        r = job.layers
+        if len(r) == 0 or r.step != 1 or r.start != pos:
+            raise ValueError(
+                f"forward job {job.label} holds layers {_fmt(r)}, expected a run starting at layer {pos}: "
+                f"forward stages (and the fused stage) cover the layers shallow to deep from layer 0"
+            )
+        pos = r.stop
+    if pos != num_layers:
+        raise ValueError(f"forward jobs cover layers [0, {pos}), expected [0, {num_layers})")
+
+
+def _check_backward(jobs: Sequence[Job], top: int) -> None:
+    pos = top
+    for job in jobs:
+        r = job.layers
+        if len(r) == 0 or r.step != 1 or r.stop != pos:
+            raise ValueError(
+                f"backward job {job.label} holds layers {_fmt(r)}, expected a run ending at layer {pos - 1}: "
+                f"backward stages cover the layers deep to shallow from layer {top - 1}"
+            )
+        pos = r.start
+    if pos != 0:
+        raise ValueError(f"backward jobs cover layers [{pos}, {top}), expected [0, {top})")
+
+
+def _fmt(r: range) -> str:
+    if len(r) == 0:
+        return "[]"
+    return f"[{r.start}]" if len(r) == 1 else f"[{r.start}-{r.stop - 1}]"
+
+
+def format_plan(plan: Plan) -> str:
+    """One line per kind, e.g. ``forward  [0-2] [3-5]`` (layer ranges are inclusive)."""
+    return "\n".join(
+        (
+            f"forward  ({len(plan.forward)}): " + " ".join(_fmt(r) for r in plan.forward),
+            f"fused    (1): {_fmt(plan.fused)}",
+            f"backward ({len(plan.backward)}): " + " ".join(_fmt(r) for r in plan.backward),
+        )
+    )
+
+
+def format_grid(jobs: Sequence[Job], num_devices: int, *, cost: Callable[[Job], float] | None = None) -> str:
+    """ASCII timeline, one row per device, one cell per (job, microbatch). Plan ``F0 F1 | L | B0 B1``,
+    2 devices, 2 microbatches::
+
+        t      0    1    2    3    4    5
+        dev0  |F0.0|F0.1|L.0 |L.1 |B1.0|B1.1|
+        dev1  |    |F1.0|F1.1|B0.0|B0.1|    |
+
+    ``cost(job)`` is a job's time per microbatch (default 1). Times come from a plain in-order
+    placement (a device runs its jobs in ring order; microbatch ``m`` waits for microbatch ``m`` of
+    its dependencies; no transfer cost), quantised to the cheapest job's time. For timings with
+    transfers or recompute, use :mod:`.simulate`."""
+    if not jobs:
+        return "(no jobs)"
+    per_mb = {j.index: float(cost(j)) if cost else 1.0 for j in jobs}
+    unit = min((c for c in per_mb.values() if c > 0), default=1.0)
+    free = [0.0] * num_devices
+    ends: dict[int, list[float]] = {}
+    cells: list[tuple[int, int, int, str]] = []  # device, first column, last column (excl.), text
+    for job in jobs:
+        ends[job.index] = []
+        for m in range(job.num_microbatches):
+            start = max([free[job.device]] + [ends[d][m] for d in job.depends_on if d in ends])
+            end = start + per_mb[job.index]
+            free[job.device] = end
+            ends[job.index].append(end)
+            cells.append((job.device, round(start / unit), round(end / unit), f"{job.label}.{m}"))
+    width = max(4, max(len(t) for *_, t in cells))
+    columns = max(c for _, _, c, _ in cells)
+    axis = "".join(f"{c:<{width + 1}}" for c in range(columns))
+    lines = [f"{'t':<6} {axis}".rstrip()]
+    for d in range(num_devices):
+        row = [" " * width] * columns
+        for dev, a, b, text in cells:
+            if dev == d:
+                for c in range(a, b):
+                    row[c] = (text if c == a else "=" * len(text)).ljust(width)
+        lines.append(f"{f'dev{d}':<6}|" + "|".join(row) + "|")
+    return "\n".join(lines)
+
+
+def _parse_plan(text: str) -> Plan:
+    try:
+        fwd, fused, bwd = (part.strip() for part in text.split("|"))
+        sizes = [[int(x) for x in p.split(",") if x.strip()] for p in (fwd, bwd)]
+        return Plan.from_sizes(sizes[0], int(fused), sizes[1])
+    except ValueError as err:
+        raise ValueError(
+            f"--plan {text!r} is not 'forward sizes|fused size|backward sizes (deep to shallow)', "
+            f"e.g. '3,3,3,2|1|1,1,1,1,1,1,1,1,1,1,1': {err}"
+        ) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lightning_roundpipe.schedule``: print a plan and its ring schedule."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_roundpipe.schedule",
+        description="Print a RoundPipe plan and the ring schedule of one call as an ASCII grid "
+        "(unit time per job per microbatch). Layers are assumed to cost the same (backward = 2x "
+        "forward) unless --plan gives the partition.",
+    )
+    parser.add_argument("--layers", type=int, required=True, help="number of layers in the trunk")
+    parser.add_argument("--devices", type=int, required=True, help="number of devices in the ring")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per call (default: devices + 1)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--stages", type=int, help="number of forward stages (plan_chunks); default: plan_auto")
+    group.add_argument("--plan", help="explicit plan 'fwd sizes|fused size|bwd sizes', bwd deep to shallow, e.g. '3,3,3,2|1|1,1,1'")
+    parser.add_argument("--path", choices=("training", "forward", "backward"), default="training", help="which call to show")
+    parser.add_argument("--first-index", type=int, default=0, help="ring counter at the start of the call")
+    args = parser.parse_args(argv)
+    try:
+        if args.layers < 1 or args.devices < 1:
+            raise ValueError(f"--layers and --devices must be >= 1, got {args.layers} and {args.devices}")
+        micro = args.microbatches if args.microbatches is not None else args.devices + 1
+        from . import partition  # plan_auto / plan_chunks live there
+
+        costs = [LayerCost(1.0, 2.0)] * args.layers
+        if args.plan is not None:
+            plan = _parse_plan(args.plan)
+            plan.validate(args.layers)
+        elif args.stages is not None:
+            plan = partition.plan_chunks(costs, args.stages)
+        else:
+            plan = partition.plan_auto(costs, num_devices=args.devices)
+        build = {"training": training_jobs, "forward": forward_jobs, "backward": backward_jobs}[args.path]
+        jobs = build(plan, args.devices, micro, args.first_index)
+        validate(jobs, args.layers, args.devices)
+    except ValueError as err:
+        parser.error(str(err))
+    print(format_plan(plan))
+    print(f"\n{args.path} call: {len(jobs)} jobs on {args.devices} devices, {micro} microbatches each")
+    print(format_grid(jobs, args.devices))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

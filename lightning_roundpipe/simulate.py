@@ -1,0 +1,404 @@
+"""Event simulation of pipeline schedules: makespan, bubble ratio and where the bubble sits.
+
+Pure module (standard library, :mod:`.partition`, :mod:`.schedule`). Costs are per microbatch:
+a forward stage costs the sum of its layers' ``forward``; the fused stage ``forward`` then
+``backward`` (never recomputed); a backward stage recomputes (``forward``) then back-propagates
+(``backward``). A *hop* is one stage boundary crossing between two different devices, per
+microbatch; it delays the consumer and never occupies a device, so where it stalls it is idle time.
+
+Four schedules, one placement rule (an op starts when its device is free and its inputs arrived):
+
+* :func:`simulate_roundpipe`: our runtime. Jobs from :func:`.schedule.training_jobs` in ring order,
+  each over all ``M`` microbatches; optionally several iterations, the ring counter continuing.
+* :func:`simulate_paper_roundpipe`: the paper's simulator (RoundPipe artifact, ``pp-simulate``), to
+  compare against its published figures. It differs from our runtime in three ways, all needed to
+  reproduce its numbers: microbatches go in *rounds* of at most ``N``, the whole stage sequence per
+  round, and each round after the first starts its ring at the device that is free earliest; every
+  backward stage also waits for the last forward stage's output (with a hop across devices); and
+  recompute is *backward-aligned*: it may run before the output gradient arrives, only the backward
+  proper waits for it.
+* :func:`simulate_gpipe`, :func:`simulate_1f1b`: one stage per device, weights bound to devices;
+  backward ops recompute every layer but the model's last (the loss head, kept from the forward).
+
+The bubble split follows the paper: *fill* is a device's idle time before its first op; *drain*
+after its last backward phase; *switch* the idle time between the end of its warm-up forwards
+(the ``N - d``-th forward for 1F1B/GPipe; for RoundPipe, which has no warm-up phase, its last
+forward before the first backward) and its first backward phase; *intra* is the rest. The paper's
+"RoundPipe-async" figure is ``switch + intra`` of one isolated iteration
+(:attr:`SimResult.async_bubble_ratio`); a multi-iteration run also gives the measured steady state
+(:meth:`SimResult.steady_bubble_ratio`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .partition import LayerCost, Plan
+from .schedule import Job, StageKind, training_jobs
+
+
+class Event(NamedTuple):
+    """One phase of one microbatch of one job on one device."""
+
+    device: int
+    label: str  #: the job's label: ``F0``, ``L``, ``B3``
+    microbatch: int
+    start: float
+    end: float
+    phase: str  #: ``fwd`` (forward stages and the fused stage's forward), ``recompute`` or ``bwd``
+    job: int  #: dispatch position (the ring index for our runtime)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timeline and bubble accounting of one simulation. Times are in the costs' unit; the four
+    bubble parts are summed over devices and add up to :attr:`idle`."""
+
+    makespan: float
+    busy: tuple[float, ...]  #: per device
+    fill: float
+    switch: float
+    drain: float
+    intra: float
+    events: tuple[Event, ...]
+    iteration_ends: tuple[float, ...] = ()  #: when each simulated iteration's last op ended
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.busy)
+
+    @property
+    def capacity(self) -> float:
+        return self.makespan * self.num_devices
+
+    @property
+    def idle(self) -> float:
+        return self.capacity - sum(self.busy)
+
+    def _ratio(self, t: float) -> float:
+        return t / self.capacity if self.capacity > 0 else 0.0
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle time / (makespan x devices): the paper's definition, fill and drain included."""
+        return self._ratio(self.idle)
+
+    @property
+    def fill_ratio(self) -> float:
+        return self._ratio(self.fill)
+
+    @property
+    def switch_ratio(self) -> float:
+        return self._ratio(self.switch)
+
+    @property
+    def drain_ratio(self) -> float:
+        return self._ratio(self.drain)
+
+    @property
+    def intra_ratio(self) -> float:
+        return self._ratio(self.intra)
+
+    @property
+    def async_bubble_ratio(self) -> float:
+        """The paper's "RoundPipe-async" figure: ``switch + intra`` (fill and drain are assumed to
+        overlap neighbouring iterations), as a share of this run's makespan x devices."""
+        return self._ratio(self.switch + self.intra)
+
+    def steady_bubble_ratio(self, warmup: int = 2) -> float:
+        """Measured steady-state bubble of a multi-iteration run: ``1 - work / (N x period)``, with
+        ``work`` one iteration's busy time and ``period`` the mean gap between iteration ends after
+        the first ``warmup`` iterations (the start-up transient). The ring's stage-to-device map
+        rotates every ``N / gcd(num_stages, N)`` iterations, and so does the gap: for an exact figure
+        make ``iterations - 1 - warmup`` a multiple of that (``N`` always is)."""
+        ends = self.iteration_ends
+        if len(ends) < warmup + 2:
+            raise ValueError(
+                f"steady_bubble_ratio(warmup={warmup}) needs at least {warmup + 2} iterations, the run "
+                f"has {len(ends)}; pass iterations=... to simulate_roundpipe"
+            )
+        period = (ends[-1] - ends[warmup]) / (len(ends) - 1 - warmup)
+        work = sum(self.busy) / len(ends)
+        return 1.0 - work / (self.num_devices * period)
+
+
+class _Timeline:
+    """Places ops one at a time, in the order given: that order is each device's program order."""
+
+    def __init__(self, num_devices: int, hop: float) -> None:
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+        if hop < 0:
+            raise ValueError(f"hop must be >= 0, got {hop}")
+        self.free = [0.0] * num_devices
+        self.hop = hop
+        self.events: list[Event] = []
+
+    def place(
+        self,
+        device: int,
+        label: str,
+        job: int,
+        mb: int,
+        phases: tuple[tuple[str, float], tuple[str, float]],
+        deps: Sequence[tuple[float, int]],
+        *,
+        not_before: float = 0.0,
+        pre_ahead: bool = False,
+    ) -> float:
+        """Run ``phases`` (a pre phase, then the main phase) back to back; ``deps`` are
+        ``(end, device)`` of the inputs, and a hop is paid when that device differs. With
+        ``pre_ahead`` only the main phase waits for inputs: the pre phase (recompute) is slid as
+        late as possible before it, as in the paper's simulator. Returns the end time."""
+        ready = not_before
+        for end, dev in deps:
+            ready = max(ready, end + (self.hop if dev != device else 0.0))
+        pre = phases[0][1]
+        if pre_ahead:
+            start = max(self.free[device] + pre, ready) - pre
+        else:
+            start = max(self.free[device], ready)
+        t = start
+        for kind, length in phases:
+            if length > 0:  # zero-length phases leave no event (as in the paper's statistics)
+                self.events.append(Event(device, label, mb, t, t + length, kind, job))
+            t += length
+        self.free[device] = t
+        return t
+
+
+def _breakdown(timeline: _Timeline, warmup_phase: bool, iteration_ends: Sequence[float] = ()) -> SimResult:
+    """Fill / switch / drain / intra per the paper's definitions (see the module docstring)."""
+    events = timeline.events
+    n = len(timeline.free)
+    makespan = max((e.end for e in events), default=0.0)
+    per_dev: list[list[Event]] = [[] for _ in range(n)]
+    for e in events:
+        per_dev[e.device].append(e)
+    busy, fill, switch, drain = [0.0] * n, 0.0, 0.0, 0.0
+    for d, evs in enumerate(per_dev):
+        if not evs:
+            continue
+        evs.sort(key=lambda e: (e.start, e.end))
+        busy[d] = sum(e.end - e.start for e in evs)  # a device's events never overlap
+        fill += evs[0].start
+        bwd = [e for e in evs if e.phase == "bwd"]
+        drain += makespan - (max(e.end for e in bwd) if bwd else evs[-1].end)
+        if not bwd:
+            continue
+        first_bwd = bwd[0].start
+        fwd_ends = sorted(e.end for e in evs if e.phase == "fwd" and e.end <= first_bwd)
+        if not fwd_ends:
+            continue
+        k = min(n - d, len(fwd_ends)) if warmup_phase else len(fwd_ends)
+        lo = fwd_ends[k - 1]
+        # Recompute (and any forward) inside the window is work, not bubble.
+        inside = sum(max(0.0, min(e.end, first_bwd) - max(e.start, lo)) for e in evs)
+        switch += max(first_bwd - lo - inside, 0.0)
+    idle = makespan * n - sum(busy)
+    intra = max(idle - fill - switch - drain, 0.0)
+    return SimResult(makespan, tuple(busy), fill, switch, drain, intra, tuple(events), tuple(iteration_ends))
+
+
+def _phases(job: Job, costs: Sequence[LayerCost]) -> tuple[tuple[str, float], tuple[str, float]]:
+    fwd = sum(costs[i].forward for i in job.layers)
+    if job.kind is StageKind.FORWARD:
+        return ("fwd", 0.0), ("fwd", fwd)
+    bwd = sum(costs[i].backward for i in job.layers)
+    return ("fwd" if job.kind is StageKind.FUSED else "recompute", fwd), ("bwd", bwd)
+
+
+def _check(plan: Plan, costs: Sequence[LayerCost], num_microbatches: int) -> None:
+    plan.validate(len(costs))
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+
+
+def _run(
+    tl: _Timeline,
+    jobs: Sequence[Job],
+    costs: Sequence[LayerCost],
+    *,
+    not_before: float = 0.0,
+    pre_ahead: bool = False,
+    paper_edges: bool = False,
+    first_mb: int = 0,
+    job_offset: int = 0,
+) -> float:
+    """Place ``jobs`` in order, microbatches in order; return when the last op ends. Microbatch
+    ``m`` waits for microbatch ``m`` of each job in ``depends_on`` (a job's device is its index mod
+    N). ``paper_edges`` adds the paper's edge from the last forward stage to every backward stage."""
+    n = len(tl.free)
+    ends: dict[int, list[float]] = {}
+    last_fwd = max((j.index for j in jobs if j.kind is StageKind.FORWARD), default=None)
+    for job in jobs:
+        deps = list(job.depends_on)
+        if paper_edges and job.kind is StageKind.BACKWARD and last_fwd is not None:
+            deps.append(last_fwd)
+        phases = _phases(job, costs)
+        ends[job.index] = [
+            tl.place(
+                job.device, job.label, job.index + job_offset, first_mb + m, phases,
+                [(ends[d][m], d % n) for d in deps], not_before=not_before, pre_ahead=pre_ahead,
+            )
+            for m in range(job.num_microbatches)
+        ]
+    return max((t for e in ends.values() for t in e), default=not_before)
+
+
+def simulate_jobs(
+    jobs: Sequence[Job], costs: Sequence[LayerCost], num_devices: int, hop: float = 0.0, *, recompute_ahead: bool = False
+) -> SimResult:
+    """Time any job list of :mod:`.schedule` (one call, or several back to back with indices
+    continuing) the way our runtime runs it: each device takes its jobs in list order, microbatches
+    ``0..M-1``; microbatch ``m`` starts when its device is free and microbatch ``m`` of each
+    dependency has ended (+ ``hop`` from another device). ``recompute_ahead`` lets a backward stage
+    recompute before its output gradient arrives (only the backward proper waits for it)."""
+    tl = _Timeline(num_devices, hop)
+    _run(tl, jobs, costs, pre_ahead=recompute_ahead)
+    return _breakdown(tl, warmup_phase=False)
+
+
+def simulate_roundpipe(
+    plan: Plan,
+    costs: Sequence[LayerCost],
+    num_devices: int,
+    num_microbatches: int,
+    hop: float = 0.0,
+    *,
+    iterations: int = 1,
+    mode: str = "async",
+    optimizer_time: float = 0.0,
+    recompute_ahead: bool = False,
+) -> SimResult:
+    """Our runtime's schedule (:func:`.schedule.training_jobs`) for ``iterations`` iterations.
+
+    ``mode="async"``: iteration ``k+1`` needs nothing from iteration ``k`` (its weights are one step
+    older), so its first forward runs as soon as its ring device is free, overlapping the backward
+    tail. ``mode="sync"``: iteration ``k+1`` starts ``optimizer_time`` after iteration ``k``'s last
+    op (the host step in between). ``iteration_ends`` gives each iteration's end."""
+    _check(plan, costs, num_microbatches)
+    if iterations < 1 or mode not in ("async", "sync") or optimizer_time < 0:
+        raise ValueError(
+            f"need iterations >= 1, mode 'async' or 'sync' and optimizer_time >= 0; got {iterations}, "
+            f"{mode!r}, {optimizer_time}"
+        )
+    tl = _Timeline(num_devices, hop)
+    iteration_ends: list[float] = []
+    barrier = 0.0
+    for it in range(iterations):
+        jobs = training_jobs(plan, num_devices, num_microbatches, first_index=it * plan.num_stages)
+        iteration_ends.append(_run(tl, jobs, costs, not_before=barrier, pre_ahead=recompute_ahead))
+        if mode == "sync":
+            barrier = iteration_ends[-1] + optimizer_time
+    return _breakdown(tl, warmup_phase=False, iteration_ends=iteration_ends)
+
+
+def simulate_paper_roundpipe(
+    plan: Plan, costs: Sequence[LayerCost], num_devices: int, num_microbatches: int, hop: float = 0.0
+) -> SimResult:
+    """One isolated iteration as the paper's simulator schedules it (see the module docstring).
+
+    Round ``r`` holds microbatches ``[rN, rN + N)``. It runs every stage in training order (forward
+    stages, fused, backward stages), each over the round's microbatches, stage ``k`` on device
+    ``(s_r + k) % N``; ``s_0 = 0`` and ``s_{r+1}`` is the device free earliest once round ``r`` is
+    placed (lowest index on ties). Ops are placed in that order, so each device runs them in it::
+
+        N=2, 5 stages, M=3:  round 0 (mb 0,1): F0 F1 L B0 B1 on devices 0 1 0 1 0
+                             round 1 (mb 2):   the same five stages from the earliest-free device
+
+    Event ``job`` numbers count dispatched jobs over the rounds. A fused stage holding more than the
+    loss head runs those layers' forward inside it (our runtime's semantics; in the paper's input
+    format their forward sits in the forward stages). The paper's partitions all have a head-only
+    fused stage, where the two agree."""
+    _check(plan, costs, num_microbatches)
+    tl = _Timeline(num_devices, hop)
+    start_dev, dispatched = 0, 0
+    for r0 in range(0, num_microbatches, num_devices):
+        size = min(num_devices, num_microbatches - r0)
+        jobs = training_jobs(plan, num_devices, size, first_index=start_dev)
+        _run(tl, jobs, costs, pre_ahead=True, paper_edges=True, first_mb=r0, job_offset=dispatched - start_dev)
+        dispatched += len(jobs)
+        start_dev = min(range(num_devices), key=lambda d: (tl.free[d], d))
+    return _breakdown(tl, warmup_phase=False)
+
+
+def _bound(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int) -> list[range]:
+    if sum(stages) != len(costs) or any(s < 1 for s in stages):
+        raise ValueError(f"stage sizes {list(stages)} must be positive and sum to the {len(costs)} layers")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    out, start = [], 0
+    for s in stages:
+        out.append(range(start, start + s))
+        start += s
+    return out
+
+
+def _simulate_bound(
+    programs: list[list[tuple[str, int]]], ranges: list[range], costs: Sequence[LayerCost], hop: float
+) -> SimResult:
+    """Weight-bound pipelines: device ``s`` holds stage ``s`` and runs ``programs[s]``, a list of
+    ``("F" | "B", microbatch)``. F(s, m) needs F(s-1, m); B(s, m) needs B(s+1, m) (and its own F).
+    Devices advance whenever their next op is ready; the resulting times do not depend on the
+    order in which ready ops are committed."""
+    n, last = len(ranges), len(costs) - 1
+    tl = _Timeline(n, hop)
+    done: dict[tuple[str, int, int], float] = {}
+    cursor = [0] * n
+    remaining = sum(len(p) for p in programs)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            if cursor[s] == len(programs[s]):
+                continue
+            kind, m = programs[s][cursor[s]]
+            dep = ("F", s - 1, m) if kind == "F" else ("B", s + 1, m)
+            need = [("F", s, m)] if kind == "B" else []
+            if not all(k in done for k in need) or (0 <= dep[1] < n and dep not in done):
+                continue
+            deps = [(done[dep], dep[1])] if 0 <= dep[1] < n else []
+            fwd = sum(costs[i].forward for i in ranges[s])
+            if kind == "F":
+                phases = (("fwd", 0.0), ("fwd", fwd))
+            else:  # recompute everything but the loss head, whose activations the forward kept
+                recompute = fwd - (costs[last].forward if last in ranges[s] else 0.0)
+                phases = (("recompute", recompute), ("bwd", sum(costs[i].backward for i in ranges[s])))
+            done[(kind, s, m)] = tl.place(s, f"{kind}{s}", s, m, phases, deps)
+            cursor[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("weight-bound schedule deadlocked: no device's next op is ready")
+    return _breakdown(tl, warmup_phase=True)
+
+
+def simulate_gpipe(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int, hop: float = 0.0) -> SimResult:
+    """GPipe with ``len(stages)`` devices, device ``s`` holding ``stages[s]`` consecutive layers
+    (sizes cover every layer of ``costs``; the loss head is the last). All forwards, then all
+    backwards, microbatches in order."""
+    ranges = _bound(stages, costs, num_microbatches)
+    prog = [[("F", m) for m in range(num_microbatches)] + [("B", m) for m in range(num_microbatches)] for _ in ranges]
+    return _simulate_bound(prog, ranges, costs, hop)
+
+
+def simulate_1f1b(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int, hop: float = 0.0) -> SimResult:
+    """1F1B (PipeDream-flush, as PyTorch's ``Schedule1F1B``): device ``s`` runs ``min(M, N - s)``
+    warm-up forwards, then alternates one backward and one forward, then the remaining backwards."""
+    ranges = _bound(stages, costs, num_microbatches)
+    n, m_total = len(ranges), num_microbatches
+    prog: list[list[tuple[str, int]]] = []
+    for s in range(n):
+        warm = min(m_total, n - s)
+        ops = [("F", m) for m in range(warm)]
+        f, b = warm, 0
+        while b < m_total:
+            ops.append(("B", b))
+            b += 1
+            if f < m_total:
+                ops.append(("F", f))
+                f += 1
+        prog.append(ops)
+    return _simulate_bound(prog, ranges, costs, hop)
