@@ -14,3 +14,7 @@ install: $(PY)
 
 test: $(PY)
 	$(PY) -m pytest -q
+
+.PHONY: demo
+demo: $(PY)
+	$(PY) examples/engine_demo.py

@@ -55,8 +55,10 @@ class EngineOptions:
     """Pin host staging buffers (CUDA only; ignored on CPU devices)."""
 
     device_memory_limit: int | str | None = None
-    """Per-device memory budget in bytes or as ``"20GiB"``. On CPU devices this is the simulated
-    budget that the planner and the residency accounting respect. ``None``: unlimited on CPU."""
+    """Per-device memory budget in bytes or as ``"20GiB"``: stage parameters, gradients and buffers,
+    plus the stage-boundary activations in flight. The planner fits two stages (running and prefetched)
+    in three quarters of it and leaves the rest to activations. On CPU devices this is the simulated
+    budget that the residency accounting enforces. ``None``: unlimited on CPU."""
 
     freeze_plan: bool = False
     """Keep the first plan: never replan from measured times (deterministic timelines)."""

@@ -134,6 +134,7 @@ class CpuStream:
                 pass
             except BaseException as error:  # noqa: BLE001 - reported to the caller through the abort signal
                 self._abort.fail(error)
+            operation = None  # its closure may hold a call's host activations alive while idle
 
 
 class OutOfDeviceMemory(RuntimeError):

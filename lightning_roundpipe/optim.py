@@ -154,6 +154,7 @@ class HostOptimizer:
                 continue
             self._timeline.add(-1, -1, label, 0, "optimizer", start)
             done.set()
+            item = task = None  # a finished step's closure holds its gradient window
 
 
 class PublishedWeights:

@@ -44,6 +44,11 @@ from lightning_roundpipe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, differentiable_leaves, tree_nbytes
 
 
+ACTIVATION_RESERVE = 0.25
+"""Share of ``device_memory_limit`` kept for stage-boundary activations; the planner fits two stages
+(the running one and the prefetched one) in the rest."""
+
+
 class PipelineError(RuntimeError):
     """A layer, the loss or a transfer failed inside the pipeline; ``__cause__`` is the original error."""
 
@@ -188,8 +193,11 @@ class RoundPipeEngine:
         self.num_microbatches = self.options.microbatches_for(self.num_devices)
         initial = costs_from_bytes([s.param_bytes() for s in self.trunk.states],
                                    [s.grad_bytes() for s in self.trunk.states])
+        limit = self.options.device_memory_limit
+        # stages get what remains after a reserve for the microbatch activations in flight
+        stage_budget = None if limit is None else int(limit * (1.0 - ACTIVATION_RESERVE))
         self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
-                               memory_budget=self.options.device_memory_limit,
+                               memory_budget=stage_budget,
                                hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)
         self.planner.initial(initial)
         self._started = False
@@ -245,10 +253,12 @@ class RoundPipeEngine:
     def _check_running(self) -> None:
         if not self._started:
             raise RuntimeError("the engine is not started: use `with RoundPipeEngine(...) as engine:` or call start()")
+        if self._closed:
+            error = self._abort.error
+            reason = f" after an error ({type(error).__name__}: {error})" if error is not None else ""
+            raise RuntimeError(f"the engine is closed{reason}; create a new engine to continue")
         if self._abort.error is not None:
             self._raise_failure()
-        if self._closed:
-            raise RuntimeError("the engine is closed")
 
     def _raise_failure(self) -> None:
         error = self._abort.error
@@ -793,6 +803,7 @@ class _Worker:
             except BaseException as error:  # noqa: BLE001
                 self.engine._abort.fail(error)
             sequence += 1
+            task = following = None  # hold no call alive while idle: its host activations would leak
 
     def _enqueue_upload(self, task: _Task, sequence: int) -> None:
         """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
@@ -893,6 +904,8 @@ class _Worker:
                                      for layer, slot in snapshot_slots}
             if kind is StageKind.FUSED:
                 uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
+            uploaded["nbytes"] = tree_nbytes([value for key, value in uploaded.items()])
+            device.residency.allocate(uploaded["nbytes"], f"the inputs of {job.label} microbatch {microbatch}")
             engine.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
         acts.submit(upload)
@@ -914,7 +927,10 @@ class _Worker:
                 result["output"] = engine._backward_microbatch(
                     device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
                     uploaded["input"])
+            device.residency.release(uploaded["nbytes"])
             uploaded.clear()
+            result["nbytes"] = tree_nbytes([result.get(key) for key in ("output", "checkpoints", "snapshots")])
+            device.residency.allocate(result["nbytes"], f"the outputs of {job.label} microbatch {microbatch}")
             engine.timeline.add(device.index, job.index, job.label, microbatch, kind.name.lower(), start)
 
         compute.submit(run)
@@ -930,6 +946,7 @@ class _Worker:
             if "loss" in result:
                 call.losses[microbatch].put(copy_tensor(result["loss"], HOST))
             out_slot.put(copy_tree(result.get("output"), HOST))
+            device.residency.release(result["nbytes"])
             result.clear()
             engine.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 

@@ -1,0 +1,376 @@
+"""Engine behaviour beyond plain equality: randomness, thread state, optimizer contract, errors."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine, is_recomputing
+from lightning_roundpipe.microbatch import microbatch_sizes
+from tests.models import SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, tiny_gpt
+
+
+def _roundpipe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+def _train_dropout_gpt(devices: int, recompute: str, steps: int = 3) -> list[torch.Tensor]:
+    model = tiny_gpt(dropout=0.2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = EngineOptions(num_microbatches=4, recompute=recompute, num_stages=2, seed=1234, jitter=0.001)
+    with RoundPipeEngine(model, devices, options) as engine:
+        for step in range(steps):
+            ids, target = gpt_batch(9, seed=step)
+            engine.forward_backward(ids, target, gpt_loss)
+            engine.step(optimizer)
+        engine.synchronize()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_dropout_is_bitwise_identical_for_any_device_count():
+    reference = _train_dropout_gpt(1, "stage")
+    untrained = [p.detach() for p in tiny_gpt(dropout=0.2).parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(reference, untrained)), "training changed nothing"
+    for devices, recompute in [(2, "stage"), (3, "stage"), (3, "layer")]:
+        trained = _train_dropout_gpt(devices, recompute)
+        for expected, actual in zip(reference, trained):
+            assert torch.equal(expected, actual), f"devices={devices}, recompute={recompute} differ"
+
+
+class MaskRecorder(nn.Module):
+    """Dropout that records each mask it draws, with whether it ran as a recompute."""
+
+    def __init__(self, log: SharedLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.dropout(x, 0.5, self.training)
+        self.log.append((is_recomputing(), x.detach().sum().item(), (y == 0).clone()))
+        return y
+
+
+MaskRecorder.roundpipe_random = True  # tells the engine the layer draws random numbers
+
+
+@pytest.mark.parametrize("recompute", ["stage", "layer"])
+def test_recomputation_replays_the_forward_dropout_masks(recompute):
+    log = SharedLog()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 32), MaskRecorder(log), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2))
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=3, recompute=recompute, num_stages=2)) as engine:
+        x, y = torch.randn(6, 5), torch.randint(0, 2, (6,))
+        engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.synchronize()
+    forward = {key: mask for recomputed, key, mask in log if not recomputed}
+    replayed = {key: mask for recomputed, key, mask in log if recomputed}
+    assert len(forward) == 3 and forward.keys() == replayed.keys()
+    for key, mask in forward.items():
+        assert 0 < mask.sum() < mask.numel()
+        assert torch.equal(mask, replayed[key])
+    assert not torch.equal(*list(forward.values())[:2]), "microbatches must get different masks"
+
+
+def _timeline_run(devices: int, microbatches: int, limit: int | None = None, stages: int | str = 3):
+    model = tiny_gpt(blocks=4)
+    options = EngineOptions(num_microbatches=microbatches, num_stages=stages, record_timeline=True, jitter=0.001,
+                            device_memory_limit=limit, freeze_plan=True)
+    with RoundPipeEngine(model, devices, options) as engine:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            ids, target = gpt_batch(8, seed=step)
+            engine.forward_backward(ids, target, gpt_loss)
+            engine.step(optimizer)
+        engine.synchronize()
+        return engine, engine.events()
+
+
+def test_timeline_follows_the_ring_and_the_dependencies():
+    devices, microbatches = 3, 4
+    engine, events = _timeline_run(devices, microbatches)
+    compute = [e for e in events if e.kind in ("forward", "fused", "backward")]
+    stages_per_call = engine.plan.num_stages
+    assert len(compute) == 2 * stages_per_call * microbatches
+    # ring: job j runs on device j mod N, and the ring counter continues into the second iteration
+    assert {e.job for e in compute} == set(range(2 * stages_per_call))
+    assert all(e.device == e.job % devices for e in compute)
+    # each device runs its jobs in ring order, microbatches 0..M-1 within a job
+    for device in range(devices):
+        order = [(e.job, e.microbatch) for e in sorted((e for e in compute if e.device == device),
+                                                       key=lambda e: e.start)]
+        assert order == sorted(order)
+    # microbatch m of a job starts after microbatch m of the job it consumes has finished
+    by_key = {(e.job, e.microbatch): e for e in compute}
+    for (job, microbatch), event in by_key.items():
+        if job % stages_per_call != 0:
+            assert event.start >= by_key[(job - 1, microbatch)].end
+    labels = [by_key[(j, 0)].label for j in range(stages_per_call)]
+    plan = engine.plan
+    assert labels == [f"F{i}" for i in range(len(plan.forward))] + ["L"] + [f"B{i}" for i in range(len(plan.backward))]
+
+
+def test_a_device_holds_at_most_two_stages_and_stays_within_its_budget():
+    model_bytes = sum(p.numel() * p.element_size() for p in tiny_gpt(blocks=4).parameters())
+    limit = model_bytes * 3 // 2  # the whole model with its gradients would need twice the model
+    engine, events = _timeline_run(2, 3, limit=limit, stages="auto")
+    assert max(engine.peak_resident_stages()) == 2  # prefetch happened, and never a third stage
+    assert all(0 < peak <= limit for peak in engine.peak_resident_bytes())
+    assert len(engine.plan.backward) >= 2
+
+
+def test_too_small_a_memory_budget_names_the_option():
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        RoundPipeEngine(tiny_gpt(), 2, EngineOptions(device_memory_limit="4KiB"))
+
+
+def test_caller_thread_state_reaches_the_workers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    reference = clone(model)
+    x = torch.randn(6, 4)
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=1)) as engine:
+        model.eval(), reference.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), reference(x), rtol=1e-6, atol=1e-7)
+        with torch.inference_mode():
+            out = engine(x)
+            assert out.is_inference()
+            torch.testing.assert_close(out, reference(x), rtol=1e-6, atol=1e-7)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert engine(x).dtype == torch.bfloat16
+        with torch.no_grad():
+            assert not engine(x).requires_grad
+        model.train()
+        assert engine(x).requires_grad
+
+
+def test_frozen_parameters_get_no_gradient_and_no_optimizer_state():
+    model = bn_model()
+    reference = clone(model)
+    for m in (model, reference):
+        m[0].weight.requires_grad_(False)
+    frozen_before = model[0].weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=1, num_stages=2)) as engine:
+        for step in range(3):
+            x, y = bn_batch(8, step)
+            engine.forward_backward(x, y, F.cross_entropy)
+            engine.step(optimizer)
+            F.cross_entropy(reference(x), y).backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        engine.synchronize()
+    assert torch.equal(model[0].weight, frozen_before)
+    assert model[0].weight.grad is None and len(optimizer.state[model[0].weight]) == 0
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_hyperparameters_are_read_when_the_step_is_queued():
+    model, reference = bn_model(), bn_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.2))  # the step runs late, on its thread
+    x, y = bn_batch(8, 0)
+    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=1, num_stages=1)) as engine:
+        engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(optimizer)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0  # a scheduler's write after step(): must apply to the next step only
+        engine.synchronize()
+    F.cross_entropy(reference(x), y).backward()
+    reference_optimizer.step()
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_before_step_sees_final_gradients_and_can_skip_the_update():
+    model = bn_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:
+        x, y = bn_batch(8, 0)
+        engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1),
+                    before_step=lambda: seen.append([p.grad.clone() for p in model.parameters()]) or False)
+        engine.synchronize()
+    reference = bn_model()
+    F.cross_entropy(torch.cat([reference(a) for a in x.split(4)]), y).backward()
+    # skipped: weights unchanged, gradients cleared; the hook saw the whole-batch gradients
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    for grad, param in zip(seen[0], reference.parameters()):
+        torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_forward_whose_backward_never_comes_releases_what_it_held():
+    model = bn_model()
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:
+        out = engine(bn_batch(8, 0)[0])
+        call = weakref.ref(out.grad_fn.call)
+        del out
+        gc.collect()
+        assert call() is None
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))  # the window is not waiting for it
+        engine.synchronize()
+
+
+def test_uneven_splits_and_short_batches():
+    assert microbatch_sizes(10, 4) == [3, 3, 2, 2]
+    assert microbatch_sizes(11, 5) == [3, 2, 2, 2, 2]
+    assert microbatch_sizes(3, 5) == [1, 1, 1]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = clone(model)
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=5)) as engine:
+        with pytest.warns(UserWarning, match="smaller than `num_microbatches=5`") as record:
+            out = engine(torch.randn(3, 3))
+            engine(torch.randn(2, 3))
+        assert len(record) == 1
+        x = torch.randn(3, 3)
+        torch.testing.assert_close(engine(x), reference(x), rtol=1e-6, atol=1e-7)
+        assert out.shape == (3, 2)
+
+
+def test_layer_error_names_stage_and_layer_and_stops_every_thread():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), Boom(), nn.Linear(3, 2))
+    engine = RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)).start()
+    with pytest.raises(PipelineError, match=r"trunk layer 2 raised ValueError in stage F\d") as caught:
+        engine.forward_backward(torch.randn(4, 3), torch.randint(0, 2, (4,)), F.cross_entropy)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert _roundpipe_threads() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        engine(torch.randn(4, 3))
+
+
+def test_loss_function_errors_are_reported():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=1)) as engine:
+        with pytest.raises(PipelineError, match="loss function must return a scalar"):
+            engine.forward_backward(torch.randn(4, 3), torch.zeros(4, 2), lambda out, target: out - target)
+    assert _roundpipe_threads() == []
+
+
+def test_unsupported_autograd_uses_are_refused():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2)) as engine:
+        x = torch.randn(4, 3, requires_grad=True)
+        with pytest.raises(RuntimeError, match=r"supports only `.backward\(\)`"):
+            torch.autograd.grad(engine(x).sum(), [x])
+        with pytest.raises(RuntimeError, match="double backward"):
+            engine(x).sum().backward(create_graph=True)
+
+
+def test_input_gradients_flow_through_the_transparent_path():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1))
+    reference = clone(model)
+    x = torch.randn(6, 3, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with RoundPipeEngine(model, 3, EngineOptions(num_microbatches=3, num_stages=2, recompute="layer")) as engine:
+        (engine(x) ** 2).sum().backward()
+        (reference(x_ref) ** 2).sum().backward()
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_dict_and_tuple_outputs_between_layers():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return {"h": self.a(x), "g": self.b(x), "tag": "pair"}
+
+    class Join(nn.Module):
+        def forward(self, d):
+            assert d["tag"] == "pair"
+            return (d["h"] * d["g"], 2.0)
+
+    class Use(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Linear(3, 2)
+
+        def forward(self, pair):
+            return self.c(pair[0]) * pair[1]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Pair(), Join(), Use())
+    reference = clone(model)
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:
+        loss = engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.synchronize()
+    expected = sum(F.cross_entropy(reference(a), b) * 0.5 for a, b in zip(x.split(3), y.split(3)))
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "build, error, pattern",
+    [
+        (lambda: RoundPipeEngine(nn.Sequential()), ValueError, "has no layers"),
+        (lambda: RoundPipeEngine(nn.Linear(2, 2)), TypeError, "must be an nn.Sequential"),
+        (lambda: EngineOptions(num_microbatches=0), ValueError, "`num_microbatches` must be a positive int"),
+        (lambda: EngineOptions(recompute="block"), ValueError, "`recompute` must be 'stage' or 'layer'"),
+        (lambda: EngineOptions(num_stages="many"), ValueError, "`num_stages` must be 'auto'"),
+        (lambda: EngineOptions(device_memory_limit="lots"), ValueError, "`device_memory_limit` must be"),
+        (lambda: RoundPipeEngine(nn.Sequential(nn.Linear(2, 2)), devices=0), ValueError, "`devices` must be"),
+    ],
+)
+def test_bad_configuration_is_refused_clearly(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+def test_bad_inputs_and_outputs_are_refused_clearly():
+    class Scalar(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    with RoundPipeEngine(nn.Sequential(nn.Linear(2, 2), Scalar()), 1, EngineOptions(num_microbatches=2)) as engine:
+        with torch.no_grad(), pytest.raises(ValueError, match="0-dim tensor, which cannot be merged"):
+            engine(torch.randn(4, 2))
+    with RoundPipeEngine(nn.Sequential(nn.Bilinear(2, 2, 1)), 1, EngineOptions(num_microbatches=2)) as engine:
+        with pytest.raises(ValueError, match=r"different sizes on dim 0 \(\[4, 3\]\)"):
+            engine(torch.randn(4, 2), torch.randn(3, 2))
+        with pytest.raises(ValueError, match="batch is empty"):
+            engine(torch.randn(0, 2), torch.randn(0, 2))
+
+
+def test_async_refuses_parameters_outside_the_trunk():
+    model = nn.Sequential(nn.Linear(2, 2))
+    extra = nn.Parameter(torch.zeros(2))
+    with RoundPipeEngine(model, 1, EngineOptions(async_step=True, num_microbatches=1)) as engine:
+        engine.forward_backward(torch.randn(2, 2), torch.randint(0, 2, (2,)), F.cross_entropy)
+        with pytest.raises(ValueError, match="async_step=True needs every trainable parameter"):
+            engine.step(torch.optim.SGD([*model.parameters(), extra], lr=0.1))
+
+
+def test_two_engines_share_nothing_and_close_cleanly():
+    first = RoundPipeEngine(bn_model(), 2, EngineOptions(num_microbatches=2)).start()
+    second = RoundPipeEngine(bn_model(), 1, EngineOptions(num_microbatches=2)).start()
+    x, y = bn_batch(4, 0)
+    first.forward_backward(x, y, F.cross_entropy)
+    second.forward_backward(x, y, F.cross_entropy)
+    first.close(), second.close(), first.close()
+    assert _roundpipe_threads() == []

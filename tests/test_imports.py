@@ -1,0 +1,52 @@
+"""Imports point one way (DESIGN.md §3): pure modules import no torch and nothing impure."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "lightning_roundpipe"
+PURE = {"partition", "schedule", "simulate"}
+FRAMEWORK_MODULES = {"strategy", "precision"}  # the only places allowed to import lightning or hydra
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level and not node.module:  # from . import a, b
+                names.update(f"lightning_roundpipe.{alias.name}" for alias in node.names)
+            else:
+                names.add(f"lightning_roundpipe.{node.module}" if node.level else node.module or "")
+    return names
+
+
+def test_pure_modules_import_only_the_standard_library_and_each_other():
+    for name in PURE:
+        for imported in _imports(PACKAGE / f"{name}.py"):
+            root = imported.split(".")[0]
+            if root == "lightning_roundpipe":
+                assert imported.split(".")[-1] in PURE, f"{name}.py imports {imported}"
+            else:
+                assert root in sys.stdlib_module_names, f"{name}.py imports {imported}"
+
+
+def test_only_the_lightning_adapter_imports_lightning_or_hydra():
+    for path in PACKAGE.glob("*.py"):
+        if path.stem in FRAMEWORK_MODULES:
+            continue
+        for imported in _imports(path):
+            assert imported.split(".")[0] not in {"lightning", "pytorch_lightning", "hydra", "omegaconf"}, (
+                f"{path.name} imports {imported}"
+            )
+
+
+def test_importing_the_package_starts_nothing_and_imports_no_torch():
+    code = ("import sys, threading, lightning_roundpipe; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert threading.active_count() == 1, 'a thread was started'")
+    subprocess.run([sys.executable, "-c", code], check=True)
