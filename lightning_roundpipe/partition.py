@@ -6,7 +6,9 @@ Why not just "equal layers per stage": a backward stage recomputes its forward a
 back-propagates (about 3x a forward), and the LM head is often the heaviest indivisible layer.
 Equal-cost stages therefore need *different* forward and backward partitions (forward stages
 hold about 3x more layers) and a stage-time bound near the heaviest layer. ``plan_chunks`` turns a
-user-chosen forward stage count into such a plan; ``plan_auto`` also picks the count.
+user-chosen forward stage count into such a plan; ``plan_auto`` also picks the count. Once the counts
+are fixed, both partitions are balanced: the largest stage as small as possible, then the stages as
+even as possible with the lighter ones at the shallow end (no short leftover stage).
 
 Costs: a forward stage costs the sum of its layers' ``forward``; the fused stage and a (recomputing)
 backward stage cost the sum of ``forward + backward``. Memory: a forward stage needs its layers'
@@ -210,33 +212,80 @@ def _check_num_stages(num_stages: object, num_layers: int) -> None:
         )
 
 
-def _min_max_split(fwd: Sequence[float], size: Sequence[int], k: int, cap: float) -> list[range]:
-    """Exactly ``k`` contiguous stages over ``fwd`` minimising the largest stage sum, within ``cap``.
-
-    The optimum is one of the O(L^2) run sums; binary search over them with a greedy feasibility test
-    (greedy is optimal for "fewest stages under a bound"). Then cut from the deep end, forcing cuts
-    once the layers left only just cover the stages left, so there are exactly ``k``.
-    """
-    m = len(fwd)
-    sums = sorted(_run_sums(fwd, 0.0, math.inf))
-    need = len(_greedy(range(m), fwd, size, math.inf, cap))
+def _min_max_bound(
+    t: Sequence[float], size: Sequence[int], k: int, cap: float, what: str, hi: float = math.inf
+) -> float:
+    """The smallest possible largest stage sum when ``t`` is cut into ``k`` contiguous stages within
+    ``cap``. It is one of the run sums between the heaviest layer and ``hi`` (a bound the caller
+    knows to be feasible, else all of them): binary search over them with a greedy feasibility test
+    (greedy is optimal for "fewest stages under a bound")."""
+    m = len(t)
+    need = len(_greedy(range(m), t, size, math.inf, cap))
     if need > k:
         raise ValueError(
-            f"num_stages={k} is too few: the memory budget needs at least {need} forward stages; raise "
+            f"num_stages={k} is too few: the memory budget needs at least {need} {what} stages; raise "
             f"`num_stages` (at most {m}) or `device_memory_limit`"
         )
+
+    def feasible(w: float) -> bool:
+        return len(_greedy(range(m), t, size, w, cap)) <= k
+
+    # Widened by the slack: greedy under ``hi`` may have packed a stage a rounding error above it.
+    sums = sorted(_run_sums(t, max(t), hi + 2 * _SLACK * abs(hi)))
+    if not sums or not feasible(sums[-1]):
+        sums = sorted(_run_sums(t, 0.0, math.inf))
     # The stage count greedy needs falls as the bound grows: find the first bound that needs <= k.
-    bound = sums[bisect.bisect_left(sums, True, key=lambda w: len(_greedy(range(m), fwd, size, w, cap)) <= k)]
+    return sums[bisect.bisect_left(sums, True, key=feasible)]
+
+
+def _balanced_split(
+    t: Sequence[float], size: Sequence[int], k: int, cap: float, what: str = "forward", hi: float = math.inf
+) -> list[range]:
+    """Exactly ``k`` contiguous stages over ``t`` (ascending), as even as possible, within ``cap``.
+
+    First the largest stage sum is minimised, exactly (:func:`_min_max_bound`; ``hi``, a feasible
+    bound the caller knows, narrows the search). Under that bound the stages are cut from layer 0
+    upward, each taking the layers whose sum stays within its fair share, ``(cost left) / (stages
+    left)``, but at least as many as keep the rest feasible and at most what the bound, ``cap`` and
+    the stages left allow. Rounding down puts the lighter stages at the shallow end, as the reference
+    planner's partitions do (32 equal layers in 6 stages: ``5,5,5,5,6,6``; 28 in 10: ``2,2,3,...,3``):
+    a light first forward stage shortens the pipeline fill and a light last (shallowest) backward
+    stage the drain. O(L) after the bound.
+    """
+    m = len(t)
+    bound = _min_max_bound(t, size, k, cap, what, hi)
+    # deep[j]: the lowest start from which layers [start, m) fit in j stages (greedy from the deep
+    # end covers the most), so a cut at c leaves a feasible rest of j stages iff c >= deep[j].
+    deep = [m]
+    pos = m
+    for _ in range(k):
+        if pos > 0:  # one stage: at least one layer, then as many as fit
+            pos -= 1
+            acc, b = t[pos], size[pos]
+            while pos > 0 and _fits(acc + t[pos - 1], bound) and b + size[pos - 1] <= cap:
+                pos -= 1
+                acc, b = acc + t[pos], b + size[pos]
+        deep.append(pos)
+    prefix = [0.0]
+    for x in t:
+        prefix.append(prefix[-1] + x)
     stages: list[range] = []
-    stop, t, b = m, 0.0, 0
-    for i in reversed(range(m)):
-        left_after = k - len(stages) - 1  # stages still to open once the current one closes
-        if stop - i > 1 and (i + 1 == left_after or not (_fits(t + fwd[i], bound) and b + size[i] <= cap)):
-            stages.append(range(i + 1, stop))
-            stop, t, b = i + 1, 0.0, 0
-        t, b = t + fwd[i], b + size[i]
-    stages.append(range(0, stop))
-    return stages[::-1]
+    start = 0
+    for left in range(k, 1, -1):  # stages still to cut, this one included
+        # The cut lies in [first, last]: the rest stays feasible and keeps a layer per stage. Such a
+        # cut exists whenever [start, m) fits in ``left`` stages, which the previous cut ensured.
+        first, last = max(start + 1, deep[left - 1]), m - (left - 1)
+        share = (prefix[m] - prefix[start]) / left
+        end, acc, b = first, 0.0, 0
+        for i in range(start, last):
+            acc, b = acc + t[i], b + size[i]
+            if not (_fits(acc, bound) and b <= cap) or (i + 1 > first and not _fits(acc, share)):
+                break
+            end = max(end, i + 1)
+        stages.append(range(start, end))
+        start = end
+    stages.append(range(start, m))
+    return stages
 
 
 def plan_chunks(costs: Sequence[LayerCost], num_stages: int, *, memory_budget: int | None = None) -> Plan:
@@ -244,13 +293,14 @@ def plan_chunks(costs: Sequence[LayerCost], num_stages: int, *, memory_budget: i
 
     ``num_stages`` is the number of FORWARD stages. The fused stage is the last layer alone (the
     deepest layer, typically the head and loss). Layers ``[0, L-1)`` are split into ``num_stages``
-    contiguous forward stages minimising the largest stage forward cost (exact linear partition).
-    Then ``W = max(largest forward stage cost, fused stage cost fwd+bwd, largest single-layer
-    fwd+bwd)`` and backward stages are packed greedily from layer 0 upwards so that each holds
-    layers whose summed ``forward + backward`` is at most ``W`` (at least one layer each; a short
-    remainder lands at the deep end). Backward stages thus hold about 1/3 the layers of forward
-    stages. With ``memory_budget`` every stage also fits in half of it. With one layer the plan is
-    the fused stage alone and ``num_stages`` (any value >= 1) is ignored.
+    contiguous forward stages minimising the largest stage forward cost (exact linear partition),
+    then evened out (:func:`_balanced_split`: lighter stages shallow). With ``W = max(largest
+    forward stage cost, largest single-layer fwd+bwd, the fused last layer included)``, the backward
+    stage count is the fewest stages of summed ``forward + backward`` at most ``W`` each (at least
+    one layer each), and the backward partition is balanced the same way at that count (listed deep
+    to shallow, so its lighter stages come last). Backward stages thus hold about 1/3 the layers of
+    forward stages. With ``memory_budget`` every stage also fits in half of it. With one layer the
+    plan is the fused stage alone and ``num_stages`` (any value >= 1) is ignored.
 
     Raises ``ValueError`` when ``num_stages`` is not in ``[1, L-1]`` or memory needs more stages.
     """
@@ -260,23 +310,25 @@ def plan_chunks(costs: Sequence[LayerCost], num_stages: int, *, memory_budget: i
     cap = _stage_cap(costs, memory_budget)
     if n == 1:
         return Plan((), range(0, 1), ())
-    forward = _min_max_split(fwd[:-1], fsize, num_stages, cap)
+    forward = _balanced_split(fwd[:-1], fsize[:-1], num_stages, cap)
     w = max(max(sum(fwd[i] for i in s) for s in forward), max(both))
-    backward = _greedy(range(n - 1), both, bsize, w, cap)[::-1]
+    count = len(_greedy(range(n - 1), both, bsize, w, cap))
+    backward = _balanced_split(both[:-1], bsize[:-1], count, cap, "backward", w)[::-1]
     return Plan(tuple(forward), range(n - 1, n), tuple(backward))
 
 
-def _auto_for(fwd: list[float], both: list[float], fsize: list[int], bsize: list[int], w: float, cap: float) -> Plan:
+def _counts_for(
+    fwd: list[float], both: list[float], fsize: list[int], bsize: list[int], w: float, cap: float
+) -> tuple[int, int, int]:
+    """Under bound ``w``: where the fused stage starts (it peels the deepest layers while their
+    ``forward + backward`` fits, at least the last layer), and the fewest forward and backward
+    stages that cover the rest within ``w`` (greedy packing)."""
     n = len(fwd)
-    start, t, b = n - 1, both[-1], bsize[-1]  # the fused stage holds at least the last layer
+    start, t, b = n - 1, both[-1], bsize[-1]
     while start > 0 and _fits(t + both[start - 1], w) and b + bsize[start - 1] <= cap:
         start -= 1
         t, b = t + both[start], b + bsize[start]
-    # Forward from the deep end (short remainder at layer 0, which often holds a light embedding);
-    # backward from layer 0 upwards and listed deep to shallow (remainder at the deep end).
-    forward = _greedy(range(start - 1, -1, -1), fwd, fsize, w, cap)[::-1]
-    backward = _greedy(range(start), both, bsize, w, cap)[::-1]
-    return Plan(tuple(forward), range(start, n), tuple(backward))
+    return start, len(_greedy(range(start), fwd, fsize, w, cap)), len(_greedy(range(start), both, bsize, w, cap))
 
 
 def plan_auto(
@@ -286,17 +338,24 @@ def plan_auto(
     memory_budget: int | None = None,
     upper_threshold: float = 1.1,
 ) -> Plan:
-    """Choose the stage count and partition, the way the RoundPipe planner does.
+    """Choose the stage counts the way the RoundPipe planner does, then balance the stages.
 
     ``Wmax`` is the heaviest indivisible unit: the largest per-layer ``forward`` and
     ``forward + backward``. Candidate stage-time bounds ``W`` are ``Wmax`` and every sum of a
     contiguous run of per-layer ``forward`` or ``forward + backward`` costs in
-    ``[Wmax, upper_threshold * Wmax]``. For each ``W``: the fused stage peels the deepest layers while
-    their ``forward + backward`` stays within ``W`` and memory (at least the last layer); forward
-    stages are packed greedily from the deep end toward layer 0; backward stages greedily from
-    layer 0 upward. The plan minimising ``max(num_stages, num_devices) * W`` (the padded work of one
-    iteration: fewer stages than devices leave devices idle) wins; ties go to fewer stages.
-    O(L^2) candidates x O(L) packing.
+    ``[Wmax, upper_threshold * Wmax]``. Each ``W`` fixes a shape: the fused stage peels the deepest
+    layers while their ``forward + backward`` stays within ``W`` and memory (at least the last
+    layer), and the forward and backward stage counts are the fewest that cover the rest within
+    ``W`` (greedy packing, as the reference). The shape minimising ``max(num_stages, num_devices) *
+    W`` (the padded work of one iteration: fewer stages than devices leave devices idle) wins; ties
+    go to fewer stages, then to the smaller ``W``. Its forward and backward partitions are then
+    balanced at those counts (:func:`_balanced_split`: the largest stage minimised, lighter stages at
+    the shallow end), which removes the short leftover stage greedy packing leaves.
+
+    Balancing does not change the choice: a shape's balanced slowest stage equals the smallest
+    candidate ``W`` that gives the shape (that ``W`` is where a count dropped or the fused stage
+    grew, so some optimal stage sum reaches it, and balancing never exceeds it), so the objective is
+    the :func:`predicted_cost` of the plan returned. O(L^2) candidates x O(L) packing.
     """
     if num_devices < 1 or upper_threshold < 1:
         raise ValueError(f"need num_devices >= 1 and upper_threshold >= 1, got {num_devices}, {upper_threshold}")
@@ -305,22 +364,44 @@ def plan_auto(
     wmax = max(max(fwd), max(both))
     hi = upper_threshold * wmax
     candidates = {wmax} | _run_sums(fwd, wmax, hi) | _run_sums(both, wmax, hi)
-    best: tuple[float, int, Plan] = (math.inf, 0, Plan((), range(0), ()))
+    best: tuple[float, int, float, tuple[int, int, int]] = (math.inf, 0, 0.0, (0, 0, 0))
     for w in sorted(candidates):
-        plan = _auto_for(fwd, both, fsize, bsize, w, cap)
-        cost = max(plan.num_stages, num_devices) * w
-        if (cost, plan.num_stages) < best[:2]:
-            best = (cost, plan.num_stages, plan)
-    return best[2]
+        shape = _counts_for(fwd, both, fsize, bsize, w, cap)
+        stages = shape[1] + 1 + shape[2]
+        cost = max(stages, num_devices) * w
+        if (cost, stages) < best[:2]:
+            best = (cost, stages, w, shape)
+    return _balanced_plan(fwd, both, fsize, bsize, *best[3], cap, best[2])
+
+
+def _balanced_plan(
+    fwd: list[float],
+    both: list[float],
+    fsize: list[int],
+    bsize: list[int],
+    start: int,
+    kf: int,
+    kb: int,
+    cap: float,
+    w: float,
+) -> Plan:
+    """Fused stage ``[start, L)``; ``kf`` forward and ``kb`` backward stages over ``[0, start)``, each
+    partition balanced by :func:`_balanced_split` (``w`` is a bound they are known to meet)."""
+    forward = _balanced_split(fwd[:start], fsize[:start], kf, cap, "forward", w) if start else []
+    backward = _balanced_split(both[:start], bsize[:start], kb, cap, "backward", w)[::-1] if start else []
+    return Plan(tuple(forward), range(start, len(fwd)), tuple(backward))
+
+
+def _slowest(plan: Plan, fwd: Sequence[float], both: Sequence[float]) -> float:
+    return max(
+        [sum(fwd[i] for i in s) for s in plan.forward] + [sum(both[i] for i in s) for s in (plan.fused, *plan.backward)]
+    )
 
 
 def predicted_cost(plan: Plan, costs: Sequence[LayerCost], num_devices: int) -> float:
     """``max(num_stages, num_devices) * (slowest stage)``: the padded work of one iteration."""
     fwd, both, _, _ = _split(costs)
-    slowest = max(
-        [sum(fwd[i] for i in s) for s in plan.forward] + [sum(both[i] for i in s) for s in (plan.fused, *plan.backward)]
-    )
-    return max(plan.num_stages, num_devices) * slowest
+    return max(plan.num_stages, num_devices) * _slowest(plan, fwd, both)
 
 
 class Planner:

@@ -52,7 +52,9 @@ def test_costs_from_bytes() -> None:
 def test_plan_chunks_hand_table() -> None:
     # Trunk forward [1,2,3,4,5] (backward 2x), head (2, 4). Two forward stages: the best split is
     # [1,2,3 | 4,5] (max 9; [1,2,3,4 | 5] gives 10). W = max(9, head 6, layer 4's 5+10=15) = 15.
-    # Backward fwd+bwd = 3,6,9,12,15 packed from layer 0: [0,1]=9, [2]=9 (+12 > 15), [3], [4].
+    # Backward fwd+bwd = 3,6,9,12,15: the fewest stages within 15 are 4 (greedy: [0,1]=9, [2], [3],
+    # [4]). Balanced at 4, the largest stage is 15 either way; cutting from layer 0, the first stage
+    # takes its share 45/4 = 11.25: [0,1] = 9 (adding layer 2 gives 18), then one layer a stage.
     costs = [LayerCost(x, 2 * x) for x in (1, 2, 3, 4, 5)] + [LayerCost(2, 4)]
     assert plan_chunks(costs, 2) == Plan.from_sizes([3, 2], 1, [1, 1, 1, 2])
     # One stage: forward is the whole trunk (15); W = 15 -> same backward packing.
@@ -71,8 +73,8 @@ def test_plan_chunks_asymmetric() -> None:
 
 
 def test_plan_chunks_forces_exact_count() -> None:
-    # Trunk [10, 1, 1, 1]: the optimum bound is 10; greedy alone would use 2 stages, but 3 are asked:
-    # the extra cut splits the light tail ([0], [1], [2,3] from the deep end with cuts forced).
+    # Trunk [10, 1, 1, 1]: the optimum bound is 10; greedy alone would use 2 stages, but 3 are asked.
+    # Layer 0 must be alone (10 + 1 > 10); the rest, 3 in 2 stages: share 3/2 = 1.5 -> [1], [2,3].
     costs = [LayerCost(x, 0.0) for x in (10, 1, 1, 1)] + [LayerCost(1, 0)]
     assert sizes(plan_chunks(costs, 3))[0] == [1, 1, 2]
 
@@ -92,6 +94,21 @@ def test_plan_chunks_is_an_exact_min_max_split() -> None:
         plan = plan_chunks(costs, k)
         assert len(plan.forward) == k
         assert max(sum(fwd[i] for i in r) for r in plan.forward) == best
+        # Backward (fwd+bwd = 3x): the fewest stages within W = max(best, 3 * heaviest layer, head 2),
+        # and, at that count, the smallest possible largest stage.
+        both = [3 * x for x in fwd]
+        w = max(best, max(both), 2.0)
+        count, total = 1, 0.0
+        for x in both:
+            if total + x > w:
+                count, total = count + 1, 0.0
+            total += x
+        assert len(plan.backward) == count
+        best_b = min(
+            max(sum(both[a:b]) for a, b in zip((0, *cuts), (*cuts, m)))
+            for cuts in itertools.combinations(range(1, m), count - 1)
+        )
+        assert max(sum(both[i] for i in r) for r in plan.backward) == best_b
 
 
 def test_plan_chunks_memory() -> None:
@@ -102,6 +119,42 @@ def test_plan_chunks_memory() -> None:
         plan_chunks(costs, 1, memory_budget=100)
     # Two stages of 3 (time 3); W = 3 allows 3 layers a backward stage but memory allows 2.
     assert plan_chunks(costs, 2, memory_budget=100) == Plan.from_sizes([3, 3], 1, [2, 2, 2])
+    assert plan_chunks(costs, 2) == Plan.from_sizes([3, 3], 1, [3, 3])
+
+
+@pytest.mark.parametrize(
+    ("layers", "k", "forward", "backward"),
+    [
+        (32, 6, [5, 5, 5, 5, 6, 6], [2] * 16),
+        (28, 4, [7, 7, 7, 7], [2] * 14),
+        (10, 4, [2, 2, 3, 3], [1] * 10),
+        (7, 3, [2, 2, 3], [1] * 7),
+        (5, 5, [1] * 5, [1] * 5),
+    ],
+)
+def test_plan_chunks_balanced_sizes(layers: int, k: int, forward: list[int], backward: list[int]) -> None:
+    # Equal layers (forward 1, backward 2, head 1 + 2): k forward stages of floor/ceil(layers / k)
+    # layers, the larger ones deep (each stage takes floor(layers left / stages left) from layer 0:
+    # 32 in 6 -> 5 (32/6), 5 (27/5), 5 (22/4), 5 (17/3), 6 (12/2), 6). W = max(largest forward
+    # stage, 3): a backward stage (3 a layer) holds 2 layers when W is 6 or 7, else 1.
+    assert plan_chunks(uniform(layers, head=(1.0, 2.0)), k) == Plan.from_sizes(forward, 1, backward)
+
+
+def test_plan_chunks_backward_balanced() -> None:
+    # 7 trunk layers (fwd+bwd 3 each), one forward stage (7) -> W = 7: backward stages of 2 layers
+    # (6), so 4 stages. Greedy from layer 0 would give 2,2,2 and a leftover 1 at the deep end
+    # (listed first). Balanced: the first stage takes its share 21/4 = 5.25 -> 1 layer; then
+    # 18/3 = 6 -> 2, 2, 2. Deep to shallow: the single layer comes last (the shallowest stage).
+    assert plan_chunks(uniform(7, head=(1.0, 2.0)), 1) == Plan.from_sizes([7], 1, [2, 2, 2, 1])
+
+
+def test_plan_chunks_balance_respects_memory() -> None:
+    # 6 trunk layers of time 1 (no backward), parameter bytes 30,30,5,5,5,5 (no gradients), budget
+    # 100 -> 50 a stage. Time alone would split [3, 3], but [0,1,2] needs 65 bytes and any stage
+    # holding layers 0 and 1 needs 60: the only 2-stage split is [0 | 1..5] (30 | 50 bytes), time
+    # max 5. W = 5; backward (same times and bytes): also 2 stages, the same split, listed deep first.
+    costs = [LayerCost(1.0, 0.0, b, 0) for b in (30, 30, 5, 5, 5, 5)] + [LayerCost(1.0, 0.0, 1, 0)]
+    assert plan_chunks(costs, 2, memory_budget=100) == Plan.from_sizes([1, 5], 1, [5, 1])
     assert plan_chunks(costs, 2) == Plan.from_sizes([3, 3], 1, [3, 3])
 
 
@@ -122,25 +175,27 @@ def test_single_layer_is_fused_only() -> None:
 
 def test_plan_auto_hand_table() -> None:
     # 6 trunk layers (fwd 1, fwd+bwd 3) + head (fwd 2, fwd+bwd 4). Wmax = 4; threshold 1.1 leaves
-    # one candidate, W = 4: fused = head (adding layer 5 gives 7); forward 4 a stage from the deep
-    # end -> [2, 4]; backward one layer a stage (3+3 > 4) -> 6. 9 stages.
+    # one candidate, W = 4: fused = head (adding layer 5 gives 7); forward 4 a stage -> 2 stages
+    # (greedy would pack [2, 4]), balanced [3, 3]; backward one layer a stage (3+3 > 4) -> 6. 9 stages.
     costs = uniform(6)
-    assert plan_auto(costs, num_devices=4) == Plan.from_sizes([2, 4], 1, [1] * 6)
+    assert plan_auto(costs, num_devices=4) == Plan.from_sizes([3, 3], 1, [1] * 6)
     # Threshold 2 -> candidates 4..8. Stage counts per W (fused | fwd | bwd):
     #   W=4: 1|2|6 = 9    W=5: 1|2|6 = 9    W=6: 1|1|3 = 5
     #   W=7: fused takes layer 5 too (4+3=7): 1|1|3 = 5     W=8: 5
     # 4 devices: costs 36, 45, 30, 35, 40 -> W=6.  10 devices: 40, 50, 60, 70, 80 -> W=4.
     assert plan_auto(costs, num_devices=4, upper_threshold=2.0) == Plan.from_sizes([6], 1, [2, 2, 2])
-    assert plan_auto(costs, num_devices=10, upper_threshold=2.0) == Plan.from_sizes([2, 4], 1, [1] * 6)
+    assert plan_auto(costs, num_devices=10, upper_threshold=2.0) == Plan.from_sizes([3, 3], 1, [1] * 6)
 
 
 def test_plan_auto_memory_cap() -> None:
     # As above with 10 + 10 bytes a layer, budget 100 -> 50 a stage: forward stages hold <= 5
     # layers, backward <= 2. W=4: 36 (unchanged). W=6: forward [1, 5] -> 6 stages, 36.
-    # W=7: fused [5, 6] (40 bytes), forward [5], backward [0,1],[2,3],[4] -> 5 stages, 35: best.
+    # W=7: fused [5, 6] (40 bytes), forward [5], backward 3 stages (2 layers each at most) -> 5
+    # stages, 35: best. Backward balanced over layers 0..4 (3 each): the first stage's share is
+    # 15/3 = 5 -> [0] alone; then 12/2 = 6 -> [1,2], [3,4]. Deep to shallow: 2, 2, 1.
     costs = uniform(6, nbytes=10)
     plan = plan_auto(costs, num_devices=4, upper_threshold=2.0, memory_budget=100)
-    assert plan == Plan.from_sizes([5], 2, [1, 2, 2])
+    assert plan == Plan.from_sizes([5], 2, [2, 2, 1])
 
 
 def test_plan_auto_memory_error() -> None:
@@ -167,12 +222,23 @@ def test_plan_auto_paper_profiles() -> None:
     counts = {name: p.num_stages for name, p in got.items()}
     paper = {n: sum(len(s.split(",")) for s in p.split("|")) for n, p in sim["paper_partitions_fwd_bwd_layers_per_stage"].items()}
     print("stage counts (ours vs paper):", {n: (counts[n], paper[n]) for n in counts})
-    # The published planner's results (reference note B.4): 15 and 23, by hand:
-    # 1.7B: Wmax = head 65.77; W = 3 layers' fwd+bwd = 69.78 -> forward 9 a stage [1,9,9,9], fused = head,
-    # backward 3 a stage with the remainder at the deep end -> 4 + 1 + 10 = 15.
-    assert got["Qwen3-1.7B"] == Plan.from_sizes([1, 9, 9, 9], 1, [1] + [3] * 9)
-    # 8B: W = 2 layers' fwd+bwd = 119.42 -> forward 6 a stage [2,6,6,6,6,6], backward 2 a stage -> 23.
-    assert got["Llama3-8B"] == Plan.from_sizes([2, 6, 6, 6, 6, 6], 1, [2] * 16)
+    # The published planner's stage counts (reference note B.4): 15 and 23, by hand:
+    # 1.7B: Wmax = head 65.77; W = 3 layers' fwd+bwd = 69.78 -> forward at most 9 a stage (66.9):
+    # 4 stages for 28 layers; fused = head; backward at most 3 a stage: 10 stages -> 15. Greedy
+    # packing gave [1,9,9,9] | 1 | [1,3x9]; balanced, 28 layers in 4 stages are 7 each, and 28 in 10
+    # are 2 (28/10) , 2 (26/9), then 3 (24/8) x 8 from layer 0, i.e. deep to shallow 3x8, 2, 2:
+    # the paper's partition 7,7,7,7 | 0,3x8,2,2 (its fused "0" is our head layer).
+    assert got["Qwen3-1.7B"] == Plan.from_sizes([7, 7, 7, 7], 1, [3] * 8 + [2, 2])
+    # 8B: W = 2 layers' fwd+bwd = 119.42 -> forward at most 6 a stage: 6 stages for 32 layers
+    # (greedy [2,6,6,6,6,6]), balanced from layer 0: 32/6 -> 5, 27/5 -> 5, 22/4 -> 5, 17/3 -> 5,
+    # 12/2 = 6, 6; backward 2 a stage: 16. The paper's 5,5,5,5,6,6 | 0,2x16. 23 stages.
+    assert got["Llama3-8B"] == Plan.from_sizes([5, 5, 5, 5, 6, 6], 1, [2] * 16)
+    # The others were already even: 20B [6]*4 | [1]*24, 32B [4]*16 | [1]*64, 235B [2]*47 | [1]*94.
+    assert [sizes(got[n]) for n in ("GPT-OSS-20B", "Qwen3-32B", "Qwen3-235B")] == [
+        ([6] * 4, 1, [1] * 24),
+        ([4] * 16, 1, [1] * 64),
+        ([2] * 47, 1, [1] * 94),
+    ]
     # 20B: W = head 130.56, forward 6 a stage (129.87) -> 4 + 1 + 24 = 29 (paper 30: [4,5,5,5,5]).
     # 32B: W = head 163.22, forward 4 a stage -> 16 + 1 + 64 = 81 (paper 87: mostly 3 a stage,
     #      presumably from measured per-layer times that differ from this uniform profile).
@@ -190,9 +256,10 @@ def five(last: float) -> list[LayerCost]:
     return [LayerCost(1, 0)] * 4 + [LayerCost(last, 0), LayerCost(0.5, 0.5)]
 
 
-# Two forward stages, 1 device. All ones: bound 3, greedy from the deep end -> [0,1 | 2,3,4];
-# W = 3 -> backward [0,1,2], [3,4]. 5 stages.
-START = Plan.from_sizes([2, 3], 1, [2, 3])
+# Two forward stages, 1 device. All ones: bound 3; balanced from layer 0, the first stage takes its
+# share 5/2 = 2.5 -> [0,1 | 2,3,4]. W = 3 -> backward (fwd+bwd 1 a layer) also 2 stages, the same
+# split, listed deep first: [2,3,4], [0,1]. 5 stages.
+START = Plan.from_sizes([2, 3], 1, [3, 2])
 
 
 def test_planner_hysteresis() -> None:
@@ -200,8 +267,9 @@ def test_planner_hysteresis() -> None:
     assert planner.initial(five(1.0)) == START
     planner.observe(five(100.0))  # warm-up, discarded
     assert planner.replan() is False
-    # Layer 4 -> 1.2: the best split is now [0,1,2 | 3,4] (3 | 2.2), predicted 5 * 3 = 15 against
-    # the current plan's 5 * 3.2 = 16 (its stage [2,3,4]): 6.25% better, under the 10% hysteresis.
+    # Layer 4 -> 1.2: the best split is now [0,1,2 | 3,4] (3 | 2.2; the rest must fit in one stage
+    # of 3, so the cut is at 3), backward likewise; predicted 5 * 3 = 15 against the current plan's
+    # 5 * 3.2 = 16 (its stages [2,3,4]): 6.25% better, under the 10% hysteresis.
     planner.observe(five(1.2))
     assert planner.estimate == five(1.2)
     assert predicted_cost(START, five(1.2), 1) == pytest.approx(16.0)
@@ -215,14 +283,16 @@ def test_planner_hysteresis() -> None:
 
 
 def test_planner_large_change_replans() -> None:
-    # Layer 4 -> 3: current plan's stage [2,3,4] costs 5 -> 25. Candidate: split bound 4 gives
-    # [0,1,2 | 3,4], W = 4, backward [0..3], [4] -> 5 stages, 5 * 4 = 20: 20% better.
+    # Layer 4 -> 3: current plan's stage [2,3,4] costs 5 -> 25. Candidate: split bound 4 (either
+    # [0,1,2 | 3,4] or [0..3 | 4]); the first stage's share is 7/2 = 3.5 -> [0,1,2 | 3,4]. W = 4,
+    # backward (the same times) 2 stages, the same split (greedy would pack [0..3], [4]) -> 5
+    # stages, 5 * 4 = 20: 20% better.
     planner = Planner(2, 6, 1)
     planner.initial(five(1.0))
     planner.observe(five(1.0))
     planner.observe(five(3.0))
     assert planner.replan() is True
-    assert planner.plan == Plan.from_sizes([3, 2], 1, [1, 4])
+    assert planner.plan == Plan.from_sizes([3, 2], 1, [2, 3])
     assert planner.replan() is False  # nothing new: stays put
 
 
