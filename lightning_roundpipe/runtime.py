@@ -224,6 +224,7 @@ class RoundPipeEngine:
         self._weights_ready: HostEvent | None = None
         self._buffer_ready: dict[int, HostEvent] = {}
         self._last_done: list[HostEvent | None] = [None] * self.num_devices
+        self._last_step_done: HostEvent | None = None
         self._warned_short_batch = False
         self._measure_lock = threading.Lock()
         self._measured_forward: dict[int, list[float]] = {}
@@ -232,12 +233,19 @@ class RoundPipeEngine:
         self._started = True
         return self
 
-    def close(self) -> None:
-        """Stop every thread. Safe to call twice and after an error; waits for a step in flight."""
+    def close(self, *, finish_steps: bool = True) -> None:
+        """Stop every thread. Safe to call twice and after an error.
+
+        With ``finish_steps`` queued optimizer steps complete first; without it (after an exception) only
+        a step already doing its arithmetic finishes and the rest are dropped. Either way every step is
+        applied whole or not at all, so the module holds consistent weights afterwards.
+        """
         if not self._started or self._closed:
             return
         self._closed = True
-        self._optimizer.close()  # lets a running step finish: weights stay consistent
+        if not finish_steps:
+            self._abort.abort()
+        self._optimizer.close()
         self._abort.abort()
         for worker in self._workers:
             worker.close()
@@ -247,8 +255,8 @@ class RoundPipeEngine:
     def __enter__(self) -> RoundPipeEngine:
         return self.start()
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.close(finish_steps=exc_type is None)
 
     def _check_running(self) -> None:
         if not self._started:
@@ -262,7 +270,7 @@ class RoundPipeEngine:
 
     def _raise_failure(self) -> None:
         error = self._abort.error
-        self.close()
+        self.close(finish_steps=False)
         if isinstance(error, PipelineError):
             raise PipelineError(str(error)) from error.__cause__
         raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}") from error
@@ -383,6 +391,8 @@ class RoundPipeEngine:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if before_step is not None or not self.options.async_step:
             self._wait_window(window)
+            if self._last_step_done is not None:
+                self._wait(self._last_step_done)  # it clears param.grad when it ends
             window.publish()
             proceed = before_step() if before_step is not None else True
             window_done = True
@@ -420,9 +430,8 @@ class RoundPipeEngine:
         for event in self._last_done:
             if event is not None:
                 self._wait(event)
-        last = getattr(self, "_last_step_done", None)
-        if last is not None:
-            self._wait(last)
+        if self._last_step_done is not None:
+            self._wait(self._last_step_done)
 
     def _wait_window(self, window: GradWindow) -> None:
         try:

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine, is_recomputing
 from lightning_roundpipe.microbatch import microbatch_sizes
-from tests.models import SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, tiny_gpt
+from tests.models import SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, tiny_gpt
 
 
 def _roundpipe_threads() -> list[str]:
@@ -374,3 +374,37 @@ def test_two_engines_share_nothing_and_close_cleanly():
     second.forward_backward(x, y, F.cross_entropy)
     first.close(), second.close(), first.close()
     assert _roundpipe_threads() == []
+
+
+def test_async_with_a_before_step_hook_still_follows_the_one_step_delayed_formula():
+    """The hook path publishes gradients on the main thread; it must wait for the previous step, which
+    clears ``param.grad`` when it ends, or this iteration's gradients would be wiped."""
+    from tests.test_transparency import STEPS, _async_reference
+
+    model = bn_model()
+    sizes = [4, 4]
+    masters, _, _ = _async_reference(model, bn_batch, 8, F.cross_entropy, "bn", sizes, "sgd")
+    optimizer = make_optimizer("sgd", model.parameters())
+    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.05))  # a slow host step
+    calls = []
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2, async_step=True)) as engine:
+        for step in range(STEPS):
+            x, y = bn_batch(8, step)
+            engine.forward_backward(x, y, F.cross_entropy)
+            engine.step(optimizer, before_step=lambda: calls.append(step))
+        engine.synchronize()
+    assert calls == list(range(STEPS))
+    for param, master in zip(model.parameters(), masters):
+        torch.testing.assert_close(param, master.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_an_exception_in_user_code_stops_the_engine_cleanly():
+    model = bn_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(KeyError):
+        with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2)) as engine:
+            x, y = bn_batch(8, 0)
+            engine.forward_backward(x, y, F.cross_entropy)
+            raise KeyError("user code failed before the step")
+    assert _roundpipe_threads() == []
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
