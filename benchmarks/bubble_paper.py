@@ -36,7 +36,7 @@ from lightning_roundpipe.simulate import (  # noqa: E402
     simulate_roundpipe,
 )
 
-DEFAULT_JSON = ROOT.parent / "shared" / "reference" / "roundpipe_paper.json"
+DEFAULT_JSON = ROOT / "benchmarks" / "roundpipe_paper.json"
 
 
 def sizes(text: str) -> list[int]:

@@ -19,153 +19,33 @@ the host into the optimizer step's :class:`~lightning_roundpipe.optim.GradWindow
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_roundpipe import replica as replicas
+from lightning_roundpipe.call import Call, CallContext, PipelineError, Slot
 from lightning_roundpipe.config import EngineOptions
 from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent
 from lightning_roundpipe.layers import Trunk, build_trunk
 from lightning_roundpipe.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
 from lightning_roundpipe.optim import GradWindow, HostOptimizer, PublishedWeights, snapshot_param_groups, step_with_groups
 from lightning_roundpipe.partition import LayerCost, Plan, Planner, costs_from_bytes
-from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
 from lightning_roundpipe.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
+from lightning_roundpipe.stage import StageRunner, Task
 from lightning_roundpipe.trace import Timeline, TimelineEvent
-from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, differentiable_leaves, tree_nbytes
+from lightning_roundpipe.transfer import differentiable_leaves
+from lightning_roundpipe.worker import Worker
+
+__all__ = ["ACTIVATION_RESERVE", "PipelineError", "RoundPipeEngine"]
 
 
 ACTIVATION_RESERVE = 0.25
 """Share of ``device_memory_limit`` kept for stage-boundary activations; the planner fits two stages
 (the running one and the prefetched one) in the rest."""
-
-
-class PipelineError(RuntimeError):
-    """A layer, the loss or a transfer failed inside the pipeline; ``__cause__`` is the original error."""
-
-
-@dataclass(frozen=True)
-class CallContext:
-    """Thread-local state of the caller that must reach the workers, captured when the call starts."""
-
-    grad_enabled: bool
-    inference: bool
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]
-    training: tuple[tuple[bool, ...], ...]
-    random_layers: frozenset[int]
-
-    @staticmethod
-    def capture(trunk: Trunk) -> CallContext:
-        autocast = tuple(
-            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
-        )
-        training = tuple(tuple(module.training for module in layer.modules()) for layer in trunk.layers)
-        random_layers = frozenset(
-            index for index, layer in enumerate(trunk.layers)
-            if any(
-                module.training and (isinstance(module, nn.modules.dropout._DropoutNd)
-                                     or getattr(module, "roundpipe_random", False))
-                for module in layer.modules()
-            )
-        )
-        return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, training,
-                           random_layers)
-
-    @contextmanager
-    def applied(self, grad: bool):
-        with ExitStack() as stack:
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            else:
-                stack.enter_context(torch.set_grad_enabled(grad))
-            for kind, enabled, dtype in self.autocast:
-                if enabled:
-                    stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=False))
-            yield
-
-
-class _Slot:
-    """A host value produced by one stream and read by another after ``event``."""
-
-    __slots__ = ("value", "event")
-
-    def __init__(self, name: str) -> None:
-        self.value: Any = None
-        self.event = HostEvent(name)
-
-    def put(self, value: Any) -> None:
-        self.value = value
-        self.event.set()
-
-    @staticmethod
-    def ready(value: Any) -> _Slot:
-        slot = _Slot("ready")
-        slot.put(value)
-        return slot
-
-
-@dataclass
-class _Call:
-    """Everything one trunk call keeps on the host between its forward and backward jobs."""
-
-    step: int
-    index: int
-    plan: Plan
-    context: CallContext
-    sizes: list[int]
-    inputs: list[_Slot]                      # per microbatch: (args, kwargs) for layer 0
-    input_requires_grad: list[bool]          # per differentiable leaf of the inputs
-    checkpoint_layers: frozenset[int]
-    checkpoints: dict[tuple[int, int], _Slot] = field(default_factory=dict)
-    snapshots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
-    outputs: dict[int, list[_Slot]] = field(default_factory=dict)   # job index -> per microbatch
-    targets: list[Any] = field(default_factory=list)
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    loss_scales: list[float] = field(default_factory=list)   # microbatch weight / batch weight
-    backward_scale: float = 1.0
-    losses: list[_Slot] = field(default_factory=list)          # fused path: per microbatch
-    first_grads: list[_Slot] | None = None                     # transparent backward: from autograd
-    merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
-
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.sizes)
-
-
-@dataclass
-class _Task:
-    job: Job
-    call: _Call
-    window: GradWindow
-    weights_ready: HostEvent | None
-    buffer_waits: list[HostEvent]
-    buffer_done: dict[int, HostEvent]
-    upload_done: HostEvent
-    done: HostEvent
-    needs_grad: bool          # the job differentiates (fused, backward)
-
-    @property
-    def kind(self) -> StageKind:
-        return self.job.kind
-
-
-class _Stage:
-    """One job's parameters and buffers on one device, bound into that device's layer replicas."""
-
-    def __init__(self) -> None:
-        self.params: dict[int, list[torch.Tensor]] = {}
-        self.buffers: dict[int, list[torch.Tensor]] = {}
-        self.nbytes = 0
-        self.forward_time: dict[int, float] = {}
 
 
 class RoundPipeEngine:
@@ -213,10 +93,13 @@ class RoundPipeEngine:
             Device(index, device, self._abort, budget=self.options.device_memory_limit, jitter=self.options.jitter)
             for index, device in enumerate(self.torch_devices)
         ]
-        self._workers = [_Worker(self, device) for device in self.devices]
+        self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
+        published = PublishedWeights(self.trunk.parameters()) if self.options.async_step else None
+        self._published = published
+        self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, self.timeline,
+                                   self.base_seed, published, measure=not self.options.freeze_plan)
+        self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, self.timeline)
-        self._published = PublishedWeights(self.trunk.parameters()) if self.options.async_step else None
-        self._replicas: list[dict[int, nn.Module]] = [{} for _ in self.devices]
         self._next_job = 0
         self._step = 0
         self._calls_in_step = 0
@@ -226,10 +109,6 @@ class RoundPipeEngine:
         self._last_done: list[HostEvent | None] = [None] * self.num_devices
         self._last_step_done: HostEvent | None = None
         self._warned_short_batch = False
-        self._measure_lock = threading.Lock()
-        self._measured_forward: dict[int, list[float]] = {}
-        self._measured_backward: dict[int, list[float]] = {}
-        self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
         self._started = True
         return self
 
@@ -356,7 +235,7 @@ class RoundPipeEngine:
         call.loss_fn = loss_fn
         call.loss_scales = [w / total for w in weights]
         call.backward_scale = scale
-        call.losses = [_Slot(f"loss {m}") for m in range(call.num_microbatches)]
+        call.losses = [Slot(f"loss {m}") for m in range(call.num_microbatches)]
         jobs = training_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=None)
@@ -443,9 +322,7 @@ class RoundPipeEngine:
 
     # ------------------------------------------------------------------ planning
     def _replan(self) -> None:
-        with self._measure_lock:
-            forward, backward = self._measured_forward, self._measured_backward
-            self._measured_forward, self._measured_backward = {}, {}
+        forward, backward = self._runner.take_measurements()
         if not forward or self.options.freeze_plan:
             return
         estimate = self.planner.estimate
@@ -462,7 +339,7 @@ class RoundPipeEngine:
         self.planner.replan()
 
     # ------------------------------------------------------------------ dispatch
-    def _new_call(self, inputs: tuple[tuple, dict], context: CallContext, checkpoints: bool) -> _Call:
+    def _new_call(self, inputs: tuple[tuple, dict], context: CallContext, checkpoints: bool) -> Call:
         size = batch_size(inputs)
         if size is None:
             sizes = [1] if self.num_microbatches == 1 else None
@@ -489,16 +366,16 @@ class RoundPipeEngine:
                 layers = set(range(len(self.trunk)))
             else:
                 layers = {stage.start for stage in plan.backward} | {plan.fused.start}
-        call = _Call(
+        call = Call(
             step=self._step, index=self._calls_in_step, plan=plan, context=context, sizes=sizes,
-            inputs=[_Slot.ready(chunk) for chunk in chunks],
+            inputs=[Slot.ready(chunk) for chunk in chunks],
             input_requires_grad=[leaf.requires_grad for leaf in differentiable_leaves(inputs)],
             checkpoint_layers=frozenset(layers),
         )
         self._calls_in_step += 1
         return call
 
-    def _run_forward(self, call: _Call) -> list[Any]:
+    def _run_forward(self, call: Call) -> list[Any]:
         jobs = forward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=None)
@@ -508,17 +385,17 @@ class RoundPipeEngine:
             outputs.append(slot.value[0][0])  # slots hold the next layer's (args, kwargs)
         return outputs
 
-    def _run_backward(self, call: _Call, output_grads: list[list[torch.Tensor | None]]) -> list[_Slot]:
+    def _run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[Slot]:
         jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=output_grads)
         return call.outputs[jobs[-1].index]
 
-    def _dispatch(self, call: _Call, jobs: list[Job], first_output_grads: list | None) -> None:
+    def _dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
         for job in jobs:
-            call.outputs[job.index] = [_Slot(f"{job.label}.{m}") for m in range(call.num_microbatches)]
+            call.outputs[job.index] = [Slot(f"{job.label}.{m}") for m in range(call.num_microbatches)]
         if first_output_grads is not None:
-            call.first_grads = [_Slot.ready(g) for g in first_output_grads]
+            call.first_grads = [Slot.ready(g) for g in first_output_grads]
         for job in jobs:
             if job.kind is StageKind.FORWARD and call.checkpoint_layers:
                 self._make_checkpoint_slots(call, job)
@@ -533,7 +410,7 @@ class RoundPipeEngine:
                         if previous is not None:
                             buffer_waits.append(previous)
                         buffer_done[layer] = self._buffer_ready[layer] = HostEvent(f"buffers of layer {layer}")
-            task = _Task(
+            task = Task(
                 job=job, call=call, window=self._window, weights_ready=self._weights_ready,
                 buffer_waits=buffer_waits, buffer_done=buffer_done,
                 upload_done=HostEvent(f"{job.label} upload"), done=HostEvent(f"{job.label} done"),
@@ -546,7 +423,7 @@ class RoundPipeEngine:
             self._last_done[job.device] = task.done
             self._workers[job.device].put(task)
 
-    def _make_checkpoint_slots(self, call: _Call, job: Job) -> None:
+    def _make_checkpoint_slots(self, call: Call, job: Job) -> None:
         """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
         order, because the backward job that reads them may be enqueued first by another worker."""
         for microbatch in range(call.num_microbatches):
@@ -554,166 +431,16 @@ class RoundPipeEngine:
             for layer in job.layers:
                 if layer in call.checkpoint_layers:
                     call.checkpoints[(layer, microbatch)] = (
-                        source if layer == job.layers.start else _Slot(f"checkpoint {layer}.{microbatch}"))
+                        source if layer == job.layers.start else Slot(f"checkpoint {layer}.{microbatch}"))
                 if self.trunk.states[layer].buffers:
-                    call.snapshots[(layer, microbatch)] = _Slot(f"snapshot {layer}.{microbatch}")
-
-    # ------------------------------------------------------------------ device-side work
-    def _replica(self, device: Device, layer: int) -> nn.Module:
-        cache = self._replicas[device.index]
-        if layer not in cache:
-            cache[layer] = replicas.make_replica(self.trunk.layers[layer], self.trunk.states[layer])
-        return cache[layer]
-
-    def _source(self, param: nn.Parameter) -> torch.Tensor:
-        return self._published.source(param) if self._published is not None else param.detach()
-
-    def _upload_stage(self, device: Device, task: _Task) -> _Stage:
-        stage = _Stage()
-        differentiate = task.needs_grad
-        for layer in task.job.layers:
-            state = self.trunk.states[layer]
-            tensors = []
-            for param in state.params:
-                copied = copy_tensor(self._source(param), device.torch_device)
-                if differentiate and param.requires_grad:
-                    copied.requires_grad_(True)
-                tensors.append(copied)
-            stage.params[layer] = tensors
-            stage.buffers[layer] = [copy_tensor(buffer, device.torch_device) for buffer in state.buffers]
-            stage.nbytes += sum(t.numel() * t.element_size() for t in tensors)
-            stage.nbytes += sum(b.numel() * b.element_size() for b in stage.buffers[layer])
-            if differentiate:
-                stage.nbytes += state.grad_bytes()
-        device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
-        return stage
-
-    def _bind(self, device: Device, task: _Task, stage: _Stage) -> None:
-        for layer in task.job.layers:
-            replica = self._replica(device, layer)
-            replicas.bind(replica, self.trunk.states[layer], stage.params[layer], stage.buffers[layer])
-            replicas.set_training_flags(replica, list(task.call.context.training[layer]))
-
-    def _unbind(self, device: Device, task: _Task) -> None:
-        for layer in task.job.layers:
-            replicas.unbind(self._replica(device, layer), self.trunk.states[layer])
-
-    def _run_layer(self, device: Device, task: _Task, layer: int, microbatch: int, layer_input: Any,
-                   stage: _Stage) -> Any:
-        call = task.call
-        args, kwargs = layer_input
-        module = self._replica(device, layer)
-        start = self.timeline.now()
-        try:
-            if layer in call.context.random_layers:
-                seed = layer_seed(self.base_seed, call.step, call.index, layer, microbatch)
-                with seeded(seed, device.torch_device):
-                    output = module(*args, **kwargs)
-            else:
-                output = module(*args, **kwargs)
-        except EngineAborted:
-            raise
-        except Exception as error:
-            raise PipelineError(
-                f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
-                f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
-            ) from error
-        elapsed = self.timeline.now() - start
-        stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
-        return output
-
-    def _forward_microbatch(self, device: Device, task: _Task, stage: _Stage, microbatch: int,
-                            layer_input: Any) -> tuple[Any, dict[int, Any], dict[int, list[torch.Tensor]]]:
-        """Run a forward stage (or the fused stage's forward) on one microbatch."""
-        call = task.call
-        checkpoints: dict[int, Any] = {}
-        snapshots: dict[int, list[torch.Tensor]] = {}
-        value = layer_input
-        for layer in task.job.layers:
-            if layer in call.checkpoint_layers and layer != task.job.layers.start:
-                checkpoints[layer] = value
-            if call.checkpoint_layers and stage.buffers[layer]:
-                snapshots[layer] = [buffer.clone() for buffer in stage.buffers[layer]]
-            value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
-        return value, checkpoints, snapshots
-
-    def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> list[torch.Tensor]:
-        leaves = differentiable_leaves(layer_input)
-        for position, leaf in enumerate(leaves):
-            if requires_grad is None or requires_grad[position]:
-                leaf.requires_grad_(True)
-        return leaves
-
-    def _fused_microbatch(self, device: Device, task: _Task, stage: _Stage, microbatch: int,
-                          layer_input: Any, target: Any) -> tuple[torch.Tensor, list]:
-        call = task.call
-        first = task.job.layers.start
-        with call.context.applied(grad=True):
-            leaves = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
-            value = layer_input
-            for layer in task.job.layers:
-                value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
-            output = value[0][0]
-            try:
-                loss = call.loss_fn(output, target)
-            except Exception as error:
-                raise PipelineError(
-                    f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
-                    f"microbatch {microbatch}): {error}") from error
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise PipelineError(
-                    f"the loss function must return a scalar tensor (the microbatch mean), got "
-                    f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
-            weight = call.loss_scales[microbatch]
-            if weight != 0.0 and loss.requires_grad:
-                (loss.reshape(()) * (weight * call.backward_scale)).backward()
-        return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
-
-    def _backward_microbatch(self, device: Device, task: _Task, stage: _Stage, microbatch: int,
-                             checkpoints: dict[int, Any], snapshots: dict[int, list[torch.Tensor]],
-                             output_grads: list | None) -> list | None:
-        if output_grads is None or all(g is None for g in output_grads):
-            return None
-        call = task.call
-        layers = task.job.layers
-        # stage grain: one recompute of every layer from the stage input; layer grain: one at a time
-        groups = [layers] if self.options.recompute == "stage" else [range(l, l + 1) for l in layers]
-        grads = output_grads
-        with call.context.applied(grad=True), recomputing():
-            for group in reversed(groups):
-                value = checkpoints[group.start]
-                leaves = self._prepare_inputs(value, call.input_requires_grad if group.start == 0 else None)
-                for layer in group:
-                    if layer in snapshots:
-                        replicas.bind_buffers(self._replica(device, layer), self.trunk.states[layer],
-                                              snapshots[layer])
-                    value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
-                outputs = differentiable_leaves(value[0][0])
-                pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
-        return grads
-
-    def _record_measurements(self, task: _Task, stage: _Stage, elapsed: float) -> None:
-        if self.options.freeze_plan:
-            return
-        with self._measure_lock:
-            if task.kind is StageKind.BACKWARD:
-                total_forward = sum(stage.forward_time.values()) or 1.0
-                for layer, forward in stage.forward_time.items():
-                    share = elapsed * forward / total_forward - forward
-                    self._measured_backward.setdefault(layer, []).append(max(share, 0.0) / task.call.num_microbatches)
-            else:
-                for layer, forward in stage.forward_time.items():
-                    self._measured_forward.setdefault(layer, []).append(forward / task.call.num_microbatches)
+                    call.snapshots[(layer, microbatch)] = Slot(f"snapshot {layer}.{microbatch}")
 
 
 class _PipelineFunction(torch.autograd.Function):
     """Wires a pipelined forward into autograd; its backward dispatches the backward stages."""
 
     @staticmethod
-    def forward(ctx, engine: RoundPipeEngine, call: _Call, anchor: torch.Tensor, *inputs: torch.Tensor):
+    def forward(ctx, engine: RoundPipeEngine, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor):
         outputs = engine._run_forward(call)
         merged = merge(outputs)
         leaves, spec = pytree.tree_flatten(merged)
@@ -760,203 +487,3 @@ class _PipelineFunction(torch.autograd.Function):
             else:
                 input_grads.append(torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0])
         return (None, None, None) + tuple(input_grads)
-
-
-class _Worker:
-    """One device's host thread: turns jobs into stream operations, in ring order."""
-
-    def __init__(self, engine: RoundPipeEngine, device: Device) -> None:
-        self.engine = engine
-        self.device = device
-        self._tasks: deque[_Task | None] = deque()
-        self._ready = threading.Condition()
-        self._uploads: dict[int, tuple[_Stage, HostEvent]] = {}
-        self._releases: list[HostEvent] = []
-        self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
-        self._thread.start()
-
-    def put(self, task: _Task | None) -> None:
-        with self._ready:
-            self._tasks.append(task)
-            self._ready.notify()
-
-    def close(self) -> None:
-        self.put(None)
-        self._thread.join()
-
-    def _take(self) -> _Task | None:
-        with self._ready:
-            while not self._tasks:
-                self._ready.wait()
-            return self._tasks.popleft()
-
-    def _peek(self) -> _Task | None:
-        with self._ready:
-            return self._tasks[0] if self._tasks else None
-
-    def _run(self) -> None:
-        sequence = 0
-        while True:
-            task = self._take()
-            if task is None:
-                return
-            if self.engine._abort.aborted:
-                continue
-            try:
-                if task.job.index not in self._uploads:
-                    self._enqueue_upload(task, sequence)
-                following = self._peek()
-                if following is not None and following.job.index not in self._uploads:
-                    self._enqueue_upload(following, sequence + 1)
-                self._enqueue_job(task)
-            except BaseException as error:  # noqa: BLE001
-                self.engine._abort.fail(error)
-            sequence += 1
-            task = following = None  # hold no call alive while idle: its host activations would leak
-
-    def _enqueue_upload(self, task: _Task, sequence: int) -> None:
-        """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
-        stream = self.device.param_stream
-        if sequence >= 2:
-            stream.wait_event(self._releases[sequence - 2])
-        stream.wait_event(task.weights_ready)
-        for event in task.buffer_waits:
-            stream.wait_event(event)
-        holder = _Stage()
-
-        def upload() -> None:
-            start = self.engine.timeline.now()
-            stage = self.engine._upload_stage(self.device, task)
-            holder.__dict__.update(stage.__dict__)
-            task.upload_done.set()
-            self.engine.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
-
-        stream.submit(upload)
-        self._uploads[task.job.index] = (holder, stream.record(f"{task.job.label} params"))
-
-    def _enqueue_job(self, task: _Task) -> None:
-        engine, device, job, call = self.engine, self.device, task.job, task.call
-        stage, params_ready = self._uploads.pop(job.index)
-        compute, acts, download = device.compute_stream, device.act_stream, device.download_stream
-        compute.wait_event(params_ready)
-        compute.submit(lambda: engine._bind(device, task, stage))
-        start_time = [0.0]
-        compute.submit(lambda: start_time.__setitem__(0, engine.timeline.now()))
-        for microbatch in range(call.num_microbatches):
-            self._enqueue_microbatch(task, stage, microbatch)
-        # unbind on the compute stream: the next job on this device may reuse the same replicas
-        compute.submit(lambda: engine._unbind(device, task))
-        finished = compute.record(f"{job.label} computed")
-        download.wait_event(finished)
-
-        def finish() -> None:
-            start = engine.timeline.now()
-            if task.needs_grad:
-                for layer in job.layers:
-                    state = engine.trunk.states[layer]
-                    for param, copied in zip(state.params, stage.params[layer]):
-                        if param.requires_grad and copied.grad is not None:
-                            task.window.add(param, copy_tensor(copied.grad, HOST))
-            if job.kind is not StageKind.BACKWARD:
-                with torch.no_grad():
-                    for layer in job.layers:
-                        for host, copied in zip(engine.trunk.states[layer].buffers, stage.buffers[layer]):
-                            host.copy_(copied)
-                        if layer in task.buffer_done:
-                            task.buffer_done[layer].set()
-            engine._record_measurements(task, stage, engine.timeline.now() - start_time[0])
-            device.residency.release(stage.nbytes, stage=True)
-            stage.params.clear()
-            stage.buffers.clear()
-            if task.needs_grad:
-                task.window.job_finished()
-            engine.timeline.add(device.index, job.index, job.label, -1, "release", start)
-
-        download.submit(finish)
-        release = download.record(f"{job.label} released")
-        self._releases.append(release)
-        download.submit(task.done.set)
-
-    def _input_slots(self, task: _Task) -> list[_Slot]:
-        call, job = task.call, task.job
-        if job.depends_on:
-            return call.outputs[job.depends_on[-1]]
-        if job.kind is StageKind.BACKWARD:
-            return call.first_grads
-        return call.inputs
-
-    def _enqueue_microbatch(self, task: _Task, stage: _Stage, microbatch: int) -> None:
-        engine, device, job, call = self.engine, self.device, task.job, task.call
-        acts, compute, download = device.act_stream, device.compute_stream, device.download_stream
-        source = self._input_slots(task)[microbatch]
-        uploaded: dict[str, Any] = {}
-        kind = job.kind
-        checkpoint_slots: list[tuple[int, _Slot]] = []
-        snapshot_slots: list[tuple[int, _Slot]] = []
-        if kind is StageKind.BACKWARD:
-            starts = [job.layers.start] if engine.options.recompute == "stage" else list(job.layers)
-            checkpoint_slots = [(layer, call.checkpoints[(layer, microbatch)]) if layer != 0
-                                else (layer, call.inputs[microbatch]) for layer in starts]
-            snapshot_slots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
-                              if (layer, microbatch) in call.snapshots]
-
-        acts.wait_event(source.event)
-        for _, slot in checkpoint_slots + snapshot_slots:
-            acts.wait_event(slot.event)
-
-        def upload() -> None:
-            start = engine.timeline.now()
-            uploaded["input"] = copy_tree(source.value, device.torch_device)
-            uploaded["checkpoints"] = {layer: copy_tree(slot.value, device.torch_device)
-                                       for layer, slot in checkpoint_slots}
-            uploaded["snapshots"] = {layer: copy_tree(slot.value, device.torch_device)
-                                     for layer, slot in snapshot_slots}
-            if kind is StageKind.FUSED:
-                uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
-            uploaded["nbytes"] = tree_nbytes([value for key, value in uploaded.items()])
-            device.residency.allocate(uploaded["nbytes"], f"the inputs of {job.label} microbatch {microbatch}")
-            engine.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
-
-        acts.submit(upload)
-        compute.wait_event(acts.record(f"{job.label}.{microbatch} input"))
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            start = engine.timeline.now()
-            if kind is StageKind.FORWARD:
-                with call.context.applied(grad=False):
-                    output, checkpoints, snapshots = engine._forward_microbatch(
-                        device, task, stage, microbatch, uploaded["input"])
-                result.update(output=output, checkpoints=checkpoints, snapshots=snapshots)
-            elif kind is StageKind.FUSED:
-                loss, input_grads = engine._fused_microbatch(
-                    device, task, stage, microbatch, uploaded["input"], uploaded["target"])
-                result.update(output=input_grads, loss=loss)
-            else:
-                result["output"] = engine._backward_microbatch(
-                    device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
-                    uploaded["input"])
-            device.residency.release(uploaded["nbytes"])
-            uploaded.clear()
-            result["nbytes"] = tree_nbytes([result.get(key) for key in ("output", "checkpoints", "snapshots")])
-            device.residency.allocate(result["nbytes"], f"the outputs of {job.label} microbatch {microbatch}")
-            engine.timeline.add(device.index, job.index, job.label, microbatch, kind.name.lower(), start)
-
-        compute.submit(run)
-        download.wait_event(compute.record(f"{job.label}.{microbatch} computed"))
-        out_slot = call.outputs[job.index][microbatch]
-
-        def store() -> None:
-            start = engine.timeline.now()
-            for layer, value in result.get("checkpoints", {}).items():
-                call.checkpoints[(layer, microbatch)].put(copy_tree(value, HOST))
-            for layer, value in result.get("snapshots", {}).items():
-                call.snapshots[(layer, microbatch)].put([copy_tensor(b, HOST) for b in value])
-            if "loss" in result:
-                call.losses[microbatch].put(copy_tensor(result["loss"], HOST))
-            out_slot.put(copy_tree(result.get("output"), HOST))
-            device.residency.release(result["nbytes"])
-            result.clear()
-            engine.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
-
-        download.submit(store)

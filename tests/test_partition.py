@@ -19,7 +19,7 @@ from lightning_roundpipe.partition import (
     predicted_cost,
 )
 
-PAPER = Path(__file__).resolve().parents[2] / "shared" / "reference" / "roundpipe_paper.json"
+PAPER = Path(__file__).resolve().parents[1] / "benchmarks" / "roundpipe_paper.json"
 
 
 def sizes(plan: Plan) -> tuple[list[int], int, list[int]]:

@@ -1,0 +1,113 @@
+"""The state of one trunk call: what the caller's thread set, and the host data between stages.
+
+A call keeps, on the host, the inputs of its microbatches, the checkpoints backward stages recompute
+from, buffer snapshots for those recomputes, and one :class:`Slot` per (job, microbatch) output. Slots
+are made on the main thread at dispatch, in ring order, because the job that reads one may be enqueued
+by its device's worker before the producing job's worker has even started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.device import HostEvent
+from lightning_roundpipe.layers import Trunk
+from lightning_roundpipe.partition import Plan
+
+
+class PipelineError(RuntimeError):
+    """A layer, the loss or a transfer failed inside the pipeline; ``__cause__`` is the original error."""
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Thread-local state of the caller that must reach the workers, captured when the call starts."""
+
+    grad_enabled: bool
+    inference: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    training: tuple[tuple[bool, ...], ...]
+    random_layers: frozenset[int]
+
+    @staticmethod
+    def capture(trunk: Trunk) -> CallContext:
+        autocast = tuple(
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
+        )
+        training = tuple(tuple(module.training for module in layer.modules()) for layer in trunk.layers)
+        random_layers = frozenset(
+            index for index, layer in enumerate(trunk.layers)
+            if any(
+                module.training and (isinstance(module, nn.modules.dropout._DropoutNd)
+                                     or getattr(module, "roundpipe_random", False))
+                for module in layer.modules()
+            )
+        )
+        return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, training,
+                           random_layers)
+
+    @contextmanager
+    def applied(self, grad: bool):
+        with ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            else:
+                stack.enter_context(torch.set_grad_enabled(grad))
+            for kind, enabled, dtype in self.autocast:
+                if enabled:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=False))
+            yield
+
+
+class Slot:
+    """A host value produced by one stream and read by another after ``event``."""
+
+    __slots__ = ("value", "event")
+
+    def __init__(self, name: str) -> None:
+        self.value: Any = None
+        self.event = HostEvent(name)
+
+    def put(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+    @staticmethod
+    def ready(value: Any) -> Slot:
+        slot = Slot("ready")
+        slot.put(value)
+        return slot
+
+
+@dataclass
+class Call:
+    """Everything one trunk call keeps on the host between its forward and backward jobs."""
+
+    step: int
+    index: int
+    plan: Plan
+    context: CallContext
+    sizes: list[int]
+    inputs: list[Slot]                      # per microbatch: (args, kwargs) for layer 0
+    input_requires_grad: list[bool]          # per differentiable leaf of the inputs
+    checkpoint_layers: frozenset[int]
+    checkpoints: dict[tuple[int, int], Slot] = field(default_factory=dict)
+    snapshots: dict[tuple[int, int], Slot] = field(default_factory=dict)
+    outputs: dict[int, list[Slot]] = field(default_factory=dict)   # job index -> per microbatch
+    targets: list[Any] = field(default_factory=list)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    loss_scales: list[float] = field(default_factory=list)   # microbatch weight / batch weight
+    backward_scale: float = 1.0
+    losses: list[Slot] = field(default_factory=list)          # fused path: per microbatch
+    first_grads: list[Slot] | None = None                     # transparent backward: from autograd
+    merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.sizes)

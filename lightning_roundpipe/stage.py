@@ -1,0 +1,227 @@
+"""Device-side work of one stage job: upload, bind into replicas, and run microbatches.
+
+:class:`StageRunner` holds what every job needs (the trunk, the replicas of each device, where uploads
+read weights from) and computes one microbatch of a forward, fused or backward job. It runs on the
+devices' compute and parameter streams; the worker decides when.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_roundpipe import replica as replicas
+from lightning_roundpipe.call import Call, PipelineError
+from lightning_roundpipe.device import Device, EngineAborted, HostEvent
+from lightning_roundpipe.layers import Trunk
+from lightning_roundpipe.optim import GradWindow, PublishedWeights
+from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
+from lightning_roundpipe.schedule import Job, StageKind
+from lightning_roundpipe.trace import Timeline
+from lightning_roundpipe.transfer import copy_tensor, differentiable_leaves
+
+
+@dataclass
+class Task:
+    """A stage job as dispatched: the job, its call, and the events it waits for and sets."""
+
+    job: Job
+    call: Call
+    window: GradWindow
+    weights_ready: HostEvent | None
+    buffer_waits: list[HostEvent]
+    buffer_done: dict[int, HostEvent]
+    upload_done: HostEvent
+    done: HostEvent
+    needs_grad: bool          # the job differentiates (fused, backward)
+
+    @property
+    def kind(self) -> StageKind:
+        return self.job.kind
+
+
+class Stage:
+    """One job's parameters and buffers on one device, bound into that device's layer replicas."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, list[torch.Tensor]] = {}
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.nbytes = 0
+        self.forward_time: dict[int, float] = {}
+
+
+class StageRunner:
+    """Runs stage jobs' device-side steps; shared by the workers of one engine."""
+
+    def __init__(self, trunk: Trunk, num_devices: int, recompute: str, timeline: Timeline, base_seed: int,
+                 published: PublishedWeights | None, measure: bool) -> None:
+        self.trunk = trunk
+        self.recompute = recompute
+        self.timeline = timeline
+        self.base_seed = base_seed
+        self._published = published
+        self._replicas: list[dict[int, nn.Module]] = [{} for _ in range(num_devices)]
+        self._measure = measure
+        self._measure_lock = threading.Lock()
+        self._measured_forward: dict[int, list[float]] = {}
+        self._measured_backward: dict[int, list[float]] = {}
+
+    def take_measurements(self) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+        """Per-layer forward and backward times per microbatch since the last call (for the planner)."""
+        with self._measure_lock:
+            measured = self._measured_forward, self._measured_backward
+            self._measured_forward, self._measured_backward = {}, {}
+        return measured
+
+    def replica(self, device: Device, layer: int) -> nn.Module:
+        cache = self._replicas[device.index]
+        if layer not in cache:
+            cache[layer] = replicas.make_replica(self.trunk.layers[layer], self.trunk.states[layer])
+        return cache[layer]
+
+    def _source(self, param: nn.Parameter) -> torch.Tensor:
+        return self._published.source(param) if self._published is not None else param.detach()
+
+    def upload_stage(self, device: Device, task: Task) -> Stage:
+        stage = Stage()
+        differentiate = task.needs_grad
+        for layer in task.job.layers:
+            state = self.trunk.states[layer]
+            tensors = []
+            for param in state.params:
+                copied = copy_tensor(self._source(param), device.torch_device)
+                if differentiate and param.requires_grad:
+                    copied.requires_grad_(True)
+                tensors.append(copied)
+            stage.params[layer] = tensors
+            stage.buffers[layer] = [copy_tensor(buffer, device.torch_device) for buffer in state.buffers]
+            stage.nbytes += sum(t.numel() * t.element_size() for t in tensors)
+            stage.nbytes += sum(b.numel() * b.element_size() for b in stage.buffers[layer])
+            if differentiate:
+                stage.nbytes += state.grad_bytes()
+        device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
+        return stage
+
+    def bind(self, device: Device, task: Task, stage: Stage) -> None:
+        for layer in task.job.layers:
+            replica = self.replica(device, layer)
+            replicas.bind(replica, self.trunk.states[layer], stage.params[layer], stage.buffers[layer])
+            replicas.set_training_flags(replica, list(task.call.context.training[layer]))
+
+    def unbind(self, device: Device, task: Task) -> None:
+        for layer in task.job.layers:
+            replicas.unbind(self.replica(device, layer), self.trunk.states[layer])
+
+    def _run_layer(self, device: Device, task: Task, layer: int, microbatch: int, layer_input: Any,
+                   stage: Stage) -> Any:
+        call = task.call
+        args, kwargs = layer_input
+        module = self.replica(device, layer)
+        start = self.timeline.now()
+        try:
+            if layer in call.context.random_layers:
+                seed = layer_seed(self.base_seed, call.step, call.index, layer, microbatch)
+                with seeded(seed, device.torch_device):
+                    output = module(*args, **kwargs)
+            else:
+                output = module(*args, **kwargs)
+        except EngineAborted:
+            raise
+        except Exception as error:
+            raise PipelineError(
+                f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
+                f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
+            ) from error
+        elapsed = self.timeline.now() - start
+        stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
+        return output
+
+    def forward_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
+                            layer_input: Any) -> tuple[Any, dict[int, Any], dict[int, list[torch.Tensor]]]:
+        """Run a forward stage (or the fused stage's forward) on one microbatch."""
+        call = task.call
+        checkpoints: dict[int, Any] = {}
+        snapshots: dict[int, list[torch.Tensor]] = {}
+        value = layer_input
+        for layer in task.job.layers:
+            if layer in call.checkpoint_layers and layer != task.job.layers.start:
+                checkpoints[layer] = value
+            if call.checkpoint_layers and stage.buffers[layer]:
+                snapshots[layer] = [buffer.clone() for buffer in stage.buffers[layer]]
+            value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+        return value, checkpoints, snapshots
+
+    def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> list[torch.Tensor]:
+        leaves = differentiable_leaves(layer_input)
+        for position, leaf in enumerate(leaves):
+            if requires_grad is None or requires_grad[position]:
+                leaf.requires_grad_(True)
+        return leaves
+
+    def fused_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
+                          layer_input: Any, target: Any) -> tuple[torch.Tensor, list]:
+        call = task.call
+        first = task.job.layers.start
+        with call.context.applied(grad=True):
+            leaves = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
+            value = layer_input
+            for layer in task.job.layers:
+                value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+            output = value[0][0]
+            try:
+                loss = call.loss_fn(output, target)
+            except Exception as error:
+                raise PipelineError(
+                    f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
+                    f"microbatch {microbatch}): {error}") from error
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise PipelineError(
+                    f"the loss function must return a scalar tensor (the microbatch mean), got "
+                    f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+            weight = call.loss_scales[microbatch]
+            if weight != 0.0 and loss.requires_grad:
+                (loss.reshape(()) * (weight * call.backward_scale)).backward()
+        return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+
+    def backward_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
+                             checkpoints: dict[int, Any], snapshots: dict[int, list[torch.Tensor]],
+                             output_grads: list | None) -> list | None:
+        if output_grads is None or all(g is None for g in output_grads):
+            return None
+        call = task.call
+        layers = task.job.layers
+        # stage grain: one recompute of every layer from the stage input; layer grain: one at a time
+        groups = [layers] if self.recompute == "stage" else [range(l, l + 1) for l in layers]
+        grads = output_grads
+        with call.context.applied(grad=True), recomputing():
+            for group in reversed(groups):
+                value = checkpoints[group.start]
+                leaves = self._prepare_inputs(value, call.input_requires_grad if group.start == 0 else None)
+                for layer in group:
+                    if layer in snapshots:
+                        replicas.bind_buffers(self.replica(device, layer), self.trunk.states[layer],
+                                              snapshots[layer])
+                    value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+                outputs = differentiable_leaves(value[0][0])
+                pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+        return grads
+
+    def record_measurements(self, task: Task, stage: Stage, elapsed: float) -> None:
+        if not self._measure:
+            return
+        with self._measure_lock:
+            if task.kind is StageKind.BACKWARD:
+                total_forward = sum(stage.forward_time.values()) or 1.0
+                for layer, forward in stage.forward_time.items():
+                    share = elapsed * forward / total_forward - forward
+                    self._measured_backward.setdefault(layer, []).append(max(share, 0.0) / task.call.num_microbatches)
+            else:
+                for layer, forward in stage.forward_time.items():
+                    self._measured_forward.setdefault(layer, []).append(forward / task.call.num_microbatches)

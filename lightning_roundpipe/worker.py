@@ -1,0 +1,223 @@
+"""One worker thread per device: turns stage jobs into stream operations, in ring order.
+
+For each job the worker enqueues, without blocking: the parameter upload (prefetched: the next job's
+upload is enqueued when the current one starts, and waits until the job two back on this device has
+released its memory, so at most two stages are resident); then per microbatch an input upload, the
+compute and the download; then the job's finish (gradients into the step's window, buffers back to
+the host module, memory released). Streams run the operations and events order them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+
+from lightning_roundpipe.call import Slot
+from lightning_roundpipe.device import AbortSignal, Device, HostEvent
+from lightning_roundpipe.schedule import StageKind
+from lightning_roundpipe.stage import Stage, StageRunner, Task
+from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, tree_nbytes
+
+
+class Worker:
+    """One device's host thread: turns jobs into stream operations, in ring order."""
+
+    def __init__(self, runner: StageRunner, device: Device, abort: AbortSignal) -> None:
+        self.runner = runner
+        self._abort = abort
+        self.device = device
+        self._tasks: deque[Task | None] = deque()
+        self._ready = threading.Condition()
+        self._uploads: dict[int, tuple[Stage, HostEvent]] = {}
+        self._releases: list[HostEvent] = []
+        self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
+        self._thread.start()
+
+    def put(self, task: Task | None) -> None:
+        with self._ready:
+            self._tasks.append(task)
+            self._ready.notify()
+
+    def close(self) -> None:
+        self.put(None)
+        self._thread.join()
+
+    def _take(self) -> Task | None:
+        with self._ready:
+            while not self._tasks:
+                self._ready.wait()
+            return self._tasks.popleft()
+
+    def _peek(self) -> Task | None:
+        with self._ready:
+            return self._tasks[0] if self._tasks else None
+
+    def _run(self) -> None:
+        sequence = 0
+        while True:
+            task = self._take()
+            if task is None:
+                return
+            if self._abort.aborted:
+                continue
+            try:
+                if task.job.index not in self._uploads:
+                    self._enqueue_upload(task, sequence)
+                following = self._peek()
+                if following is not None and following.job.index not in self._uploads:
+                    self._enqueue_upload(following, sequence + 1)
+                self._enqueue_job(task)
+            except BaseException as error:  # noqa: BLE001
+                self._abort.fail(error)
+            sequence += 1
+            task = following = None  # hold no call alive while idle: its host activations would leak
+
+    def _enqueue_upload(self, task: Task, sequence: int) -> None:
+        """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
+        stream = self.device.param_stream
+        if sequence >= 2:
+            stream.wait_event(self._releases[sequence - 2])
+        stream.wait_event(task.weights_ready)
+        for event in task.buffer_waits:
+            stream.wait_event(event)
+        holder = Stage()
+
+        def upload() -> None:
+            start = self.runner.timeline.now()
+            stage = self.runner.upload_stage(self.device, task)
+            holder.__dict__.update(stage.__dict__)
+            task.upload_done.set()
+            self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
+
+        stream.submit(upload)
+        self._uploads[task.job.index] = (holder, stream.record(f"{task.job.label} params"))
+
+    def _enqueue_job(self, task: Task) -> None:
+        runner, device, job, call = self.runner, self.device, task.job, task.call
+        stage, params_ready = self._uploads.pop(job.index)
+        compute, download = device.compute_stream, device.download_stream
+        compute.wait_event(params_ready)
+        compute.submit(lambda: runner.bind(device, task, stage))
+        start_time = [0.0]
+        compute.submit(lambda: start_time.__setitem__(0, runner.timeline.now()))
+        for microbatch in range(call.num_microbatches):
+            self._enqueue_microbatch(task, stage, microbatch)
+        # unbind on the compute stream: the next job on this device may reuse the same replicas
+        compute.submit(lambda: runner.unbind(device, task))
+        finished = compute.record(f"{job.label} computed")
+        download.wait_event(finished)
+
+        def finish() -> None:
+            start = runner.timeline.now()
+            if task.needs_grad:
+                for layer in job.layers:
+                    state = runner.trunk.states[layer]
+                    for param, copied in zip(state.params, stage.params[layer]):
+                        if param.requires_grad and copied.grad is not None:
+                            task.window.add(param, copy_tensor(copied.grad, HOST))
+            if job.kind is not StageKind.BACKWARD:
+                with torch.no_grad():
+                    for layer in job.layers:
+                        for host, copied in zip(runner.trunk.states[layer].buffers, stage.buffers[layer]):
+                            host.copy_(copied)
+                        if layer in task.buffer_done:
+                            task.buffer_done[layer].set()
+            runner.record_measurements(task, stage, runner.timeline.now() - start_time[0])
+            device.residency.release(stage.nbytes, stage=True)
+            stage.params.clear()
+            stage.buffers.clear()
+            if task.needs_grad:
+                task.window.job_finished()
+            runner.timeline.add(device.index, job.index, job.label, -1, "release", start)
+
+        download.submit(finish)
+        release = download.record(f"{job.label} released")
+        self._releases.append(release)
+        download.submit(task.done.set)
+
+    def _input_slots(self, task: Task) -> list[Slot]:
+        call, job = task.call, task.job
+        if job.depends_on:
+            return call.outputs[job.depends_on[-1]]
+        if job.kind is StageKind.BACKWARD:
+            return call.first_grads
+        return call.inputs
+
+    def _enqueue_microbatch(self, task: Task, stage: Stage, microbatch: int) -> None:
+        runner, device, job, call = self.runner, self.device, task.job, task.call
+        acts, compute, download = device.act_stream, device.compute_stream, device.download_stream
+        source = self._input_slots(task)[microbatch]
+        uploaded: dict[str, Any] = {}
+        kind = job.kind
+        checkpoint_slots: list[tuple[int, Slot]] = []
+        snapshot_slots: list[tuple[int, Slot]] = []
+        if kind is StageKind.BACKWARD:
+            starts = [job.layers.start] if runner.recompute == "stage" else list(job.layers)
+            checkpoint_slots = [(layer, call.checkpoints[(layer, microbatch)]) if layer != 0
+                                else (layer, call.inputs[microbatch]) for layer in starts]
+            snapshot_slots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
+                              if (layer, microbatch) in call.snapshots]
+
+        acts.wait_event(source.event)
+        for _, slot in checkpoint_slots + snapshot_slots:
+            acts.wait_event(slot.event)
+
+        def upload() -> None:
+            start = runner.timeline.now()
+            uploaded["input"] = copy_tree(source.value, device.torch_device)
+            uploaded["checkpoints"] = {layer: copy_tree(slot.value, device.torch_device)
+                                       for layer, slot in checkpoint_slots}
+            uploaded["snapshots"] = {layer: copy_tree(slot.value, device.torch_device)
+                                     for layer, slot in snapshot_slots}
+            if kind is StageKind.FUSED:
+                uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
+            uploaded["nbytes"] = tree_nbytes([value for key, value in uploaded.items()])
+            device.residency.allocate(uploaded["nbytes"], f"the inputs of {job.label} microbatch {microbatch}")
+            runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
+
+        acts.submit(upload)
+        compute.wait_event(acts.record(f"{job.label}.{microbatch} input"))
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            start = runner.timeline.now()
+            if kind is StageKind.FORWARD:
+                with call.context.applied(grad=False):
+                    output, checkpoints, snapshots = runner.forward_microbatch(
+                        device, task, stage, microbatch, uploaded["input"])
+                result.update(output=output, checkpoints=checkpoints, snapshots=snapshots)
+            elif kind is StageKind.FUSED:
+                loss, input_grads = runner.fused_microbatch(
+                    device, task, stage, microbatch, uploaded["input"], uploaded["target"])
+                result.update(output=input_grads, loss=loss)
+            else:
+                result["output"] = runner.backward_microbatch(
+                    device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
+                    uploaded["input"])
+            device.residency.release(uploaded["nbytes"])
+            uploaded.clear()
+            result["nbytes"] = tree_nbytes([result.get(key) for key in ("output", "checkpoints", "snapshots")])
+            device.residency.allocate(result["nbytes"], f"the outputs of {job.label} microbatch {microbatch}")
+            runner.timeline.add(device.index, job.index, job.label, microbatch, kind.name.lower(), start)
+
+        compute.submit(run)
+        download.wait_event(compute.record(f"{job.label}.{microbatch} computed"))
+        out_slot = call.outputs[job.index][microbatch]
+
+        def store() -> None:
+            start = runner.timeline.now()
+            for layer, value in result.get("checkpoints", {}).items():
+                call.checkpoints[(layer, microbatch)].put(copy_tree(value, HOST))
+            for layer, value in result.get("snapshots", {}).items():
+                call.snapshots[(layer, microbatch)].put([copy_tensor(b, HOST) for b in value])
+            if "loss" in result:
+                call.losses[microbatch].put(copy_tensor(result["loss"], HOST))
+            out_slot.put(copy_tree(result.get("output"), HOST))
+            device.residency.release(result["nbytes"])
+            result.clear()
+            runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
+
+        download.submit(store)
