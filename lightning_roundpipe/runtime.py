@@ -109,6 +109,7 @@ class RoundPipeEngine:
         self._last_done: list[HostEvent | None] = [None] * self.num_devices
         self._last_step_done: HostEvent | None = None
         self._warned_short_batch = False
+        self._warned_unstepped = False
         self._started = True
         return self
 
@@ -219,13 +220,14 @@ class RoundPipeEngine:
         if not context.grad_enabled or context.inference:
             raise RuntimeError("forward_backward needs grad mode: it was called under no_grad or inference_mode")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        call = self._new_call((args, {}), context, checkpoints=True)
-        targets = split(target, call.sizes) if batch_size(target, "target") is not None else [target] * len(call.sizes)
-        if batch_size(target, "target") not in (None, sum(call.sizes)):
+        target_size, input_size = batch_size(target, "target"), batch_size(args)
+        if target_size is not None and target_size != input_size:
             raise ValueError(
-                f"the target has {batch_size(target, 'target')} samples on dim 0 but the inputs have "
-                f"{sum(call.sizes)}; they are split into microbatches together and must agree"
+                f"the target has {target_size} samples on dim 0 but the inputs have {input_size}; they are "
+                "split into microbatches together and must agree"
             )
+        call = self._new_call((args, {}), context, checkpoints=True)
+        targets = split(target, call.sizes) if target_size is not None else [target] * call.num_microbatches
         weights = [float(loss_weight(t)) for t in targets]
         total = sum(weights)
         if total <= 0:
@@ -242,7 +244,8 @@ class RoundPipeEngine:
         losses = []
         for slot, weight in zip(call.losses, call.loss_scales):
             self._wait(slot.event)
-            losses.append(slot.value * weight)
+            if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
+                losses.append(slot.value * weight)
         return torch.stack(losses).sum()
 
     def step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], bool | None] | None = None) -> None:
@@ -262,6 +265,15 @@ class RoundPipeEngine:
                 f"async_step=True needs every trainable parameter inside the pipelined trunk, but the optimizer "
                 f"has {len(outside)} outside it (main-thread code would read them while the step writes them). "
                 "Set async_step=False or move those parameters into the trunk."
+            )
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        unstepped = [p for p in self.trunk.trainable_parameters() if id(p) not in stepped]
+        if unstepped and not self._warned_unstepped:
+            self._warned_unstepped = True
+            warnings.warn(
+                f"{len(unstepped)} trainable trunk parameters are not in the optimizer: their gradients keep "
+                "accumulating in param.grad. Freeze them (requires_grad_(False)) or add them to the optimizer.",
+                stacklevel=2,
             )
         window, self._window = self._window, GradWindow(self._abort)
         window.close()

@@ -51,7 +51,8 @@ class Stage:
         self.params: dict[int, list[torch.Tensor]] = {}
         self.buffers: dict[int, list[torch.Tensor]] = {}
         self.nbytes = 0
-        self.forward_time: dict[int, float] = {}
+        self.forward_time: dict[int, float] = {}  # per layer, summed over microbatches
+        self.compute_time = 0.0                    # all compute of the job, summed over microbatches
 
 
 class StageRunner:
@@ -213,15 +214,16 @@ class StageRunner:
                 grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
         return grads
 
-    def record_measurements(self, task: Task, stage: Stage, elapsed: float) -> None:
-        if not self._measure:
+    def record_measurements(self, task: Task, stage: Stage) -> None:
+        """Per-layer times per microbatch from a finished job, compute only (waits excluded). A backward
+        or fused job's time beyond its layers' forward calls is split among them by forward time."""
+        if not self._measure or not stage.forward_time:
             return
+        microbatches = task.call.num_microbatches
+        forward_total = sum(stage.forward_time.values())
         with self._measure_lock:
-            if task.kind is StageKind.BACKWARD:
-                total_forward = sum(stage.forward_time.values()) or 1.0
-                for layer, forward in stage.forward_time.items():
-                    share = elapsed * forward / total_forward - forward
-                    self._measured_backward.setdefault(layer, []).append(max(share, 0.0) / task.call.num_microbatches)
-            else:
-                for layer, forward in stage.forward_time.items():
-                    self._measured_forward.setdefault(layer, []).append(forward / task.call.num_microbatches)
+            for layer, forward in stage.forward_time.items():
+                self._measured_forward.setdefault(layer, []).append(forward / microbatches)
+                if task.kind is not StageKind.FORWARD:
+                    backward = max(stage.compute_time - forward_total, 0.0) * forward / (forward_total or 1.0)
+                    self._measured_backward.setdefault(layer, []).append(backward / microbatches)

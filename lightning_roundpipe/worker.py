@@ -101,8 +101,6 @@ class Worker:
         compute, download = device.compute_stream, device.download_stream
         compute.wait_event(params_ready)
         compute.submit(lambda: runner.bind(device, task, stage))
-        start_time = [0.0]
-        compute.submit(lambda: start_time.__setitem__(0, runner.timeline.now()))
         for microbatch in range(call.num_microbatches):
             self._enqueue_microbatch(task, stage, microbatch)
         # unbind on the compute stream: the next job on this device may reuse the same replicas
@@ -125,7 +123,7 @@ class Worker:
                             host.copy_(copied)
                         if layer in task.buffer_done:
                             task.buffer_done[layer].set()
-            runner.record_measurements(task, stage, runner.timeline.now() - start_time[0])
+            runner.record_measurements(task, stage)
             device.residency.release(stage.nbytes, stage=True)
             stage.params.clear()
             stage.buffers.clear()
@@ -197,6 +195,7 @@ class Worker:
                 result["output"] = runner.backward_microbatch(
                     device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
                     uploaded["input"])
+            stage.compute_time += runner.timeline.now() - start
             device.residency.release(uploaded["nbytes"])
             uploaded.clear()
             result["nbytes"] = tree_nbytes([result.get(key) for key in ("output", "checkpoints", "snapshots")])

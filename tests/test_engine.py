@@ -217,6 +217,7 @@ def test_a_forward_whose_backward_never_comes_releases_what_it_held():
     with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:
         out = engine(bn_batch(8, 0)[0])
         call = weakref.ref(out.grad_fn.call)
+        engine.synchronize()  # streams drop a job's closures only once they have run them
         del out
         gc.collect()
         assert call() is None
@@ -264,6 +265,7 @@ def test_loss_function_errors_are_reported():
     assert _roundpipe_threads() == []
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_unsupported_autograd_uses_are_refused():
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
     with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2)) as engine:
@@ -408,3 +410,70 @@ def test_an_exception_in_user_code_stops_the_engine_cleanly():
             raise KeyError("user code failed before the step")
     assert _roundpipe_threads() == []
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_the_plan_adapts_to_measured_times_between_steps_unless_frozen():
+    """Byte estimates call the parameter-free slow layer cheap; measured times move stage boundaries."""
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.01)
+            return x
+
+    def train(freeze: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)], Slow(), nn.Linear(16, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        plans = []
+        options = EngineOptions(num_microbatches=2, num_stages="auto", freeze_plan=freeze)
+        with RoundPipeEngine(model, 2, options) as engine:
+            for step in range(4):
+                plans.append(engine.plan)
+                x, y = bn_batch(8, step)
+                engine.forward_backward(torch.cat([x, x, x[:, :4]], 1), y % 2, F.cross_entropy)
+                engine.step(optimizer)
+            engine.synchronize()
+        return plans
+
+    adaptive, frozen = train(False), train(True)
+    assert all(plan == frozen[0] for plan in frozen)
+    # the first plan comes from bytes; once measured, the sleeping layer dominates every stage bound
+    # (W >= its time), so fewer, larger stages cost no more and the planner adopts them
+    assert adaptive[0] == frozen[0] and adaptive[-1] != adaptive[0]
+    assert adaptive[-1].num_stages < adaptive[0].num_stages
+
+
+def test_trunk_parameters_missing_from_the_optimizer_are_reported_once():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=1)) as engine:
+        with pytest.warns(UserWarning, match="2 trainable trunk parameters are not in the optimizer") as record:
+            for _ in range(2):
+                engine.forward_backward(torch.randn(4, 3), torch.randint(0, 2, (4,)), F.cross_entropy)
+                engine.step(optimizer)
+        assert len(record) == 1
+
+
+def test_a_microbatch_whose_targets_are_all_ignored_counts_for_nothing():
+    model = tiny_gpt()
+    reference = clone(model)
+    ids, target = gpt_batch(4, seed=0)
+    target[2:] = -100  # the second microbatch has no target to learn from
+    from lightning_roundpipe import token_count
+
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:
+        loss = engine.forward_backward(ids, target, gpt_loss, loss_weight=token_count())
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.synchronize()
+    expected = gpt_loss(reference(ids[:2]), target[:2])
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-7)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_target_and_input_sizes_must_agree():
+    with RoundPipeEngine(nn.Sequential(nn.Linear(2, 2)), 1, EngineOptions(num_microbatches=2)) as engine:
+        with pytest.raises(ValueError, match="the target has 3 samples on dim 0 but the inputs have 4"):
+            engine.forward_backward(torch.randn(4, 2), torch.zeros(3, dtype=torch.long), F.cross_entropy)
