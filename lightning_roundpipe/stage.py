@@ -87,8 +87,9 @@ class StageRunner:
     def _source(self, param: nn.Parameter) -> torch.Tensor:
         return self._published.source(param) if self._published is not None else param.detach()
 
-    def upload_stage(self, device: Device, task: Task) -> Stage:
-        stage = Stage()
+    def upload_stage(self, device: Device, task: Task, stage: Stage) -> None:
+        """Copy the job's parameters and buffers to the device into ``stage`` (made earlier by the worker,
+        which hands it to the job before the copy has run)."""
         differentiate = task.needs_grad
         for layer in task.job.layers:
             state = self.trunk.states[layer]
@@ -105,7 +106,6 @@ class StageRunner:
             if differentiate:
                 stage.nbytes += state.grad_bytes()
         device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
-        return stage
 
     def bind(self, device: Device, task: Task, stage: Stage) -> None:
         for layer in task.job.layers:

@@ -32,7 +32,7 @@ class Worker:
         self._tasks: deque[Task | None] = deque()
         self._ready = threading.Condition()
         self._uploads: dict[int, tuple[Stage, HostEvent]] = {}
-        self._releases: list[HostEvent] = []
+        self._releases: dict[int, HostEvent] = {}  # by this device's job sequence number, last three
         self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
         self._thread.start()
 
@@ -69,7 +69,7 @@ class Worker:
                 following = self._peek()
                 if following is not None and following.job.index not in self._uploads:
                     self._enqueue_upload(following, sequence + 1)
-                self._enqueue_job(task)
+                self._enqueue_job(task, sequence)
             except BaseException as error:  # noqa: BLE001
                 self._abort.fail(error)
             sequence += 1
@@ -83,19 +83,18 @@ class Worker:
         stream.wait_event(task.weights_ready)
         for event in task.buffer_waits:
             stream.wait_event(event)
-        holder = Stage()
+        stage = Stage()
 
         def upload() -> None:
             start = self.runner.timeline.now()
-            stage = self.runner.upload_stage(self.device, task)
-            holder.__dict__.update(stage.__dict__)
+            self.runner.upload_stage(self.device, task, stage)
             task.upload_done.set()
             self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
 
         stream.submit(upload)
-        self._uploads[task.job.index] = (holder, stream.record(f"{task.job.label} params"))
+        self._uploads[task.job.index] = (stage, stream.record(f"{task.job.label} params"))
 
-    def _enqueue_job(self, task: Task) -> None:
+    def _enqueue_job(self, task: Task, sequence: int) -> None:
         runner, device, job, call = self.runner, self.device, task.job, task.call
         stage, params_ready = self._uploads.pop(job.index)
         compute, download = device.compute_stream, device.download_stream
@@ -133,7 +132,8 @@ class Worker:
 
         download.submit(finish)
         release = download.record(f"{job.label} released")
-        self._releases.append(release)
+        self._releases[sequence] = release
+        self._releases.pop(sequence - 3, None)
         download.submit(task.done.set)
 
     def _input_slots(self, task: Task) -> list[Slot]:
