@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_roundpipe import replica as replicas
 from lightning_roundpipe.call import Call, PipelineError
@@ -22,7 +23,7 @@ from lightning_roundpipe.optim import GradWindow, PublishedWeights
 from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
 from lightning_roundpipe.schedule import Job, StageKind
 from lightning_roundpipe.trace import Timeline
-from lightning_roundpipe.transfer import copy_tensor, differentiable_leaves
+from lightning_roundpipe.transfer import clone_tree, copy_tensor, differentiable_leaves
 
 
 @dataclass
@@ -150,26 +151,32 @@ class StageRunner:
         value = layer_input
         for layer in task.job.layers:
             if layer in call.checkpoint_layers and layer != task.job.layers.start:
-                checkpoints[layer] = value
+                # a copy: the next layer may work in place on its input before the download runs
+                checkpoints[layer] = clone_tree(value)
             if call.checkpoint_layers and stage.buffers[layer]:
                 snapshots[layer] = [buffer.clone() for buffer in stage.buffers[layer]]
             value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
         return value, checkpoints, snapshots
 
-    def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> list[torch.Tensor]:
+    def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> tuple[list[torch.Tensor], Any]:
+        """Make the differentiable inputs leaves that collect gradients; returns them and the input to run,
+        in which they are replaced by clones so a layer may modify its input in place (as it can in plain
+        training, where its input is not a leaf)."""
         leaves = differentiable_leaves(layer_input)
+        clones: dict[int, torch.Tensor] = {}
         for position, leaf in enumerate(leaves):
             if requires_grad is None or requires_grad[position]:
                 leaf.requires_grad_(True)
-        return leaves
+                clones[id(leaf)] = leaf.clone()
+        value = pytree.tree_map(lambda t: clones.get(id(t), t) if isinstance(t, torch.Tensor) else t, layer_input)
+        return leaves, value
 
     def fused_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
                           layer_input: Any, target: Any) -> tuple[torch.Tensor, list]:
         call = task.call
         first = task.job.layers.start
         with call.context.applied(grad=True):
-            leaves = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
-            value = layer_input
+            leaves, value = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
             for layer in task.job.layers:
                 value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
             output = value[0][0]
@@ -200,8 +207,8 @@ class StageRunner:
         grads = output_grads
         with call.context.applied(grad=True), recomputing():
             for group in reversed(groups):
-                value = checkpoints[group.start]
-                leaves = self._prepare_inputs(value, call.input_requires_grad if group.start == 0 else None)
+                leaves, value = self._prepare_inputs(checkpoints[group.start],
+                                                     call.input_requires_grad if group.start == 0 else None)
                 for layer in group:
                     if layer in snapshots:
                         replicas.bind_buffers(self.replica(device, layer), self.trunk.states[layer],

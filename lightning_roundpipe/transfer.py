@@ -25,6 +25,11 @@ def copy_tree(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda leaf: copy_tensor(leaf, device) if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
+def clone_tree(tree: Any) -> Any:
+    """Clone every tensor of ``tree`` on its own device."""
+    return pytree.tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
 def tree_nbytes(tree: Any) -> int:
     return sum(
         leaf.numel() * leaf.element_size() for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)

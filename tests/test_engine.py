@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine, is_recomputing
+from lightning_roundpipe import EngineOptions, PipelineError, Plan, RoundPipeEngine, is_recomputing
 from lightning_roundpipe.microbatch import microbatch_sizes
 from tests.models import SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, tiny_gpt
 
@@ -477,3 +477,48 @@ def test_target_and_input_sizes_must_agree():
     with RoundPipeEngine(nn.Sequential(nn.Linear(2, 2)), 1, EngineOptions(num_microbatches=2)) as engine:
         with pytest.raises(ValueError, match="the target has 3 samples on dim 0 but the inputs have 4"):
             engine.forward_backward(torch.randn(4, 2), torch.zeros(3, dtype=torch.long), F.cross_entropy)
+
+
+@pytest.mark.parametrize("recompute", ["stage", "layer"])
+def test_layers_that_work_in_place_on_their_input(recompute):
+    """In-place activations are common (ReLU(inplace=True)); they must not corrupt kept checkpoints nor
+    trip autograd on a stage's input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
+                          nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    reference = clone(model)
+    plan = Plan.from_sizes([1, 1, 1, 1, 1, 1], 1, [1, 1, 1, 1, 1, 1])  # every activation starts a stage
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=plan, recompute=recompute)) as engine:
+        loss = engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.synchronize()
+    expected = sum(F.cross_entropy(reference(a), b) * 0.5 for a, b in zip(x.split(3), y.split(3)))
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+
+
+class AddOneInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1.0)
+
+
+def test_in_place_layers_inside_a_forward_stage_keep_the_checkpoints():
+    """Layer 2 starts a backward stage but sits inside a forward stage, where it modifies its input in
+    place: the kept checkpoint must be the input as it was, or the recompute sees it shifted twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), AddOneInPlace(), nn.Linear(8, 8), nn.Linear(8, 2))
+    reference = clone(model)
+    plan = Plan.from_sizes([4], 1, [2, 2])
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=2, num_stages=plan)) as engine:
+        engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.synchronize()
+    sum(F.cross_entropy(reference(a), b) * 0.5 for a, b in zip(x.split(3), y.split(3))).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
