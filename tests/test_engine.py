@@ -522,3 +522,39 @@ def test_in_place_layers_inside_a_forward_stage_keep_the_checkpoints():
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_async_overlaps_the_next_iteration_with_this_ones_backward_and_step():
+    """With one-step staleness the next iteration's first forward stage need not wait for the current
+    iteration's last backward stage or its step: the timeline shows them overlapping."""
+    model = tiny_gpt(blocks=4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.02))  # a host step worth hiding
+    options = EngineOptions(num_microbatches=3, num_stages=2, async_step=True, record_timeline=True,
+                            freeze_plan=True)
+    with RoundPipeEngine(model, 2, options) as engine:
+        for step in range(3):
+            ids, target = gpt_batch(6, seed=step)
+            engine.forward_backward(ids, target, gpt_loss)
+            engine.step(optimizer)
+        engine.synchronize()
+        events, jobs_per_iteration = engine.events(), engine.plan.num_stages
+    compute = [e for e in events if e.kind in ("forward", "fused", "backward")]
+    steps = sorted((e for e in events if e.kind == "optimizer"), key=lambda e: e.start)
+    last_backward_end = max(e.end for e in compute if e.job == jobs_per_iteration - 1)
+    next_forward_start = min(e.start for e in compute if e.job == jobs_per_iteration)
+    assert next_forward_start < last_backward_end
+    assert next_forward_start < steps[0].end
+
+
+def test_sync_steps_run_on_the_optimizer_thread():
+    model = bn_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    threads = []
+    optimizer.register_step_pre_hook(lambda *_: threads.append(threading.current_thread().name))
+    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=2)) as engine:
+        x, y = bn_batch(8, 0)
+        engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(optimizer)
+        engine.synchronize()
+    assert threads == ["roundpipe-optimizer"]
