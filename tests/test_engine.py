@@ -14,11 +14,21 @@ from torch import nn
 
 from lightning_roundpipe import EngineOptions, PipelineError, Plan, RoundPipeEngine, is_recomputing
 from lightning_roundpipe.microbatch import microbatch_sizes
-from tests.models import SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, tiny_gpt
+from tests.models import (
+    SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, reference_microbatch_step, tiny_gpt,
+)
 
 
 def _roundpipe_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+def _plain_two_microbatch_sgd_step(reference: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: two equal microbatches with gradient accumulation, then an SGD step (lr 0.1)."""
+    sizes = [x.shape[0] // 2] * 2
+    loss = reference_microbatch_step(reference, x, y, F.cross_entropy, [1.0, 1.0], sizes)
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    return torch.tensor(loss)
 
 
 def _train_dropout_gpt(devices: int, recompute: str, steps: int = 3) -> list[torch.Tensor]:
@@ -319,9 +329,7 @@ def test_dict_and_tuple_outputs_between_layers():
         loss = engine.forward_backward(x, y, F.cross_entropy)
         engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
         engine.synchronize()
-    expected = sum(F.cross_entropy(reference(a), b) * 0.5 for a, b in zip(x.split(3), y.split(3)))
-    expected.backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    expected = _plain_two_microbatch_sgd_step(reference, x, y)
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
@@ -493,9 +501,7 @@ def test_layers_that_work_in_place_on_their_input(recompute):
         loss = engine.forward_backward(x, y, F.cross_entropy)
         engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
         engine.synchronize()
-    expected = sum(F.cross_entropy(reference(a), b) * 0.5 for a, b in zip(x.split(3), y.split(3)))
-    expected.backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    expected = _plain_two_microbatch_sgd_step(reference, x, y)
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
@@ -518,8 +524,7 @@ def test_in_place_layers_inside_a_forward_stage_keep_the_checkpoints():
         engine.forward_backward(x, y, F.cross_entropy)
         engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
         engine.synchronize()
-    sum(F.cross_entropy(reference(a), b) * 0.5 for a, b in zip(x.split(3), y.split(3))).backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    _plain_two_microbatch_sgd_step(reference, x, y)
     for param, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
 
