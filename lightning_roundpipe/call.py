@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_roundpipe.device import HostEvent
 from lightning_roundpipe.layers import Trunk
 from lightning_roundpipe.partition import Plan
+from lightning_roundpipe.recompute import draws_random_numbers
 
 
 class PipelineError(RuntimeError):
@@ -41,14 +41,7 @@ class CallContext:
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
         )
         training = tuple(tuple(module.training for module in layer.modules()) for layer in trunk.layers)
-        random_layers = frozenset(
-            index for index, layer in enumerate(trunk.layers)
-            if any(
-                module.training and (isinstance(module, nn.modules.dropout._DropoutNd)
-                                     or getattr(module, "roundpipe_random", False))
-                for module in layer.modules()
-            )
-        )
+        random_layers = frozenset(index for index, layer in enumerate(trunk.layers) if draws_random_numbers(layer))
         return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, training,
                            random_layers)
 

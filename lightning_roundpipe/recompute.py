@@ -43,10 +43,11 @@ def layer_seed(base_seed: int, step: int, call: int, layer: int, microbatch: int
 
 
 def draws_random_numbers(layer: nn.Module) -> bool:
-    """Whether ``layer`` may draw random numbers when training: it holds a dropout module, or one of its
-    modules sets ``roundpipe_random = True`` (for custom random ops)."""
+    """Whether ``layer`` may draw random numbers now: one of its modules in training mode is a dropout
+    module or sets ``roundpipe_random = True`` (for custom random ops)."""
     return any(
-        isinstance(module, nn.modules.dropout._DropoutNd) or getattr(module, "roundpipe_random", False)
+        module.training
+        and (isinstance(module, nn.modules.dropout._DropoutNd) or getattr(module, "roundpipe_random", False))
         for module in layer.modules()
     )
 
