@@ -257,16 +257,17 @@ class RoundPipeEngine:
         published by this step (one step stale).
         """
         self._check_running()
-        trunk_ids = {id(p) for p in self.trunk.parameters()}
-        outside = [p for group in optimizer.param_groups for p in group["params"]
-                   if p.requires_grad and id(p) not in trunk_ids]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        trunk_params = list(self.trunk.parameters())
+        trunk_ids = {id(p) for p in trunk_params}
+        outside = [p for p in params if p.requires_grad and id(p) not in trunk_ids]
         if outside and self.options.async_step:
             raise ValueError(
                 f"async_step=True needs every trainable parameter inside the pipelined trunk, but the optimizer "
                 f"has {len(outside)} outside it (main-thread code would read them while the step writes them). "
                 "Set async_step=False or move those parameters into the trunk."
             )
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        stepped = {id(p) for p in params}
         unstepped = [p for p in self.trunk.trainable_parameters() if id(p) not in stepped]
         if unstepped and not self._warned_unstepped:
             self._warned_unstepped = True
@@ -279,28 +280,25 @@ class RoundPipeEngine:
         window.close()
         self._step += 1
         self._calls_in_step = 0
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if before_step is not None or not self.options.async_step:
+        hook_on_main = before_step is not None
+        proceed: bool | None = True
+        if hook_on_main:  # the hook must see final gradients in param.grad, on this thread
             self._wait_window(window)
             if self._last_step_done is not None:
                 self._wait(self._last_step_done)  # it clears param.grad when it ends
             window.publish()
-            proceed = before_step() if before_step is not None else True
-            window_done = True
-        else:
-            proceed, window_done = True, False
+            proceed = before_step()
         groups = snapshot_param_groups(optimizer)
         optimizer._opt_called = True  # an LR scheduler checks that a step preceded its own
         published = HostEvent("weights published") if self.options.async_step else None
         finished = HostEvent(f"step {self._step}")
-        trunk_params = list(self.trunk.parameters())
 
         def run_step() -> None:
             if published is not None:
                 window.wait_uploads()  # every read of the published copy by this iteration is done
                 self._published.publish(trunk_params)
                 published.set()
-            if not window_done:
+            if not hook_on_main:
                 window.wait_complete()
                 window.publish()
             if proceed is not False:
