@@ -1,7 +1,8 @@
 """RoundPipe for PyTorch Lightning: train models larger than one GPU on a ring of stateless devices.
 
-The engine (this release): :class:`RoundPipeEngine` trains an ``nn.Sequential`` trunk whose state lives
-on the host, cut into forward, fused and backward stages that rotate round-robin over the devices.
+``Trainer(strategy="roundpipe")`` (or ``"roundpipe_async"``) trains an existing LightningModule with
+:class:`RoundPipeStrategy`; :class:`RoundPipeEngine` is the plain-PyTorch engine underneath. Importing
+the package registers the strategy names with Lightning (right away, or once Lightning is imported).
 
 Names are imported on first use, so ``import lightning_roundpipe`` and the pure command-line tools
 (``python -m lightning_roundpipe.schedule``) do not pay for importing torch.
@@ -12,12 +13,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lightning_roundpipe import _autoload
+
+_autoload.install()
+
 _EXPORTS = {
     "EngineOptions": "config",
     "LayerCost": "partition",
     "PipelineError": "runtime",
     "Plan": "partition",
     "RoundPipeEngine": "runtime",
+    "RoundPipeStrategy": "strategy",
+    "pipeline_loss": "pipelined",
     "Trunk": "layers",
     "build_trunk": "layers",
     "is_recomputing": "recompute",

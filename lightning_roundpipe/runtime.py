@@ -165,6 +165,10 @@ class RoundPipeEngine:
 
     # ------------------------------------------------------------------ observability
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def plan(self) -> Plan:
         return self.planner.plan
 
@@ -312,6 +316,12 @@ class RoundPipeEngine:
             self._wait(finished)
         self._last_step_done = finished
         self._replan()
+
+    def wait_for_steps(self) -> None:
+        """Wait until every queued optimizer step has finished (and cleared its gradients)."""
+        self._check_running()
+        if self._last_step_done is not None:
+            self._wait(self._last_step_done)
 
     def synchronize(self) -> None:
         """Wait for every dispatched job and queued step; afterwards the module's weights are current."""

@@ -1,0 +1,331 @@
+"""``RoundPipeStrategy``: the Lightning adapter. Hook overrides and validation only; the engine does the work.
+
+One process, rank 0, world size 1, no launcher. The host is the root device: the module, batches and
+``self.device`` stay on the CPU, and only the engine touches the devices Lightning hands over as
+``parallel_devices``. The trunk's ``forward`` is redirected to the engine while the strategy is set up.
+
+Optimizer contract: the module's parameters are the master weights, stepped on the engine's optimizer
+thread. Lightning's ``zero_grad`` is a no-op on the strategy's optimizers (the engine clears gradients
+after each step, so a main-thread ``zero_grad`` cannot wipe gradients the pipeline produced or race a
+step). Anything that must see final gradients (``on_before_optimizer_step``, clipping) runs on the main
+thread before the step is queued, so ``self.log`` works there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from typing_extensions import override
+
+from lightning_roundpipe.config import EngineOptions
+from lightning_roundpipe.partition import Plan
+from lightning_roundpipe.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+log = logging.getLogger(__name__)
+
+_MOSTLY_INSIDE = 0.5  # warn when the trunk holds less than this share of the module's parameters
+
+
+class RoundPipeStrategy(ParallelStrategy):
+    """Train a LightningModule with RoundPipe: ``Trainer(strategy="roundpipe", accelerator=..., devices=N)``.
+
+    Args:
+        pipeline: dotted attribute path of the trunk (an ``nn.Sequential``) in the LightningModule. Default:
+            the ``nn.Sequential`` holding the most parameters; the choice is logged.
+        num_microbatches: microbatches per batch (default: devices + 1).
+        num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
+        async_step: ``False`` (exact sync) or ``True`` (the paper's one-step-stale update).
+        recompute: ``"stage"`` or ``"layer"``.
+        pin_memory: pin host staging buffers (CUDA devices).
+        device_memory_limit: per-device budget in bytes or as ``"20GiB"``.
+        **engine_options: further :class:`~lightning_roundpipe.config.EngineOptions` fields.
+    """
+
+    strategy_name = "roundpipe"
+
+    def __init__(self, pipeline: str | None = None, num_microbatches: int | None = None,
+                 num_stages: str | int | Plan = "auto", async_step: bool = False, recompute: str = "stage",
+                 pin_memory: bool = True, device_memory_limit: int | str | None = None, *,
+                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+                 checkpoint_io: Any = None, precision_plugin: Any = None, **engine_options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.pipeline = pipeline
+        self.engine_options = EngineOptions(
+            num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
+            pin_memory=pin_memory, device_memory_limit=device_memory_limit, **engine_options)
+        self.engine: RoundPipeEngine | None = None
+        self._patches: list[InstancePatch] = []
+        self._fused_backward_done = False
+        self._silenced_zero_grad: list[torch.optim.Optimizer] = []
+
+    # ------------------------------------------------------------------ one process, host as root
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> None:
+        return None
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # the module is the host copy; devices get stages from the engine
+
+    # ------------------------------------------------------------------ setup and teardown
+    @override
+    def setup_environment(self) -> None:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        unsupported = sorted({device.type for device in devices} - {"cpu"})
+        if unsupported:
+            raise ValueError(
+                f"RoundPipe cannot drive {unsupported[0]!r} devices yet; use accelerator='cpu' (simulated devices "
+                "that run the same schedule)"
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        module = self.lightning_module
+        trunk = self._find_trunk(module)
+        devices = self.parallel_devices or [torch.device("cpu")]
+        self.engine = RoundPipeEngine(trunk, devices, self.engine_options).start()
+        self._patches = [PipelinedForward(trunk, self.engine, self._backward_scale, self._mark_fused_backward),
+                         ZeroGradAfterSteps(module, self.engine)]
+        for patch in self._patches:
+            patch.install()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._silence_zero_grad()
+        self.setup_precision_plugin()
+
+    def _find_trunk(self, module: LightningModule) -> nn.Sequential:
+        sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
+        if self.pipeline is not None:
+            try:
+                trunk = module.get_submodule(self.pipeline)
+            except AttributeError:
+                raise ValueError(
+                    f"`pipeline={self.pipeline!r}` names no submodule of {type(module).__name__}; "
+                    f"its nn.Sequential submodules are {sorted(sequentials) or 'none'}"
+                ) from None
+            if not isinstance(trunk, nn.Sequential):
+                raise TypeError(
+                    f"`pipeline={self.pipeline!r}` is a {type(trunk).__name__}, not an nn.Sequential: the trunk "
+                    "must be an nn.Sequential whose children are the layers"
+                )
+            name = self.pipeline
+        else:
+            if not sequentials:
+                raise ValueError(
+                    f"{type(module).__name__} has no nn.Sequential submodule to pipeline. Put the model's blocks in "
+                    "an nn.Sequential attribute (e.g. self.net = nn.Sequential(embed, *blocks, head)) and pass "
+                    "`pipeline='net'` to RoundPipeStrategy if there are several"
+                )
+            name = max(sequentials, key=lambda n: (_parameter_count(sequentials[n]), -n.count(".")))
+            trunk = sequentials[name]
+        total = _parameter_count(module) or 1
+        share = _parameter_count(trunk) / total
+        log.info(f"RoundPipe pipelines `{name}` ({len(trunk)} layers, {share:.0%} of the parameters)")
+        if share < _MOSTLY_INSIDE:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"RoundPipe pipelines `{name}`, which holds only {share:.0%} of the parameters; the rest stays on "
+                "the host and runs on the main thread. Pass `pipeline=` to choose another trunk."
+            )
+        return trunk
+
+    def _silence_zero_grad(self) -> None:
+        # The engine clears gradients after each step; Lightning's zero_grad on the main thread would
+        # otherwise race a step in flight or wipe gradients the pipeline produced.
+        for optimizer in self.optimizers:
+            optimizer.zero_grad = _no_zero_grad  # type: ignore[method-assign]
+            self._silenced_zero_grad.append(optimizer)
+
+    def _release(self, finish_steps: bool) -> None:
+        if self.engine is not None:
+            self.engine.close(finish_steps=finish_steps)
+        for patch in self._patches:
+            patch.remove()
+        self._patches = []
+        for optimizer in self._silenced_zero_grad:
+            optimizer.__dict__.pop("zero_grad", None)
+        self._silenced_zero_grad.clear()
+
+    @override
+    def teardown(self) -> None:
+        self._release(finish_steps=True)
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._release(finish_steps=False)
+
+    # ------------------------------------------------------------------ training
+    def _backward_scale(self) -> float:
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization:
+            return 1.0
+        return 1.0 / module.trainer.accumulate_grad_batches
+
+    def _mark_fused_backward(self) -> None:
+        self._fused_backward_done = True
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._fused_backward_done and not closure_loss.requires_grad:
+            # pipeline_loss already ran the backward inside training_step: fire the hooks only
+            self._fused_backward_done = False
+            module = self.lightning_module
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            return self.precision_plugin.post_backward(closure_loss, module)
+        self._fused_backward_done = False
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "RoundPipe steps the optimizer once per batch on its own thread and cannot re-evaluate a closure; "
+                "LBFGS needs that. Use a first-order optimizer (SGD, Adam, AdamW, ...)."
+            )
+        assert self.engine is not None
+        model = model or self.lightning_module
+        result = closure()
+        before_step = None
+        if self._needs_final_gradients(model):
+            before_step = lambda: self.precision_plugin._after_closure(model, optimizer)  # noqa: E731
+        self.engine.step(optimizer, before_step=before_step)
+        return result
+
+    def _needs_final_gradients(self, model: LightningModule) -> bool:
+        """Whether anything must see this step's gradients before the update (clipping, hooks)."""
+        trainer = model.trainer
+        return bool(
+            trainer.gradient_clip_val
+            or is_overridden("configure_gradient_clipping", model, LightningModule)
+            or is_overridden("on_before_optimizer_step", model, LightningModule)
+            or any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in trainer.callbacks)
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def _quiesce(self) -> None:
+        if self.engine is not None and not self.engine.closed:
+            self.engine.synchronize()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._quiesce()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._quiesce()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        path = os.fspath(filepath)
+        if storage_options is not None or "://" in path:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        # stream straight to a temporary file beside the target and rename it into place: no second
+        # in-memory copy of a host-sized state, and a crash mid-write leaves the previous file intact
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".roundpipe-", suffix=".ckpt.tmp", dir=directory)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                torch.save(checkpoint, file)
+            os.replace(temporary, path)
+        except BaseException:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+            raise
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "roundpipe" not in strategy_registry:
+            strategy_registry.register("roundpipe", cls, description="RoundPipe, exact (sync) optimizer step")
+        if "roundpipe_async" not in strategy_registry:
+            strategy_registry.register("roundpipe_async", cls, description="RoundPipe, one-step-stale async step",
+                                       async_step=True)
+
+
+def _no_zero_grad(set_to_none: bool = True) -> None:
+    """The strategy's optimizers leave clearing gradients to the engine."""
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def register() -> None:
+    """Register ``roundpipe`` and ``roundpipe_async`` with Lightning's strategy registry."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    RoundPipeStrategy.register_strategies(StrategyRegistry)

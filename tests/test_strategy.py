@@ -1,0 +1,217 @@
+"""RoundPipeStrategy against Lightning's default strategy on the same LightningModule and data."""
+
+from __future__ import annotations
+
+import threading
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
+from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
+from tests.models import clone
+
+
+class Classifier(pl.LightningModule):
+    """A plain LightningModule; ``fused`` picks ``pipeline_loss`` instead of calling the trunk."""
+
+    def __init__(self, optimizer: str = "sgd", fused: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16),
+                                 nn.Tanh(), nn.Linear(16, 3))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.hparams.fused:
+            loss = pipeline_loss(self.net, x, y, F.cross_entropy)
+        else:
+            loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data(samples: int = 48, batch: int = 8) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 6, generator=generator)
+    y = torch.randint(0, 3, (samples,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def _fit(module: pl.LightningModule, strategy, **trainer_kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=trainer_kwargs.pop("devices", 1),
+                         max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         **trainer_kwargs)
+    trainer.fit(module, _data(), _data(16))
+    return trainer
+
+
+def _roundpipe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fit_equals_lightnings_default_strategy(optimizer, fused):
+    reference = Classifier(optimizer, fused)
+    _fit(reference, "auto")
+    module = Classifier(optimizer, fused)
+    # one microbatch per batch: Lightning's reference takes whole-batch gradients
+    trainer = _fit(module, RoundPipeStrategy(num_microbatches=1, num_stages=2), devices=2)
+    assert trainer.global_step == 6
+    torch.testing.assert_close(module.losses, reference.losses, rtol=1e-4, atol=1e-6)
+    for (name, param), expected in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert _roundpipe_threads() == []
+    assert "forward" not in module.net.__dict__  # the trunk is restored after fit
+
+
+def test_microbatches_with_sgd_equal_whole_batch_training():
+    """With several microbatches and no batch-dependent layer the gradients are the whole batch's."""
+    reference = Classifier("sgd")
+    _fit(reference, "auto")
+    module = Classifier("sgd")
+    _fit(module, RoundPipeStrategy(num_microbatches=3, num_stages=2), devices=2)
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_registered_names_select_the_strategy():
+    trainer = pl.Trainer(strategy="roundpipe", accelerator="cpu", devices=3, logger=False)
+    assert isinstance(trainer.strategy, RoundPipeStrategy) and not trainer.strategy.engine_options.async_step
+    assert trainer.strategy.parallel_devices == [torch.device("cpu")] * 3
+    assert trainer.strategy.root_device == torch.device("cpu")
+    trainer = pl.Trainer(strategy="roundpipe_async", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.engine_options.async_step
+
+
+def test_validate_and_predict_run_pipelined_forward_passes():
+    module = Classifier()
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    metrics = trainer.validate(module, _data(16), verbose=False)
+    reference = clone(module)
+    with torch.no_grad():
+        expected = torch.stack([F.cross_entropy(reference.net(x), y) for x, y in _data(16)]).mean()
+        torch.testing.assert_close(metrics[0]["val_loss"], expected.item(), rtol=1e-5, atol=1e-6)
+        predictions = trainer.predict(module, _data(16))
+        torch.testing.assert_close(torch.cat(predictions), torch.cat([reference.net(x) for x, _ in _data(16)]),
+                                   rtol=1e-5, atol=1e-6)
+    assert _roundpipe_threads() == []
+
+
+def test_checkpoint_keys_and_load_from_checkpoint_without_the_strategy(tmp_path):
+    module = Classifier()
+    trainer = _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2, default_root_dir=tmp_path)
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert set(checkpoint["state_dict"]) == set(module.state_dict())
+    restored = Classifier.load_from_checkpoint(path)
+    for param, expected in zip(restored.parameters(), module.parameters()):
+        assert torch.equal(param, expected)
+    assert not list(tmp_path.glob(".roundpipe-*"))  # no temporary file left behind
+
+
+def test_resume_continues_like_uninterrupted_training(tmp_path):
+    def trainer(epochs: int) -> pl.Trainer:
+        return pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2,
+                          max_epochs=epochs, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+
+    uninterrupted = Classifier("adamw")
+    trainer(2).fit(uninterrupted, _data())
+    first = Classifier("adamw")
+    first_trainer = trainer(1)
+    first_trainer.fit(first, _data())
+    first_trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    resumed = Classifier("adamw")
+    trainer(2).fit(resumed, _data(), ckpt_path=tmp_path / "epoch1.ckpt")
+    for param, expected in zip(resumed.parameters(), uninterrupted.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-7)
+
+
+class Hooked(Classifier):
+    """Logs in on_before_optimizer_step, which must see final gradients on the main thread."""
+
+    def on_before_optimizer_step(self, optimizer):
+        norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        self.seen = getattr(self, "seen", []) + [(threading.current_thread() is threading.main_thread(), len(norms))]
+        self.log("grad_norm", torch.stack(norms).norm())
+
+
+def test_on_before_optimizer_step_sees_final_gradients_on_the_main_thread():
+    module = Hooked()
+    _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+    assert module.seen == [(True, 8)] * 6
+
+
+def test_errors_name_what_to_change():
+    class NoTrunk(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="has no nn.Sequential submodule to pipeline"):
+        trainer.validate(NoTrunk(), _data(4), verbose=False)
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(pipeline="nett"), accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"`pipeline='nett'` names no submodule of Classifier; its nn.Sequential "
+                                         r"submodules are \['net'\]"):
+        trainer.validate(Classifier(), _data(4), verbose=False)
+    with pytest.raises(ValueError, match="`recompute` must be 'stage' or 'layer'"):
+        RoundPipeStrategy(recompute="everything")
+    assert _roundpipe_threads() == []
+
+
+class FailsOnThirdBatch(Classifier):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise RuntimeError("data went bad")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_inside_fit_leaves_no_thread_and_restores_the_module():
+    module = FailsOnThirdBatch()
+    with pytest.raises(RuntimeError, match="data went bad"):
+        _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+    assert _roundpipe_threads() == []
+    assert "forward" not in module.net.__dict__ and "zero_grad" not in module.__dict__
+
+
+def test_lbfgs_is_refused_with_a_clear_message():
+    class WithLBFGS(Classifier):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    with pytest.raises(ValueError, match="cannot re-evaluate a closure; LBFGS needs that"):
+        _fit(WithLBFGS(), RoundPipeStrategy(num_microbatches=1), devices=1)
+    assert _roundpipe_threads() == []
