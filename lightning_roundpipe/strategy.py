@@ -226,10 +226,16 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ training
     def _backward_scale(self) -> float:
+        """What Lightning would multiply a returned loss by before its backward: the 16-bit loss scale, and
+        ``1 / accumulate_grad_batches`` in automatic optimization."""
         module = self.lightning_module
-        if module is None or not module.automatic_optimization:
-            return 1.0
-        return 1.0 / module.trainer.accumulate_grad_batches
+        scale = 1.0
+        scaler = self._scaler()
+        if scaler is not None:
+            scale *= scaler.get_scale()
+        if module is not None and module.automatic_optimization:
+            scale /= module.trainer.accumulate_grad_batches
+        return scale
 
     def _mark_fused_backward(self) -> None:
         self._fused_backward_done = True
@@ -255,11 +261,34 @@ class RoundPipeStrategy(ParallelStrategy):
         assert self.engine is not None
         model = model or self.lightning_module
         result = closure()
-        before_step = None
-        if self._needs_final_gradients(model):
-            before_step = lambda: self.precision_plugin._after_closure(model, optimizer)  # noqa: E731
-        self.engine.step(optimizer, before_step=before_step)
+        scaler = self._scaler()
+        if scaler is None:
+            before_step = None
+            if self._needs_final_gradients(model):
+                before_step = lambda: self.precision_plugin._after_closure(model, optimizer)  # noqa: E731
+            self.engine.step(optimizer, before_step=before_step)
+            return result
+        # 16-bit loss scaling, as Lightning's MixedPrecision does it, around the engine's step: unscale the
+        # final gradients and check them for inf/NaN on the main thread, skip the update if any, then let
+        # the scaler adjust its scale
+        nothing_to_step = result is None and model.automatic_optimization
+
+        def unscale_and_check() -> bool:
+            if not nothing_to_step:
+                scaler.unscale_(optimizer)
+            self.precision_plugin._after_closure(model, optimizer)
+            if nothing_to_step:
+                return False
+            found_inf = scaler._found_inf_per_device(optimizer)
+            return not any(value.item() for value in found_inf.values())
+
+        self.engine.step(optimizer, before_step=unscale_and_check)
+        if not nothing_to_step:
+            scaler.update()
         return result
+
+    def _scaler(self) -> torch.amp.GradScaler | None:
+        return getattr(self.precision_plugin, "scaler", None)
 
     def _needs_final_gradients(self, model: LightningModule) -> bool:
         """Whether anything must see this step's gradients before the update (clipping, hooks)."""

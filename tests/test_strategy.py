@@ -215,3 +215,36 @@ def test_lbfgs_is_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="cannot re-evaluate a closure; LBFGS needs that"):
         _fit(WithLBFGS(), RoundPipeStrategy(num_microbatches=1), devices=1)
     assert _roundpipe_threads() == []
+
+
+def _precision_fit(module, strategy, precision, devices=1):
+    plugins = []
+    if precision == "16-mixed":  # on CPU Lightning would turn 16-mixed into bf16-mixed; ask for the scaler
+        from lightning.pytorch.plugins import MixedPrecision
+
+        plugins, precision = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))], None
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1,
+                         accumulate_grad_batches=2, gradient_clip_val=1.0, precision=precision, plugins=plugins,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, _data())
+    return trainer
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_precision_flags_match_lightnings_default_strategy(precision, fused):
+    # SGD, not Adam: Adam would hide a missing unscale (it is invariant to the gradients' scale)
+    reference = Classifier("sgd", fused)
+    reference_trainer = _precision_fit(reference, "auto", precision)
+    module = Classifier("sgd", fused)
+    trainer = _precision_fit(module, RoundPipeStrategy(num_microbatches=1, num_stages=2), precision, devices=2)
+    # the same operations in the same low precision: the results agree to a few low-precision ulps
+    tolerance = dict(rtol=2e-2, atol=1e-3) if precision == "bf16-true" else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(module.losses, reference.losses, **tolerance)
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        assert param.dtype == expected.dtype
+        torch.testing.assert_close(param, expected, **tolerance)
+    if precision == "16-mixed":
+        scaler, reference_scaler = trainer.precision_plugin.scaler, reference_trainer.precision_plugin.scaler
+        assert scaler.get_scale() == reference_scaler.get_scale()
