@@ -40,11 +40,14 @@ class GradWindow:
         self._outstanding = 0
         self._closed = False
         self._complete = threading.Event()
+        self._idle = threading.Event()  # no job in flight (the window may still get more)
+        self._idle.set()
         self.upload_events: list[HostEvent] = []
 
     def job_started(self, upload_done: HostEvent | None) -> None:
         with self._lock:
             self._outstanding += 1
+            self._idle.clear()
             if upload_done is not None:
                 self.upload_events.append(upload_done)
 
@@ -66,8 +69,10 @@ class GradWindow:
     def job_finished(self) -> None:
         with self._lock:
             self._outstanding -= 1
-            if self._closed and self._outstanding == 0:
-                self._complete.set()
+            if self._outstanding == 0:
+                self._idle.set()
+                if self._closed:
+                    self._complete.set()
 
     def close(self) -> None:
         with self._lock:
@@ -77,6 +82,9 @@ class GradWindow:
 
     def wait_complete(self) -> None:
         self._abort.wait(self._complete, "the gradients of the iteration")
+
+    def wait_idle(self) -> None:
+        self._abort.wait(self._idle, "the gradients dispatched so far")
 
     def wait_uploads(self) -> None:
         for event in list(self.upload_events):

@@ -259,6 +259,10 @@ class RoundPipeEngine:
         (clipping, an inf check, hooks); returning ``False`` skips the update. Hyperparameters are
         read now. In sync mode later uploads wait for this step; in async mode they run on the weights
         published by this step (one step stale).
+
+        The step reads and then clears ``param.grad`` on the optimizer thread: do not call
+        ``optimizer.zero_grad()`` or otherwise touch gradients until :meth:`wait_for_steps` returns
+        (concurrent writes to ``param.grad`` from two threads can crash the interpreter).
         """
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -316,6 +320,19 @@ class RoundPipeEngine:
             self._wait(finished)
         self._last_step_done = finished
         self._replan()
+
+    def collect_gradients(self) -> None:
+        """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, rather
+        than at :meth:`step` (for code that reads gradients between backward and step)."""
+        self._check_running()
+        try:
+            self._window.wait_idle()
+        except (EngineAborted, TimeoutError):
+            if self._abort.error is not None:
+                self._raise_failure()
+            raise
+        self.wait_for_steps()  # a step in flight clears param.grad when it ends
+        self._window.publish()
 
     def wait_for_steps(self) -> None:
         """Wait until every queued optimizer step has finished (and cleared its gradients)."""

@@ -158,8 +158,9 @@ class RoundPipeStrategy(ParallelStrategy):
             patch.install()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        self.setup_precision_plugin()  # may replace the optimizers and their LightningOptimizer wrappers
+        if trainer.state.fn == TrainerFn.FITTING:
             self._silence_zero_grad()
-        self.setup_precision_plugin()
 
     def _find_trunk(self, module: LightningModule) -> nn.Sequential:
         sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
@@ -200,10 +201,18 @@ class RoundPipeStrategy(ParallelStrategy):
 
     def _silence_zero_grad(self) -> None:
         # The engine clears gradients after each step; Lightning's zero_grad on the main thread would
-        # otherwise race a step in flight or wipe gradients the pipeline produced.
-        for optimizer in self.optimizers:
-            optimizer.zero_grad = _no_zero_grad  # type: ignore[method-assign]
-            self._silenced_zero_grad.append(optimizer)
+        # otherwise race a step in flight (which reads param.grad on the optimizer thread) or wipe
+        # gradients the pipeline produced. Lightning calls it through its LightningOptimizer wrappers,
+        # whose class inherits the optimizer's own zero_grad, so both get the no-op.
+        for optimizer in [*self.optimizers, *self._lightning_optimizers]:
+            if optimizer.__dict__.get("zero_grad") is not _no_zero_grad:
+                optimizer.zero_grad = _no_zero_grad  # type: ignore[method-assign]
+                self._silenced_zero_grad.append(optimizer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._silence_zero_grad()  # in case Lightning rebuilt its optimizer wrappers after setup
 
     def _release(self, finish_steps: bool) -> None:
         if self.engine is not None:
@@ -249,7 +258,12 @@ class RoundPipeStrategy(ParallelStrategy):
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             return self.precision_plugin.post_backward(closure_loss, module)
         self._fused_backward_done = False
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization and self.engine is not None:
+            # manual optimization may read or clip param.grad right after manual_backward
+            self.engine.collect_gradients()
+        return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -248,3 +248,49 @@ def test_precision_flags_match_lightnings_default_strategy(precision, fused):
     if precision == "16-mixed":
         scaler, reference_scaler = trainer.precision_plugin.scaler, reference_trainer.precision_plugin.scaler
         assert scaler.get_scale() == reference_scaler.get_scale()
+
+
+class Manual(Classifier):
+    """Manual optimization: manual_backward, opt.step(), opt.zero_grad(), a scheduler stepped by hand."""
+
+    def __init__(self):
+        super().__init__("sgd")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        assert self.device == torch.device("cpu")  # the host is the root device
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.manual_backward(loss)
+        self.losses.append(loss.item())
+        if batch_idx % 2 == 1:
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+            self.lr_schedulers().step()
+
+
+class LogsBeforeStep(pl.Callback):
+    def __init__(self):
+        self.norms = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        norm = torch.stack([p.grad.norm() for p in module.parameters()]).norm()
+        self.norms.append(norm.item())
+        module.log("grad_norm_callback", norm)
+
+
+def test_manual_optimization_and_a_logging_callback():
+    reference, callback_ref = Manual(), LogsBeforeStep()
+    pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[callback_ref]).fit(reference, _data())
+    module, callback = Manual(), LogsBeforeStep()
+    pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2, max_epochs=1,
+               logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               callbacks=[callback]).fit(module, _data())
+    torch.testing.assert_close(module.losses, reference.losses, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(callback.norms, callback_ref.norms, rtol=1e-4, atol=1e-6)
+    assert len(callback.norms) == 3
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
