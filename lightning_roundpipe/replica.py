@@ -6,7 +6,11 @@ forward beside iteration k's recompute) would see each other's tensors. Each dev
 structural copy of each layer it ran; a job binds its uploaded tensors into that copy and unbinds
 them when done, so the copy holds no device memory between jobs.
 
-A replica is made once, so hooks or attributes added to the host layer later are not seen by it.
+Why not ``copy.deepcopy``: it would also copy whatever a layer's attributes or hooks reach (a hook
+bound to the LightningModule drags in the whole model) and freeze their state. The copy made here
+is structural: every submodule gets its own object with its own parameter, buffer and child tables
+and its own ``training`` flag, while other attributes and the hook tables are shared with the host
+layer, so hooks registered later fire in the replicas too.
 """
 
 from __future__ import annotations
@@ -20,9 +24,22 @@ from lightning_roundpipe.layers import LayerState, TensorSlot
 
 
 def make_replica(layer: nn.Module, state: LayerState) -> nn.Module:
-    """A copy of ``layer``'s structure that shares (does not copy) its parameters and buffers."""
-    memo = {id(tensor): tensor for tensor in (*state.params, *state.buffers)}
-    return copy.deepcopy(layer, memo)
+    """A structural copy of ``layer`` that shares (does not copy) its parameters, buffers and hooks."""
+    del state  # the tables are copied as they are; binding fills them per job
+    return _structural_copy(layer, {})
+
+
+def _structural_copy(module: nn.Module, copies: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in copies:  # a submodule used twice inside the layer stays one object
+        return copies[id(module)]
+    replica = copy.copy(module)
+    copies[id(module)] = replica
+    replica._parameters = dict(module._parameters)
+    replica._buffers = dict(module._buffers)
+    replica._modules = {
+        name: None if child is None else _structural_copy(child, copies) for name, child in module._modules.items()
+    }
+    return replica
 
 
 def _assign(replica: nn.Module, slots: list[TensorSlot], tensor: torch.Tensor, kind: str) -> None:

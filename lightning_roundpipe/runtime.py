@@ -169,6 +169,11 @@ class RoundPipeEngine:
         return self._closed
 
     @property
+    def failed(self) -> bool:
+        """An error stopped the pipeline; the next call raises it and closes the engine."""
+        return self._started and self._abort.error is not None
+
+    @property
     def plan(self) -> Plan:
         return self.planner.plan
 

@@ -71,6 +71,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._patches: list[InstancePatch] = []
         self._fused_backward_done = False
         self._silenced_zero_grad: list[torch.optim.Optimizer] = []
+        self._layer_sync: Any = None  # Lightning sets this for sync_batchnorm=True; refused in setup
+        self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...); refused above 1
 
     # ------------------------------------------------------------------ one process, host as root
     @property
@@ -134,6 +136,16 @@ class RoundPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup and teardown
     @override
     def setup_environment(self) -> None:
+        if self.num_nodes > 1:
+            raise ValueError(
+                f"RoundPipe runs in one process on one machine; got Trainer(num_nodes={self.num_nodes}). Use "
+                "num_nodes=1 (multi-machine data parallelism is not supported yet)"
+            )
+        if self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) synchronizes statistics across processes, and RoundPipe runs one "
+                "process: set sync_batchnorm=False (BatchNorm sees each microbatch, as in gradient accumulation)"
+            )
         devices = self.parallel_devices or [torch.device("cpu")]
         unsupported = sorted({device.type for device in devices} - {"cpu"})
         if unsupported:
@@ -187,6 +199,11 @@ class RoundPipeStrategy(ParallelStrategy):
                 )
             name = max(sequentials, key=lambda n: (_parameter_count(sequentials[n]), -n.count(".")))
             trunk = sequentials[name]
+        if any(type(m).__name__ == "OptimizedModule" for m in module.modules()) or "_orig_mod" in name:
+            raise TypeError(
+                f"the trunk `{name}` is compiled with torch.compile, which RoundPipe does not support: it runs each "
+                "layer on per-device copies. Pass the module uncompiled (compile single blocks inside it instead)"
+            )
         total = _parameter_count(module) or 1
         share = _parameter_count(trunk) / total
         log.info(f"RoundPipe pipelines `{name}` ({len(trunk)} layers, {share:.0%} of the parameters)")
@@ -316,7 +333,13 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def _quiesce(self) -> None:
-        if self.engine is not None and not self.engine.closed:
+        """Let steps in flight finish so the module holds consistent weights; after a pipeline failure
+        (``OnExceptionCheckpoint`` saves before the strategy hears of the exception) stop the engine instead."""
+        if self.engine is None or self.engine.closed:
+            return
+        if self.engine.failed:
+            self.engine.close(finish_steps=False)
+        else:
             self.engine.synchronize()
 
     @override

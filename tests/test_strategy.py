@@ -294,3 +294,66 @@ def test_manual_optimization_and_a_logging_callback():
     assert len(callback.norms) == 3
     for param, expected in zip(module.parameters(), reference.parameters()):
         torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs, pattern",
+    [
+        (dict(num_nodes=2), r"one process on one machine; got Trainer\(num_nodes=2\)"),
+        (dict(sync_batchnorm=True), r"set sync_batchnorm=False"),
+    ],
+)
+def test_unsupported_trainer_settings_are_refused(trainer_kwargs, pattern):
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        trainer.validate(Classifier(), _data(4), verbose=False)
+
+
+def test_a_compiled_trunk_is_refused():
+    module = Classifier()
+    module.net = torch.compile(module.net)
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match="compiled with torch.compile"):
+        trainer.validate(module, _data(4), verbose=False)
+    assert _roundpipe_threads() == []
+
+
+class BreaksInsideThePipeline(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.net[3].register_forward_hook(self._maybe_fail)  # inside the trunk: runs on a device worker
+
+    def _maybe_fail(self, module, inputs, output):
+        if torch.is_grad_enabled() and getattr(self, "armed", False):
+            raise RuntimeError("a layer failed on a device")
+
+    def training_step(self, batch, batch_idx):
+        self.armed = batch_idx == 3
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("failure", ["user code", "pipeline"])
+def test_on_exception_checkpoint_saves_the_last_consistent_weights(tmp_path, failure):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    module = FailsOnThirdBatch() if failure == "user code" else BreaksInsideThePipeline()
+    snapshots = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.strategy.engine.synchronize()
+            snapshots.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2,
+                         max_epochs=1, accumulate_grad_batches=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[OnExceptionCheckpoint(tmp_path), Snapshot()])
+    with pytest.raises(RuntimeError):
+        trainer.fit(module, _data())
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["state_dict"]
+    for key, value in snapshots[-1].items():  # the weights after the last completed step
+        assert torch.equal(saved[key], value), key
+    assert _roundpipe_threads() == []
