@@ -357,3 +357,42 @@ def test_on_exception_checkpoint_saves_the_last_consistent_weights(tmp_path, fai
     for key, value in snapshots[-1].items():  # the weights after the last completed step
         assert torch.equal(saved[key], value), key
     assert _roundpipe_threads() == []
+
+
+def _async_reference(fused: bool) -> tuple[list[torch.Tensor], list[float]]:
+    """Plain PyTorch of the one-step-delayed update with Lightning's accumulation, clipping and scheduler:
+    step k takes gradients computed on W(k-2) and computes W(k) = step(W(k-1), clip(g(k)))."""
+    compute = Classifier("sgd", fused)
+    masters = [p.detach().clone().requires_grad_(True) for p in compute.parameters()]
+    optimizer = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    losses = []
+    batches = [batch for _ in range(2) for batch in _data()]  # two epochs
+    for window in range(0, len(batches), 2):
+        for x, y in batches[window: window + 2]:
+            loss = F.cross_entropy(compute.net(x), y)
+            losses.append(loss.item())
+            (loss / 2).backward()
+        published = [m.detach().clone() for m in masters]  # W(k-1), what the next iteration runs on
+        for master, param in zip(masters, compute.parameters()):
+            master.grad, param.grad = param.grad, None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        optimizer.step()
+        scheduler.step()
+        with torch.no_grad():
+            for param, value in zip(compute.parameters(), published):
+                param.copy_(value)
+    return masters, losses
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+def test_roundpipe_async_equals_the_delayed_update_reference(fused):
+    masters, expected_losses = _async_reference(fused)
+    module = Classifier("sgd", fused)
+    trainer = pl.Trainer(strategy="roundpipe_async", accelerator="cpu", devices=2, max_epochs=2,
+                         accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _data())
+    torch.testing.assert_close(module.losses, expected_losses, rtol=1e-4, atol=1e-6)
+    for param, master in zip(module.parameters(), masters):
+        torch.testing.assert_close(param, master.detach(), rtol=1e-4, atol=1e-6)
