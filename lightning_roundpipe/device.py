@@ -174,6 +174,15 @@ class Residency:
                 self.resident_stages -= 1
 
 
+@dataclass
+class DeviceCounters:
+    """Running totals of one device, for pipeline metrics (each written by one stream thread)."""
+
+    compute_seconds: float = 0.0        # compute stream busy
+    uploaded_bytes: int = 0             # parameters, buffers and activations copied to the device
+    weight_wait_seconds: float = 0.0    # parameter uploads blocked waiting for an optimizer step
+
+
 class Device:
     """One member of the ring: a torch device, its four streams and its residency accounting.
 
@@ -191,6 +200,7 @@ class Device:
         self.index = index
         self.torch_device = torch_device
         self.residency = Residency(index, budget)
+        self.counters = DeviceCounters()
         seed = 1000 * (index + 1)
         self.param_stream = CpuStream(f"dev{index}-params", abort, jitter, seed)
         self.act_stream = CpuStream(f"dev{index}-acts", abort, jitter, seed + 1)

@@ -134,6 +134,7 @@ class HostOptimizer:
         self._abort = abort
         self._timeline = timeline
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_seconds = 0.0  # running total of step time, for pipeline metrics
         self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
@@ -160,6 +161,7 @@ class HostOptimizer:
             except BaseException as error:  # noqa: BLE001 - surfaced by the engine's next wait
                 self._abort.fail(error)
                 continue
+            self.busy_seconds += self._timeline.now() - start
             self._timeline.add(-1, -1, label, 0, "optimizer", start)
             done.set()
             item = task = None  # a finished step's closure holds its gradient window

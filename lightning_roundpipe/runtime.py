@@ -110,6 +110,7 @@ class RoundPipeEngine:
         self._last_step_done: HostEvent | None = None
         self._warned_short_batch = False
         self._warned_unstepped = False
+        self._metrics_mark = (self.timeline.now(), {"compute": 0.0, "uploaded": 0.0, "optimizer": 0.0, "exposed": 0.0})
         self._started = True
         return self
 
@@ -183,6 +184,33 @@ class RoundPipeEngine:
 
     def events(self) -> list[TimelineEvent]:
         return self.timeline.events()
+
+    def pipeline_metrics(self) -> dict[str, float]:
+        """Figures since the previous call (the first call counts from :meth:`start`):
+
+        ``bubble_ratio``: share of device time not spent computing over that wall time; ``uploaded_bytes``:
+        host-to-device traffic; ``optimizer_seconds``: host step time; ``optimizer_exposed_seconds``: device
+        time spent waiting for a step's weights (the part of the step the pipeline did not hide);
+        ``peak_device_bytes``: the largest resident bytes on any device so far.
+        """
+        now = self.timeline.now()
+        totals = {
+            "compute": sum(d.counters.compute_seconds for d in self.devices),
+            "uploaded": float(sum(d.counters.uploaded_bytes for d in self.devices)),
+            "optimizer": self._optimizer.busy_seconds,
+            "exposed": sum(d.counters.weight_wait_seconds for d in self.devices),
+        }
+        last_time, last = self._metrics_mark
+        self._metrics_mark = (now, totals)
+        span = (now - last_time) * self.num_devices
+        busy = totals["compute"] - last["compute"]
+        return {
+            "bubble_ratio": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
+            "uploaded_bytes": totals["uploaded"] - last["uploaded"],
+            "optimizer_seconds": totals["optimizer"] - last["optimizer"],
+            "optimizer_exposed_seconds": (totals["exposed"] - last["exposed"]) / self.num_devices,
+            "peak_device_bytes": float(max(self.peak_resident_bytes())),
+        }
 
     def peak_resident_bytes(self) -> list[int]:
         return [device.residency.peak for device in self.devices]

@@ -107,6 +107,9 @@ class StageRunner:
             if differentiate:
                 stage.nbytes += state.grad_bytes()
         device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
+        device.counters.uploaded_bytes += sum(
+            t.numel() * t.element_size() for tensors in (*stage.params.values(), *stage.buffers.values()) for t in tensors
+        )
 
     def bind(self, device: Device, task: Task, stage: Stage) -> None:
         for layer in task.job.layers:

@@ -51,6 +51,8 @@ class RoundPipeStrategy(ParallelStrategy):
         recompute: ``"stage"`` or ``"layer"``.
         pin_memory: pin host staging buffers (CUDA devices).
         device_memory_limit: per-device budget in bytes or as ``"20GiB"``.
+        log_pipeline_metrics: log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded,
+            host step time and the part of it the devices waited for) after each optimizer step.
         **engine_options: further :class:`~lightning_roundpipe.config.EngineOptions` fields.
     """
 
@@ -60,10 +62,12 @@ class RoundPipeStrategy(ParallelStrategy):
                  num_stages: str | int | Plan = "auto", async_step: bool = False, recompute: str = "stage",
                  pin_memory: bool = True, device_memory_limit: int | str | None = None, *,
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
-                 checkpoint_io: Any = None, precision_plugin: Any = None, **engine_options: Any) -> None:
+                 checkpoint_io: Any = None, precision_plugin: Any = None, log_pipeline_metrics: bool = True,
+                 **engine_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.pipeline = pipeline
+        self.log_pipeline_metrics = log_pipeline_metrics
         self.engine_options = EngineOptions(
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, **engine_options)
@@ -173,6 +177,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.setup_precision_plugin()  # may replace the optimizers and their LightningOptimizer wrappers
         if trainer.state.fn == TrainerFn.FITTING:
             self._silence_zero_grad()
+            self._attach_metrics(trainer)
 
     def _find_trunk(self, module: LightningModule) -> nn.Sequential:
         sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
@@ -216,6 +221,10 @@ class RoundPipeStrategy(ParallelStrategy):
             )
         return trunk
 
+    def _attach_metrics(self, trainer: Any) -> None:
+        if self.log_pipeline_metrics and not any(isinstance(c, _PipelineMetrics) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, _PipelineMetrics(self))  # first, so other callbacks see fresh figures
+
     def _silence_zero_grad(self) -> None:
         # The engine clears gradients after each step; Lightning's zero_grad on the main thread would
         # otherwise race a step in flight (which reads param.grad on the optimizer thread) or wipe
@@ -237,6 +246,9 @@ class RoundPipeStrategy(ParallelStrategy):
         for patch in self._patches:
             patch.remove()
         self._patches = []
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _PipelineMetrics)]
         for optimizer in self._silenced_zero_grad:
             optimizer.__dict__.pop("zero_grad", None)
         self._silenced_zero_grad.clear()
@@ -380,6 +392,24 @@ class RoundPipeStrategy(ParallelStrategy):
         if "roundpipe_async" not in strategy_registry:
             strategy_registry.register("roundpipe_async", cls, description="RoundPipe, one-step-stale async step",
                                        async_step=True)
+
+
+class _PipelineMetrics(Callback):
+    """Logs the engine's figures from the main thread at the end of each batch that stepped the optimizer."""
+
+    def __init__(self, strategy: RoundPipeStrategy) -> None:
+        self._strategy = strategy
+        self._logged_step = 0  # nothing to report before the first step
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        engine = self._strategy.engine
+        if engine is None or engine.closed or trainer.global_step == self._logged_step:
+            return
+        self._logged_step = trainer.global_step
+        for name, value in engine.pipeline_metrics().items():
+            pl_module.log(f"roundpipe/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
 
 def _no_zero_grad(set_to_none: bool = True) -> None:

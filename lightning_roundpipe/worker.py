@@ -80,7 +80,14 @@ class Worker:
         stream = self.device.param_stream
         if sequence >= 2:
             stream.wait_event(self._releases[sequence - 2])
-        stream.wait_event(task.weights_ready)
+        weights_ready = task.weights_ready
+        if weights_ready is not None and not weights_ready.is_set():
+            def wait_for_weights() -> None:  # timed: how much of the host step the devices see
+                start = self.runner.timeline.now()
+                weights_ready.wait(self._abort)
+                self.device.counters.weight_wait_seconds += self.runner.timeline.now() - start
+
+            stream.submit(wait_for_weights)
         for event in task.buffer_waits:
             stream.wait_event(event)
         stage = Stage()
@@ -174,6 +181,7 @@ class Worker:
                 uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
             uploaded["nbytes"] = tree_nbytes([value for key, value in uploaded.items()])
             device.residency.allocate(uploaded["nbytes"], f"the inputs of {job.label} microbatch {microbatch}")
+            device.counters.uploaded_bytes += uploaded["nbytes"]
             runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
         acts.submit(upload)
@@ -195,7 +203,9 @@ class Worker:
                 result["output"] = runner.backward_microbatch(
                     device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
                     uploaded["input"])
-            stage.compute_time += runner.timeline.now() - start
+            elapsed = runner.timeline.now() - start
+            stage.compute_time += elapsed
+            device.counters.compute_seconds += elapsed
             device.residency.release(uploaded["nbytes"])
             uploaded.clear()
             result["nbytes"] = tree_nbytes([result.get(key) for key in ("output", "checkpoints", "snapshots")])

@@ -396,3 +396,32 @@ def test_roundpipe_async_equals_the_delayed_update_reference(fused):
     torch.testing.assert_close(module.losses, expected_losses, rtol=1e-4, atol=1e-6)
     for param, master in zip(module.parameters(), masters):
         torch.testing.assert_close(param, master.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_pipeline_metrics_are_logged_after_each_step():
+    logged = []
+
+    class Collect(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            logged.append({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")})
+
+    module = Classifier()
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2, device_memory_limit="1MiB"),
+                         accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Collect()])
+    trainer.fit(module, _data())
+    stepped = [entry for batch, entry in enumerate(logged) if batch % 2 == 1]  # the batches that stepped
+    assert len(stepped) == 3 and all(stepped) and not any(entry for batch, entry in enumerate(logged[:1]))
+    model_bytes = sum(p.numel() * p.element_size() for p in module.net.parameters())
+    for entry in stepped:
+        assert set(entry) == {f"roundpipe/{k}" for k in ("bubble_ratio", "uploaded_bytes", "optimizer_seconds",
+                                                          "optimizer_exposed_seconds", "peak_device_bytes")}
+        assert 0.0 <= entry["roundpipe/bubble_ratio"] <= 1.0
+        assert 0 < entry["roundpipe/peak_device_bytes"] <= 2**20
+        assert entry["roundpipe/optimizer_seconds"] >= 0.0 and entry["roundpipe/optimizer_exposed_seconds"] >= 0.0
+    # every parameter is uploaded at least twice per batch (forward and backward stages); the figures are
+    # read while the pipeline runs, so one batch's traffic may land in the next report
+    uploaded = sum(entry["roundpipe/uploaded_bytes"] for entry in stepped)
+    assert uploaded >= 2 * model_bytes * (2 * len(stepped) - 1)
+    assert not any(type(c).__name__ == "_PipelineMetrics" for c in trainer.callbacks)
