@@ -425,3 +425,55 @@ def test_pipeline_metrics_are_logged_after_each_step():
     uploaded = sum(entry["roundpipe/uploaded_bytes"] for entry in stepped)
     assert uploaded >= 2 * model_bytes * (2 * len(stepped) - 1)
     assert not any(type(c).__name__ == "_PipelineMetrics" for c in trainer.callbacks)
+
+
+class PlateauScheduler(Classifier):
+    """A plateau scheduler on the validation loss, stepped once per epoch after validation."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+
+def test_an_epoch_wise_plateau_scheduler_matches_lightnings_default_strategy():
+    def fit(strategy, devices):
+        module = PlateauScheduler()
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=3, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   ).fit(module, _data(), _data(16))
+        return module
+
+    reference, module = fit("auto", 1), fit(RoundPipeStrategy(num_microbatches=1), 2)
+    torch.testing.assert_close(module.losses, reference.losses, rtol=1e-4, atol=1e-6)
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == reference.trainer.optimizers[0].param_groups[0]["lr"]
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
+
+
+class TransferHooks(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.transfers = []
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.transfers.append(device)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x * 0 + x, y  # a visible no-op: the hook ran on the host batch
+
+
+def test_batches_stay_on_the_host_and_transfer_hooks_still_run():
+    module = TransferHooks()
+    _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+    assert module.transfers and all(device == torch.device("cpu") for device in module.transfers)
+
+
+def test_devices_the_engine_cannot_drive_are_refused():
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    strategy = RoundPipeStrategy(accelerator=CPUAccelerator(), parallel_devices=[torch.device("meta")])
+    with pytest.raises(ValueError, match="RoundPipe cannot drive 'meta' devices yet; use accelerator='cpu'"):
+        strategy.setup_environment()
