@@ -477,3 +477,20 @@ def test_devices_the_engine_cannot_drive_are_refused():
     strategy = RoundPipeStrategy(accelerator=CPUAccelerator(), parallel_devices=[torch.device("meta")])
     with pytest.raises(ValueError, match="RoundPipe cannot drive 'meta' devices yet; use accelerator='cpu'"):
         strategy.setup_environment()
+
+
+class OverflowsOnce(Classifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == 1 else loss
+
+
+def test_16_bit_overflow_skips_the_step_and_halves_the_scale_as_lightning_does():
+    reference, module = OverflowsOnce("sgd"), OverflowsOnce("sgd")
+    reference_trainer = _precision_fit(reference, "auto", "16-mixed")
+    trainer = _precision_fit(module, RoundPipeStrategy(num_microbatches=1), "16-mixed", devices=2)
+    assert trainer.precision_plugin.scaler.get_scale() == reference_trainer.precision_plugin.scaler.get_scale()
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**15  # one overflow: 2**16 halved once
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        assert torch.isfinite(param).all()
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-5)
