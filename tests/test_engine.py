@@ -23,12 +23,22 @@ def _roundpipe_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
 
 
-def _plain_two_microbatch_sgd_step(reference: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Plain PyTorch: two equal microbatches with gradient accumulation, then an SGD step (lr 0.1)."""
-    sizes = [x.shape[0] // 2] * 2
-    loss = reference_microbatch_step(reference, x, y, F.cross_entropy, [1.0, 1.0], sizes)
+def _assert_one_step_matches_plain_pytorch(model: nn.Module, x: torch.Tensor, devices: int,
+                                           options: EngineOptions) -> None:
+    """One fused-path SGD step (lr 0.1) on two equal microbatches equals plain PyTorch accumulating the same
+    two microbatches: the loss and every parameter."""
+    reference = clone(model)
+    y = torch.randint(0, 2, (x.shape[0],))
+    with RoundPipeEngine(model, devices, options) as engine:
+        loss = engine.forward_backward(x, y, F.cross_entropy)
+        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.synchronize()
+    half = x.shape[0] // 2
+    expected = reference_microbatch_step(reference, x, y, F.cross_entropy, [1.0, 1.0], [half, half])
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    return torch.tensor(loss)
+    torch.testing.assert_close(loss.item(), expected, rtol=1e-6, atol=1e-7)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
 
 
 def _train_dropout_gpt(devices: int, recompute: str, steps: int = 3) -> list[torch.Tensor]:
@@ -322,17 +332,8 @@ def test_dict_and_tuple_outputs_between_layers():
             return self.c(pair[0]) * pair[1]
 
     torch.manual_seed(0)
-    model = nn.Sequential(Pair(), Join(), Use())
-    reference = clone(model)
-    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
-    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:
-        loss = engine.forward_backward(x, y, F.cross_entropy)
-        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
-        engine.synchronize()
-    expected = _plain_two_microbatch_sgd_step(reference, x, y)
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+    _assert_one_step_matches_plain_pytorch(nn.Sequential(Pair(), Join(), Use()), torch.randn(6, 3), 2,
+                                           EngineOptions(num_microbatches=2, num_stages=2))
 
 
 @pytest.mark.parametrize(
@@ -494,17 +495,9 @@ def test_layers_that_work_in_place_on_their_input(recompute):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
                           nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
-    reference = clone(model)
     plan = Plan.from_sizes([1, 1, 1, 1, 1, 1], 1, [1, 1, 1, 1, 1, 1])  # every activation starts a stage
-    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
-    with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=plan, recompute=recompute)) as engine:
-        loss = engine.forward_backward(x, y, F.cross_entropy)
-        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
-        engine.synchronize()
-    expected = _plain_two_microbatch_sgd_step(reference, x, y)
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+    _assert_one_step_matches_plain_pytorch(model, torch.randn(6, 4), 2,
+                                           EngineOptions(num_microbatches=2, num_stages=plan, recompute=recompute))
 
 
 class AddOneInPlace(nn.Module):
@@ -517,16 +510,9 @@ def test_in_place_layers_inside_a_forward_stage_keep_the_checkpoints():
     place: the kept checkpoint must be the input as it was, or the recompute sees it shifted twice."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), AddOneInPlace(), nn.Linear(8, 8), nn.Linear(8, 2))
-    reference = clone(model)
     plan = Plan.from_sizes([4], 1, [2, 2])
-    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
-    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=2, num_stages=plan)) as engine:
-        engine.forward_backward(x, y, F.cross_entropy)
-        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
-        engine.synchronize()
-    _plain_two_microbatch_sgd_step(reference, x, y)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+    _assert_one_step_matches_plain_pytorch(model, torch.randn(6, 4), 1,
+                                           EngineOptions(num_microbatches=2, num_stages=plan))
 
 
 def test_async_overlaps_the_next_iteration_with_this_ones_backward_and_step():
