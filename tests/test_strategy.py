@@ -41,6 +41,10 @@ class Classifier(pl.LightningModule):
         x, y = batch
         self.log("val_loss", F.cross_entropy(self.net(x), y))
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self.net(x), y))
+
     def predict_step(self, batch, batch_idx):
         return self.net(batch[0])
 
@@ -117,6 +121,8 @@ def test_validate_and_predict_run_pipelined_forward_passes():
     with torch.no_grad():
         expected = torch.stack([F.cross_entropy(reference.net(x), y) for x, y in _data(16)]).mean()
         torch.testing.assert_close(metrics[0]["val_loss"], expected.item(), rtol=1e-5, atol=1e-6)
+        tested = trainer.test(module, _data(16), verbose=False)
+        torch.testing.assert_close(tested[0]["test_loss"], expected.item(), rtol=1e-5, atol=1e-6)
         predictions = trainer.predict(module, _data(16))
         torch.testing.assert_close(torch.cat(predictions), torch.cat([reference.net(x) for x, _ in _data(16)]),
                                    rtol=1e-5, atol=1e-6)
@@ -494,3 +500,47 @@ def test_16_bit_overflow_skips_the_step_and_halves_the_scale_as_lightning_does()
     for param, expected in zip(module.parameters(), reference.parameters()):
         assert torch.isfinite(param).all()
         torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-5)
+
+
+class BatchNormClassifier(Classifier):
+    def __init__(self, fused: bool = False):
+        super().__init__("sgd", fused)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
+                                 nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+def test_batchnorm_equals_manually_accumulated_microbatches(fused):
+    """BatchNorm sees each microbatch: the reference runs the same microbatches one after another with
+    Lightning's accumulation (2 batches), clipping (1.0) and step-wise scheduler, in plain PyTorch."""
+    module = BatchNormClassifier(fused)
+    reference = clone(module)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    losses = []
+    batches = [batch for _ in range(2) for batch in _data()]
+    for window in range(0, len(batches), 2):
+        for x, y in batches[window: window + 2]:
+            outputs = [reference.net(part) for part in x.split(4)]  # 8 samples in 2 microbatches of 4
+            if fused:  # the mean of the microbatch means, each weighted by its 4 of 8 samples
+                loss = sum(F.cross_entropy(out, part) * 0.5 for out, part in zip(outputs, y.split(4)))
+                (loss / 2).backward()
+            else:  # the loss of the merged output; backward one microbatch after another
+                detached = [out.detach().requires_grad_(True) for out in outputs]
+                loss = F.cross_entropy(torch.cat(detached), y)
+                (loss / 2).backward()
+                for out, leaf in zip(outputs, detached):
+                    out.backward(leaf.grad)
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2, num_stages=2), accelerator="cpu",
+                         devices=2, max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, _data())
+    torch.testing.assert_close(module.losses, losses, rtol=1e-4, atol=1e-6)
+    for (name, value), expected in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
