@@ -189,6 +189,7 @@ class RoundPipeStrategy(ParallelStrategy):
                     f"`pipeline={self.pipeline!r}` names no submodule of {type(module).__name__}; "
                     f"its nn.Sequential submodules are {sorted(sequentials) or 'none'}"
                 ) from None
+            _refuse_compiled(self.pipeline, trunk)
             if not isinstance(trunk, nn.Sequential):
                 raise TypeError(
                     f"`pipeline={self.pipeline!r}` is a {type(trunk).__name__}, not an nn.Sequential: the trunk "
@@ -204,11 +205,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 )
             name = max(sequentials, key=lambda n: (_parameter_count(sequentials[n]), -n.count(".")))
             trunk = sequentials[name]
-        if any(type(m).__name__ == "OptimizedModule" for m in module.modules()) or "_orig_mod" in name:
-            raise TypeError(
-                f"the trunk `{name}` is compiled with torch.compile, which RoundPipe does not support: it runs each "
-                "layer on per-device copies. Pass the module uncompiled (compile single blocks inside it instead)"
-            )
+        _refuse_compiled(name, trunk)
         total = _parameter_count(module) or 1
         share = _parameter_count(trunk) / total
         log.info(f"RoundPipe pipelines `{name}` ({len(trunk)} layers, {share:.0%} of the parameters)")
@@ -410,6 +407,17 @@ class _PipelineMetrics(Callback):
         self._logged_step = trainer.global_step
         for name, value in engine.pipeline_metrics().items():
             pl_module.log(f"roundpipe/{name}", value, on_step=True, on_epoch=False, batch_size=1)
+
+
+def _refuse_compiled(name: str, trunk: nn.Module) -> None:
+    # torch.compile wraps a module in an OptimizedModule whose original sits at `_orig_mod`
+    compiled = "_orig_mod" in name.split(".") or any(
+        type(module).__name__ == "OptimizedModule" for module in trunk.modules())
+    if compiled:
+        raise TypeError(
+            f"the trunk `{name}` is (or contains) a torch.compile'd module, which RoundPipe does not support: it "
+            "runs every layer on per-device copies of it. Pass the trunk uncompiled."
+        )
 
 
 def _no_zero_grad(set_to_none: bool = True) -> None:

@@ -321,7 +321,11 @@ def test_a_compiled_trunk_is_refused():
     module.net = torch.compile(module.net)
     trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(TypeError, match="compiled with torch.compile"):
+    with pytest.raises(TypeError, match=r"the trunk `net._orig_mod` is \(or contains\) a torch.compile'd module"):
+        trainer.validate(module, _data(4), verbose=False)
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(pipeline="net"), accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match=r"the trunk `net` is \(or contains\) a torch.compile'd module"):
         trainer.validate(module, _data(4), verbose=False)
     assert _roundpipe_threads() == []
 
