@@ -15,6 +15,9 @@ install: $(PY)
 test: $(PY)
 	$(PY) -m pytest -q
 
-.PHONY: demo
-demo: $(PY)
+.PHONY: train demo
+train: $(PY)  # the main job: Hydra app, embedded default (a small GPT on the Python standard library)
+	$(PY) examples/train.py
+
+demo: $(PY)  # the engine alone, without Lightning
 	$(PY) examples/engine_demo.py

@@ -7,68 +7,15 @@ installed with this interpreter. Run with ``make demo`` (or ``python examples/en
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
-import sysconfig
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
-
-
-def stdlib_bytes(limit: int) -> torch.Tensor:
-    """The first ``limit`` bytes of the standard library's sources, in sorted path order."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    chunks, size = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if {"site-packages", "test", "tests", "__pycache__"} & set(path.relative_to(root).parts):
-            continue
-        data = path.read_bytes()
-        chunks.append(data)
-        size += len(data)
-        if size >= limit:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
-
-
-class Embedding(nn.Module):
-    def __init__(self, width: int, context: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(256, width)
-        nn.init.normal_(self.tokens.weight, std=0.02)  # tied with the head: keep the first logits small
-        self.positions = nn.Parameter(torch.randn(context, width) * 0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions[: ids.shape[1]]
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.proj(y)
-        return x + self.mlp(self.norm2(x))
-
-
-class Head(nn.Module):
-    def __init__(self, embedding: Embedding, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.weight = embedding.tokens.weight  # tied
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.weight)
+from lightning_roundpipe.app.data import stdlib_bytes  # shared with the Hydra app
+from lightning_roundpipe.app.model import gpt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,8 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     context, width, batch = 64, 64, 12
     data = stdlib_bytes(400_000)
-    embedding = Embedding(width, context)
-    model = nn.Sequential(embedding, *[Block(width, 4) for _ in range(4)], Head(embedding, width))
+    model = gpt(width=width, depth=4, heads=4, context=context)  # Sequential(embedding, *blocks, tied head)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     options = EngineOptions(num_microbatches=args.microbatches, async_step=args.async_step, record_timeline=True)
     start = time.perf_counter()

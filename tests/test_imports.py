@@ -9,7 +9,9 @@ import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "lightning_roundpipe"
 PURE = {"partition", "schedule", "simulate"}
-FRAMEWORK_MODULES = {"strategy", "precision"}  # the only places allowed to import lightning or hydra
+FRAMEWORK_MODULES = {"strategy", "precision"}  # the only top-level modules allowed to import lightning or hydra
+FRAMEWORK_PACKAGES = {"app"}  # the Hydra application: the entry point, so it may import them too
+FRAMEWORKS = {"lightning", "pytorch_lightning", "hydra", "omegaconf"}
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -35,14 +37,29 @@ def test_pure_modules_import_only_the_standard_library_and_each_other():
                 assert root in sys.stdlib_module_names, f"{name}.py imports {imported}"
 
 
-def test_only_the_lightning_adapter_imports_lightning_or_hydra():
-    for path in PACKAGE.glob("*.py"):
-        if path.stem in FRAMEWORK_MODULES:
+def _library_modules() -> list[pathlib.Path]:
+    """Every module of the package except the framework adapter and the app subpackage."""
+    modules = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if parts[0] in FRAMEWORK_PACKAGES or (len(parts) == 1 and path.stem in FRAMEWORK_MODULES):
             continue
+        modules.append(path)
+    return modules
+
+
+def test_only_the_lightning_adapter_and_the_app_import_lightning_or_hydra():
+    checked = _library_modules()
+    assert PACKAGE / "runtime.py" in checked and not any(p.parent.name in FRAMEWORK_PACKAGES for p in checked)
+    for path in checked:
         for imported in _imports(path):
-            assert imported.split(".")[0] not in {"lightning", "pytorch_lightning", "hydra", "omegaconf"}, (
-                f"{path.name} imports {imported}"
-            )
+            assert imported.split(".")[0] not in FRAMEWORKS, f"{path.relative_to(PACKAGE)} imports {imported}"
+
+
+def test_the_library_does_not_import_the_app():
+    for path in _library_modules() + [PACKAGE / f"{name}.py" for name in FRAMEWORK_MODULES]:
+        if path.exists():
+            assert not any(".app" in name for name in _imports(path)), f"{path.name} imports the app"
 
 
 def test_importing_the_package_starts_nothing_and_imports_no_torch():
