@@ -104,3 +104,12 @@ def test_an_unknown_key_in_a_config_file_fails_at_compose_time(tmp_path):
         with pytest.raises(ConfigCompositionException) as error:
             compose(config_name="config")
     assert "learning_rate" in str(error.value) + str(error.value.__cause__)
+
+
+def test_the_command_line_reports_a_bad_value_without_a_traceback():
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    result = subprocess.run([sys.executable, str(script), "strategy.num_microbatches=0"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "config error: `strategy.num_microbatches` must be at least 1 (or null for devices + 1), got 0")

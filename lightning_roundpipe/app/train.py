@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig
 
-from lightning_roundpipe.app.schema import register, validate
+from lightning_roundpipe.app.schema import ConfigError, register, validate
 
 CONFIG_DIR = str(pathlib.Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
 register()
@@ -135,7 +135,11 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path) -> Summary:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """The Hydra entry point; returns the final validation loss (for sweepers)."""
-    return run(cfg, HydraConfig.get().runtime.output_dir).val_loss
+    try:
+        return run(cfg, HydraConfig.get().runtime.output_dir).val_loss
+    except ConfigError as error:  # a bad value is the user's to fix: say which key, without a traceback
+        print(f"config error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
