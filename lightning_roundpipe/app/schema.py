@@ -39,9 +39,10 @@ class MLPNetConf:
 
 
 @dataclass
-class GPTModelConf:
+class ByteLMConf:
+    """The LightningModule's options; each model option adds its own ``net``."""
+
     _target_: str = "lightning_roundpipe.app.model.ByteLM"
-    net: GPTNetConf = field(default_factory=GPTNetConf)
     lr: float = 3e-3
     weight_decay: float = 0.01
     fused: bool = True
@@ -49,13 +50,13 @@ class GPTModelConf:
 
 
 @dataclass
-class MLPModelConf:
-    _target_: str = "lightning_roundpipe.app.model.ByteLM"
+class GPTModelConf(ByteLMConf):
+    net: GPTNetConf = field(default_factory=GPTNetConf)
+
+
+@dataclass
+class MLPModelConf(ByteLMConf):
     net: MLPNetConf = field(default_factory=MLPNetConf)
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    fused: bool = True
-    context: Optional[int] = "${data.context}"  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------- data
