@@ -20,7 +20,8 @@ the host into the optimizer step's :class:`~lightning_roundpipe.optim.GradWindow
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -156,13 +157,27 @@ class RoundPipeEngine:
             raise PipelineError(str(error)) from error.__cause__
         raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}") from error
 
-    def _wait(self, event: HostEvent) -> None:
+    @contextmanager
+    def _failures_surfaced(self) -> Iterator[None]:
+        """A wait woken by the abort flag raises the pipeline's own error (and closes the engine)."""
         try:
-            event.wait(self._abort)
+            yield
         except (EngineAborted, TimeoutError):
             if self._abort.error is not None:
                 self._raise_failure()
             raise
+
+    def _wait(self, event: HostEvent) -> None:
+        with self._failures_surfaced():
+            event.wait(self._abort)
+
+    def _publish_gradients(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
+        """On this thread: wait for the window's jobs, then for the step in flight (it clears
+        ``param.grad`` when it ends), then add the window's gradients into ``param.grad``."""
+        with self._failures_surfaced():
+            wait_for_jobs()
+        self.wait_for_steps()
+        window.publish()
 
     # ------------------------------------------------------------------ observability
     @property
@@ -324,10 +339,7 @@ class RoundPipeEngine:
         hook_on_main = before_step is not None
         proceed: bool | None = True
         if hook_on_main:  # the hook must see final gradients in param.grad, on this thread
-            self._wait_window(window)
-            if self._last_step_done is not None:
-                self._wait(self._last_step_done)  # it clears param.grad when it ends
-            window.publish()
+            self._publish_gradients(window.wait_complete, window)
             proceed = before_step()
         groups = snapshot_param_groups(optimizer)
         optimizer._opt_called = True  # an LR scheduler checks that a step preceded its own
@@ -358,14 +370,7 @@ class RoundPipeEngine:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, rather
         than at :meth:`step` (for code that reads gradients between backward and step)."""
         self._check_running()
-        try:
-            self._window.wait_idle()
-        except (EngineAborted, TimeoutError):
-            if self._abort.error is not None:
-                self._raise_failure()
-            raise
-        self.wait_for_steps()  # a step in flight clears param.grad when it ends
-        self._window.publish()
+        self._publish_gradients(self._window.wait_idle, self._window)
 
     def wait_for_steps(self) -> None:
         """Wait until every queued optimizer step has finished (and cleared its gradients)."""
@@ -379,16 +384,7 @@ class RoundPipeEngine:
         for event in self._last_done:
             if event is not None:
                 self._wait(event)
-        if self._last_step_done is not None:
-            self._wait(self._last_step_done)
-
-    def _wait_window(self, window: GradWindow) -> None:
-        try:
-            window.wait_complete()
-        except (EngineAborted, TimeoutError):
-            if self._abort.error is not None:
-                self._raise_failure()
-            raise
+        self.wait_for_steps()
 
     # ------------------------------------------------------------------ planning
     def _replan(self) -> None:
