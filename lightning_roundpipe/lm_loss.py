@@ -1,0 +1,160 @@
+"""Fused, chunked LM-head cross entropy that never materializes full-vocabulary logits.
+
+A language model's last layer turns ``N`` hidden states into ``N x V`` logits; with
+``V`` in the tens of thousands that tensor (plus its float32 upcast, its softmax and
+its gradient) is usually the largest activation of the whole step, often larger
+than the rest of the model's activations together. For a pipeline stage that holds
+the LM head, that single spike decides how many micro-batches fit in memory.
+
+:func:`chunked_lm_loss` computes the same per-token losses as
+``F.cross_entropy(hidden @ weight.T + bias, labels, reduction="none")`` but walks the
+tokens a chunk of rows at a time: the forward keeps only the per-token
+log-sum-exp (``N`` floats), and the backward recomputes each chunk's logits to form
+``softmax - onehot`` and folds it straight into the gradients of ``hidden``,
+``weight`` and ``bias``. Peak extra memory is a few chunk-sized logit buffers plus
+the gradients themselves, instead of several ``N x V`` tensors; the price is one
+extra ``hidden @ weight.T`` matmul in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "chunk_rows", "chunked_lm_loss"]
+
+#: Default budget for one chunk's float32 logits (64 MiB).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's float32 logits, ``rows * vocab_size * 4``
+    bytes, fit in ``chunk_bytes`` (at least one row). Transient memory of the loss is
+    a small multiple of that (logits in the compute dtype, the float32 copy, the
+    softmax/gradient buffer)."""
+    return max(1, chunk_bytes // (vocab_size * 4))
+
+
+def _math_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    # Softmax/log-sum-exp in float32 as Hugging Face does (``logits.float()``), but
+    # never *lower* the precision of float64 inputs (keeps gradcheck meaningful).
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
+def _logits(h: Tensor, w: Tensor, b: Tensor | None, math_dtype: torch.dtype) -> Tensor:
+    out = h @ w.T if b is None else torch.addmm(b, h, w.T)
+    return out.to(math_dtype)
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, rows, compute_dtype):
+        # hidden (N, H), labels (N,). Matmuls run with autocast off on inputs cast to
+        # the dtype chosen by the caller, so the backward reproduces the forward's
+        # logits exactly whatever the autocast state of the backward thread.
+        dev = hidden.device.type
+        mdt = _math_dtype(compute_dtype)
+        n = hidden.shape[0]
+        loss = hidden.new_empty(n, dtype=mdt)
+        lse = hidden.new_empty(n, dtype=mdt)
+        with torch.autocast(dev, enabled=False):
+            w = weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            for s in range(0, n, rows):
+                e = min(s + rows, n)
+                logits = _logits(hidden[s:e].to(compute_dtype), w, b, mdt)
+                y = labels[s:e]
+                valid = y != ignore_index
+                target = logits.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
+                lse[s:e] = torch.logsumexp(logits, dim=1)
+                loss[s:e] = torch.where(valid, lse[s:e] - target, 0.0)
+                del logits  # free before the next chunk allocates its own
+        # Only O(N + params) state is kept: no (N, V) tensor survives the forward.
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.ignore_index, ctx.rows, ctx.compute_dtype = ignore_index, rows, compute_dtype
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        cdt, rows = ctx.compute_dtype, ctx.rows
+        mdt = _math_dtype(cdt)
+        n = hidden.shape[0]
+        # Parameter gradients accumulate over chunks, so keep them in >= float32.
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(cdt)
+            b = None if bias is None else bias.to(cdt)
+            for s in range(0, n, rows):
+                e = min(s + rows, n)
+                h = hidden[s:e].to(cdt)
+                y = labels[s:e]
+                valid = y != ctx.ignore_index
+                # softmax = exp(logits - lse), in place on the recomputed logits.
+                g = _logits(h, w, b, mdt).sub_(lse[s:e].unsqueeze(1)).exp_()
+                # d loss / d logits = softmax - onehot(target); scatter keeps it
+                # sync-free (no boolean indexing) and skips ignored rows.
+                g.scatter_add_(1, torch.where(valid, y, 0).unsqueeze(1),
+                               -valid.to(mdt).unsqueeze(1))
+                # where(), not multiply: ignored rows get exactly 0 even if the
+                # upstream gradient there is inf/NaN.
+                scale = torch.where(valid, grad_loss[s:e].to(mdt), 0.0)
+                g.mul_(scale.unsqueeze(1))
+                if need_b:
+                    grad_b.add_(g.sum(0))
+                gc = g.to(cdt)
+                del g
+                if need_h:
+                    grad_h[s:e] = gc @ w
+                if need_w:
+                    if grad_w.dtype == gc.dtype:
+                        grad_w.addmm_(gc.T, h)  # no (V, H) temporary
+                    else:
+                        # Low-precision product, fp32 sum. Costs a (V, H) temporary
+                        # in the compute dtype per chunk: CPU has no mixed-dtype addmm.
+                        grad_w.add_(gc.T @ h)
+                del gc
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def chunked_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
+                    ignore_index: int = -100, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tensor:
+    """Per-token cross entropy of logits = hidden @ weight.T (+ bias) against labels, computed a chunk of tokens at a time.
+    hidden: (..., H) ; weight: (V, H) ; labels: (...) int64 with the same leading shape as hidden.
+    Returns per-token losses (same leading shape as labels, float32), 0.0 where labels == ignore_index.
+
+    Float64 inputs give float64 losses. Under autocast the matmuls run in the
+    autocast dtype (as ``F.linear`` would) and the softmax in float32. Reduce the
+    result yourself, e.g. ``loss.sum() / (labels != ignore_index).sum()``.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden last dim must equal weight.shape[1]={weight.shape[1]}, "
+                         f"got hidden shape {tuple(hidden.shape)}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1]="
+                         f"{tuple(hidden.shape[:-1])}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    dev = hidden.device.type
+    # Like autocast's own casting rule: float64 is never lowered.
+    compute_dtype = (torch.get_autocast_dtype(dev)
+                     if torch.is_autocast_enabled(dev) and hidden.dtype != torch.float64
+                     else hidden.dtype)
+    rows = chunk_rows(weight.shape[0], chunk_bytes)
+    loss = _ChunkedLMLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                labels.reshape(-1).long(), ignore_index, rows, compute_dtype)
+    return loss.view(labels.shape)
