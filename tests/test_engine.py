@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_roundpipe import EngineOptions, PipelineError, Plan, RoundPipeEngine, is_recomputing
 from lightning_roundpipe.microbatch import microbatch_sizes
+from lightning_roundpipe.transfer import NoGrad
 from tests.models import (
     SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, reference_microbatch_step, tiny_gpt,
 )
@@ -334,6 +335,43 @@ def test_dict_and_tuple_outputs_between_layers():
     torch.manual_seed(0)
     _assert_one_step_matches_plain_pytorch(nn.Sequential(Pair(), Join(), Use()), torch.randn(6, 3), 2,
                                            EngineOptions(num_microbatches=2, num_stages=2))
+
+
+def test_no_grad_values_travel_with_the_activations_but_are_never_differentiated():
+    seen_requires_grad: list[bool] = []
+
+    class Start(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x):
+            scale = torch.linspace(0.5, 1.5, 3).expand(x.shape[0], 3)  # per sample, float, not a parameter
+            return self.a(x), NoGrad(scale=scale, note="kept")
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Linear(3, 3)
+
+        def forward(self, state):
+            h, context = state
+            seen_requires_grad.append(context.scale.requires_grad)
+            assert context.note == "kept"
+            return self.b(h) * context.scale, context
+
+    class End(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Linear(3, 2)
+
+        def forward(self, state):
+            return self.c(state[0] + state[1].scale)
+
+    torch.manual_seed(0)
+    _assert_one_step_matches_plain_pytorch(nn.Sequential(Start(), Scale(), Scale(), End()), torch.randn(6, 3), 2,
+                                           EngineOptions(num_microbatches=2, num_stages=3))
+    assert seen_requires_grad and not any(seen_requires_grad)  # backward stages never made it a leaf
 
 
 @pytest.mark.parametrize(
