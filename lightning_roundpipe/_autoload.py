@@ -28,6 +28,9 @@ def install() -> None:
 
 
 def _register() -> None:
+    strategy = sys.modules.get("lightning_roundpipe.strategy")
+    if strategy is not None and not hasattr(strategy, "register"):
+        return  # it is importing Lightning right now, and registers itself when it has finished
     try:
         from lightning_roundpipe.strategy import register
 

@@ -99,6 +99,21 @@ class Trunk:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    def describe_parameters(self) -> str:
+        """The trunk's parameters on the host by trainable/frozen and dtype, e.g. for LoRA: ``trainable 327,680
+        float32 (1.2 MiB); frozen 12,517,376 bfloat16 (23.9 MiB)``. Frozen ones are kept and uploaded as stored."""
+        groups: dict[tuple[bool, torch.dtype], list[int]] = {}
+        for param in self.parameters():
+            counts = groups.setdefault((param.requires_grad, param.dtype), [0, 0])
+            counts[0] += param.numel()
+            counts[1] += param.numel() * param.element_size()
+        parts = [
+            f"{'trainable' if trainable else 'frozen'} {count:,} {str(dtype).removeprefix('torch.')} "
+            f"({nbytes / 2**20:.1f} MiB)"
+            for (trainable, dtype), (count, nbytes) in sorted(groups.items(), key=lambda item: (not item[0][0], str(item[0][1])))
+        ]
+        return "; ".join(parts) or "no parameters"
+
 
 def _collect_state(layer: nn.Module) -> LayerState:
     state = LayerState()

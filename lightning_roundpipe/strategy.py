@@ -29,7 +29,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
+from lightning_roundpipe.causal_lm import FAMILIES, CausalLMForward, causal_lm_preset, find_causal_lm
 from lightning_roundpipe.config import EngineOptions
+from lightning_roundpipe.layers import Trunk, build_trunk
 from lightning_roundpipe.partition import Plan
 from lightning_roundpipe.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
 from lightning_roundpipe.runtime import RoundPipeEngine
@@ -165,10 +167,11 @@ class RoundPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
-        trunk = self._find_trunk(module)
+        trunk, driven = self._build_trunk(module)
         devices = self.parallel_devices or [torch.device("cpu")]
         self.engine = RoundPipeEngine(trunk, devices, self.engine_options).start()
-        self._patches = [PipelinedForward(trunk, self.engine, self._backward_scale, self._mark_fused_backward),
+        forward_patch = PipelinedForward if isinstance(driven, nn.Sequential) else CausalLMForward
+        self._patches = [forward_patch(driven, self.engine, self._backward_scale, self._mark_fused_backward),
                          ZeroGradAfterSteps(module, self.engine)]
         for patch in self._patches:
             patch.install()
@@ -179,7 +182,9 @@ class RoundPipeStrategy(ParallelStrategy):
             self._silence_zero_grad()
             self._attach_metrics(trainer)
 
-    def _find_trunk(self, module: LightningModule) -> nn.Sequential:
+    def _find_trunk(self, module: LightningModule) -> tuple[str, nn.Module]:
+        """The module to pipeline: ``pipeline=``'s, else the first Hugging Face causal LM (a preset), else
+        the ``nn.Sequential`` holding the most parameters."""
         sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
         if self.pipeline is not None:
             try:
@@ -190,25 +195,35 @@ class RoundPipeStrategy(ParallelStrategy):
                     f"its nn.Sequential submodules are {sorted(sequentials) or 'none'}"
                 ) from None
             _refuse_compiled(self.pipeline, trunk)
-            if not isinstance(trunk, nn.Sequential):
+            if find_causal_lm(trunk) is None and not isinstance(trunk, nn.Sequential):
                 raise TypeError(
                     f"`pipeline={self.pipeline!r}` is a {type(trunk).__name__}, not an nn.Sequential: the trunk "
-                    "must be an nn.Sequential whose children are the layers"
+                    "must be an nn.Sequential whose children are the layers, or a Hugging Face causal LM "
+                    f"({', '.join(FAMILIES)})"
                 )
-            name = self.pipeline
-        else:
-            if not sequentials:
-                raise ValueError(
-                    f"{type(module).__name__} has no nn.Sequential submodule to pipeline. Put the model's blocks in "
-                    "an nn.Sequential attribute (e.g. self.net = nn.Sequential(embed, *blocks, head)) and pass "
-                    "`pipeline='net'` to RoundPipeStrategy if there are several"
-                )
-            name = max(sequentials, key=lambda n: (_parameter_count(sequentials[n]), -n.count(".")))
-            trunk = sequentials[name]
-        _refuse_compiled(name, trunk)
+            return self.pipeline, trunk
+        for name, candidate in module.named_modules():
+            if name and find_causal_lm(candidate) is not None:
+                _refuse_compiled(name, candidate)
+                return name, candidate
+        if not sequentials:
+            raise ValueError(
+                f"{type(module).__name__} has no nn.Sequential submodule or Hugging Face causal LM to pipeline. Put "
+                "the model's blocks in an nn.Sequential attribute (e.g. self.net = nn.Sequential(embed, *blocks, "
+                "head)) and pass `pipeline='net'` to RoundPipeStrategy if there are several"
+            )
+        name = max(sequentials, key=lambda n: (_parameter_count(sequentials[n]), -n.count(".")))
+        _refuse_compiled(name, sequentials[name])
+        return name, sequentials[name]
+
+    def _build_trunk(self, module: LightningModule) -> tuple[Trunk, nn.Module]:
+        """The trunk, and the module whose ``forward`` the engine takes over."""
+        name, target = self._find_trunk(module)
+        trunk = build_trunk(target, presets=(causal_lm_preset,))
         total = _parameter_count(module) or 1
-        share = _parameter_count(trunk) / total
-        log.info(f"RoundPipe pipelines `{name}` ({len(trunk)} layers, {share:.0%} of the parameters)")
+        share = _parameter_count(target) / total
+        log.info(f"RoundPipe pipelines `{name}` ({trunk.source}: {len(trunk)} layers, {share:.0%} of the "
+                 f"parameters; on the host: {trunk.describe_parameters()})")
         if share < _MOSTLY_INSIDE:
             from lightning.pytorch.utilities import rank_zero_warn
 
@@ -216,7 +231,8 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"RoundPipe pipelines `{name}`, which holds only {share:.0%} of the parameters; the rest stays on "
                 "the host and runs on the main thread. Pass `pipeline=` to choose another trunk."
             )
-        return trunk
+        model = find_causal_lm(target)
+        return trunk, target if model is None else model
 
     def _attach_metrics(self, trainer: Any) -> None:
         if self.log_pipeline_metrics and not any(isinstance(c, _PipelineMetrics) for c in trainer.callbacks):
@@ -433,3 +449,6 @@ def register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     RoundPipeStrategy.register_strategies(StrategyRegistry)
+
+
+register()  # when this module is imported before Lightning, the import hook fired while it was half-built

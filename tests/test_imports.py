@@ -67,3 +67,19 @@ def test_importing_the_package_starts_nothing_and_imports_no_torch():
             "assert 'torch' not in sys.modules, 'torch imported'; "
             "assert threading.active_count() == 1, 'a thread was started'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hugging_face_libraries_are_imported_only_when_a_model_of_theirs_is_used():
+    code = ("import sys, torch, lightning_roundpipe.causal_lm as c; "
+            "assert c.find_causal_lm(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None; "
+            "loaded = [m for m in ('transformers', 'peft') if m in sys.modules]; "
+            "assert not loaded, f'imported {loaded}'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_importing_the_strategy_module_first_registers_the_names():
+    code = ("import warnings; warnings.simplefilter('error'); "
+            "from lightning_roundpipe.strategy import RoundPipeStrategy; "
+            "from lightning.pytorch.strategies import StrategyRegistry; "
+            "assert {'roundpipe', 'roundpipe_async'} <= set(StrategyRegistry), 'not registered'")
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)

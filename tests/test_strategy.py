@@ -186,7 +186,7 @@ def test_errors_name_what_to_change():
 
     trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match="has no nn.Sequential submodule to pipeline"):
+    with pytest.raises(ValueError, match="has no nn.Sequential submodule or Hugging Face causal LM to pipeline"):
         trainer.validate(NoTrunk(), _data(4), verbose=False)
     trainer = pl.Trainer(strategy=RoundPipeStrategy(pipeline="nett"), accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -1,0 +1,310 @@
+"""The Hugging Face causal-LM preset: a ``LlamaForCausalLM`` (or Qwen2, Qwen3) pipelined as it is.
+
+The model is cut into its natural layers without changing it:
+
+- an *embedding* layer: token embeddings, plus what every decoder layer reads and nothing
+  differentiates (the attention masks, the rotary cos/sin tables, the position ids and the labels),
+  computed once per microbatch and carried in a :class:`~lightning_roundpipe.transfer.NoGrad`, so
+  backward stages reuse them when they recompute;
+- one layer per decoder block;
+- a *head*: the final norm and either the logits (no labels) or, with labels, each sample's summed
+  token loss and token count from :func:`~lightning_roundpipe.lm_loss.chunked_lm_loss`, which never
+  holds a whole microbatch's full-vocabulary logits.
+
+The layers are wrappers that hold the model's own modules, outside the model's module tree: its
+parameters, ``state_dict`` keys and ``save_pretrained`` stay as they are. A tied embedding and head is
+one parameter used by the first and last layers; the trunk sums its two gradients. A ``peft``
+``PeftModel`` (LoRA) is seen through: the adapters sit inside the decoder blocks' linear layers.
+
+:class:`CausalLMForward` replaces the model's ``forward`` while the strategy drives it, so
+``self.model(input_ids=..., attention_mask=..., labels=...).loss`` in a ``training_step`` runs the
+forward, the loss and the backward in the pipeline, per microbatch, each microbatch's token loss
+normalized by the whole batch's count of valid tokens.
+
+``transformers`` and ``peft`` are optional: nothing here imports them until a model of theirs is seen.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_roundpipe.lm_loss import chunked_lm_loss
+from lightning_roundpipe.microbatch import token_count
+from lightning_roundpipe.pipelined import InstancePatch
+from lightning_roundpipe.transfer import NoGrad
+
+if TYPE_CHECKING:
+    from lightning_roundpipe.runtime import RoundPipeEngine
+
+SUPPORTED_TRANSFORMERS = ("5.0", "5.25")  # [lowest, first unsupported): masks and layer calls change often
+FAMILIES = ("llama", "qwen2", "qwen3")    # model_type values whose forward the preset reproduces
+IGNORE_INDEX = -100                       # Hugging Face's label for "no loss at this token"
+_FLEX = "flex_attention"                  # its masks are BlockMask objects, not tensors to copy
+
+
+def find_causal_lm(module: nn.Module) -> nn.Module | None:
+    """The Hugging Face causal LM that ``module`` is or wraps (a ``PeftModel``), else ``None``.
+
+    Recognized by shape (``config.model_type``, ``model.embed_tokens/layers/norm/rotary_emb``,
+    ``lm_head``), so nothing is imported to look. A model of an unsupported family is refused with a
+    clear error rather than pipelined wrongly.
+    """
+    model = _unwrap_peft(module)
+    if not _has_causal_lm_shape(model):
+        return None
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise TypeError(
+            f"RoundPipe has no preset for Hugging Face model_type {model_type!r} ({type(model).__name__}); "
+            f"supported: {', '.join(FAMILIES)}. Pass `pipeline=` naming an nn.Sequential of its layers instead"
+        )
+    check_transformers_version()
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == _FLEX:
+        raise ValueError(
+            f"{type(model).__name__} uses attn_implementation={_FLEX!r}, whose block masks RoundPipe cannot move "
+            "between devices; load the model with attn_implementation='sdpa' (or 'eager')"
+        )
+    return model
+
+
+def _unwrap_peft(module: nn.Module) -> nn.Module:
+    if not type(module).__module__.startswith("peft."):
+        return module
+    config = getattr(module, "active_peft_config", None)
+    if config is not None and getattr(config, "is_prompt_learning", False):
+        raise ValueError(
+            f"RoundPipe pipelines adapter methods that live inside the layers (LoRA and similar); the "
+            f"{type(config).__name__} prepends virtual tokens outside them and is not supported"
+        )
+    get_base_model = getattr(module, "get_base_model", None)
+    if get_base_model is not None:  # PeftModel -> the transformers model, with adapters injected
+        return get_base_model()
+    inner = getattr(module, "model", None)  # a bare LoraModel
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def _has_causal_lm_shape(model: nn.Module) -> bool:
+    base = getattr(model, "model", None)
+    return (
+        type(model).__module__.startswith("transformers.")
+        and hasattr(getattr(model, "config", None), "model_type")
+        and isinstance(getattr(model, "lm_head", None), nn.Module)
+        and isinstance(base, nn.Module)
+        and all(isinstance(getattr(base, name, None), nn.Module) for name in ("embed_tokens", "norm", "rotary_emb"))
+        and isinstance(getattr(base, "layers", None), nn.ModuleList)
+    )
+
+
+def check_transformers_version() -> None:
+    import transformers
+    from packaging.version import Version
+
+    lowest, too_new = SUPPORTED_TRANSFORMERS
+    version = Version(transformers.__version__)
+    if not Version(lowest) <= version < Version(too_new):
+        raise RuntimeError(
+            f"RoundPipe's Hugging Face preset supports transformers >={lowest},<{too_new} (masks, rotary "
+            f"embeddings and decoder-layer calls change between releases); found {transformers.__version__}. "
+            f"Install a supported version: pip install 'transformers>={lowest},<{too_new}'"
+        )
+
+
+def causal_lm_preset(module: nn.Module, chunk_bytes: int | None = None) -> list[nn.Module] | None:
+    """The layers of a Hugging Face causal LM (see the module docstring), or ``None`` if it is not one."""
+    model = find_causal_lm(module)
+    if model is None:
+        return None
+    base = model.model
+    layer_types = getattr(model.config, "layer_types", None)
+    blocks = [
+        CausalLMBlock(layer, getattr(layer, "attention_type", None)
+                      or (layer_types[index] if layer_types else "full_attention"))
+        for index, layer in enumerate(base.layers[: model.config.num_hidden_layers])
+    ]
+    embedding = CausalLMEmbedding(base, sorted({block.attention_type for block in blocks}))
+    kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    return [embedding, *blocks, CausalLMHead(base.norm, model.lm_head, **kwargs)]
+
+
+# ---------------------------------------------------------------------------- the layers
+class CausalLMEmbedding(nn.Module):
+    """Token embeddings, and the per-microbatch values every later layer reads (in a ``NoGrad``)."""
+
+    def __init__(self, base: nn.Module, attention_types: list[str]) -> None:
+        super().__init__()
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.config = base.config
+        self.mask_builders = {kind: _mask_builder(kind) for kind in attention_types}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        hidden = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        masks = {kind: build(self.config, hidden, attention_mask, position_ids)
+                 for kind, build in self.mask_builders.items()}
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        return hidden, NoGrad(masks=masks, cos=cos, sin=sin, position_ids=position_ids, labels=labels)
+
+
+class CausalLMBlock(nn.Module):
+    """One decoder block, reading the masks and rotary tables the embedding layer computed."""
+
+    def __init__(self, layer: nn.Module, attention_type: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attention_type = attention_type
+
+    @property
+    def roundpipe_random(self) -> bool:
+        # attention dropout is functional (no nn.Dropout module to detect): declare it for RNG replay
+        attention = getattr(self.layer, "self_attn", None)
+        return bool(self.layer.training and float(getattr(attention, "attention_dropout", 0.0) or 0.0) > 0)
+
+    def forward(self, state: tuple[torch.Tensor, NoGrad]) -> tuple[torch.Tensor, NoGrad]:
+        hidden, context = state
+        out = self.layer(hidden, attention_mask=context.masks[self.attention_type],
+                         position_ids=context.position_ids, position_embeddings=(context.cos, context.sin))
+        return (out[0] if isinstance(out, tuple) else out), context
+
+
+class CausalLMHead(nn.Module):
+    """The final norm, then the logits (no labels) or each sample's (summed token loss, token count)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, chunk_bytes: int = 64 * 2**20) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.chunk_bytes = chunk_bytes
+
+    def forward(self, state: tuple[torch.Tensor, NoGrad]):
+        hidden, context = state
+        hidden = self.norm(hidden)
+        if context.labels is None:
+            return self.lm_head(hidden)
+        labels = context.labels
+        if type(self.lm_head) is nn.Linear:
+            losses = chunked_lm_loss(hidden, self.lm_head.weight, labels, bias=self.lm_head.bias,
+                                     ignore_index=IGNORE_INDEX, chunk_bytes=self.chunk_bytes)
+        else:  # an adapted head (LoRA on lm_head): its own forward, full logits
+            logits = self.lm_head(hidden).float()
+            losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                     reduction="none").view_as(labels)
+        valid = labels != IGNORE_INDEX
+        return losses.sum(dim=-1), valid.sum(dim=-1).to(losses.dtype)
+
+
+def _mask_builder(attention_type: str) -> Callable[..., Any]:
+    """``build(config, inputs_embeds, attention_mask, position_ids)`` for one attention type, calling
+    transformers' own mask function with the argument names this release uses."""
+    from transformers import masking_utils
+
+    functions = {"full_attention": masking_utils.create_causal_mask,
+                 "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+    if attention_type not in functions:
+        raise ValueError(f"RoundPipe's preset does not know decoder layers of attention type {attention_type!r}; "
+                         f"it supports {sorted(functions)}")
+    function = functions[attention_type]
+    names = set(inspect.signature(function).parameters)
+
+    def build(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor) -> Any:
+        values = {"config": config, "inputs_embeds": embeds, "input_embeds": embeds,
+                  "attention_mask": attention_mask, "cache": None, "past_key_values": None,
+                  "position_ids": position_ids,
+                  "cache_position": torch.arange(embeds.shape[1], device=embeds.device)}
+        return function(**{name: value for name, value in values.items() if name in names})
+
+    return build
+
+
+# ---------------------------------------------------------------------------- the model's forward
+def summed_token_loss(output: tuple[torch.Tensor, torch.Tensor], target: Any) -> torch.Tensor:
+    """A microbatch's mean token loss from the head's per-sample (loss sum, token count)."""
+    del target  # the head read the labels itself; the engine weighs microbatches by their token counts
+    sums, counts = output
+    return sums.sum() / counts.sum()
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal shift: position t is scored against the label at t + 1; the last is ignored."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+class CausalLMForward(InstancePatch):
+    """The ``forward`` of a Hugging Face causal LM driven by an engine.
+
+    With ``labels`` and grad mode (a ``training_step``): forward, loss and backward run in the pipeline;
+    the returned ``loss`` is detached (its backward has run, scaled as Lightning scales a returned loss).
+    With ``labels`` and no grad (validation): the loss, from per-sample sums. Without ``labels``: the
+    logits, through the transparent path (differentiable under grad mode). ``logits`` are not returned
+    when ``labels`` are given: a whole batch's full-vocabulary logits are what the pipeline avoids.
+    """
+
+    method = "forward"
+
+    def __init__(self, model: nn.Module, engine: RoundPipeEngine, backward_scale: Callable[[], float],
+                 on_fused_backward: Callable[[], None]) -> None:
+        super().__init__(model)
+        self.engine = engine
+        self.backward_scale = backward_scale
+        self.on_fused_backward = on_fused_backward
+
+    def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                 return_dict: bool | None = None, use_cache: bool | None = None, **unsupported: Any) -> Any:
+        _refuse_unsupported(input_ids, use_cache, unsupported)
+        if position_ids is not None and position_ids.shape[0] == 1 and input_ids.shape[0] > 1:
+            position_ids = position_ids.expand(input_ids.shape[0], -1)  # split into microbatches on dim 0
+        loss = logits = None
+        if labels is None:
+            logits = self.engine(input_ids, attention_mask, position_ids, None)
+        else:
+            shifted = shift_labels(labels)
+            inputs = (input_ids, attention_mask, position_ids, shifted)
+            if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+                loss = self.engine.forward_backward(inputs, shifted, summed_token_loss,
+                                                    loss_weight=token_count(IGNORE_INDEX),
+                                                    scale=self.backward_scale())
+                self.on_fused_backward()
+            else:
+                sums, counts = self.engine(*inputs)
+                loss = sums.sum() / counts.sum()
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        output = CausalLMOutputWithPast(loss=loss, logits=logits)
+        return output if return_dict is not False else output.to_tuple()
+
+
+_IGNORED_WHEN_EMPTY = ("inputs_embeds", "past_key_values", "cache", "cache_position", "output_attentions",
+                       "output_hidden_states", "logits_to_keep", "token_type_ids")
+
+
+def _refuse_unsupported(input_ids: torch.Tensor | None, use_cache: bool | None, unsupported: dict[str, Any]) -> None:
+    if input_ids is None:
+        raise ValueError("under RoundPipe, call the model with `input_ids` (inputs_embeds are not supported)")
+    if use_cache:
+        raise ValueError(
+            "under RoundPipe the model runs without a KV cache (use_cache=True was passed, e.g. by generate()). "
+            "Generate after trainer.fit returns, when the model's own forward is back, or pass use_cache=False"
+        )
+    given = sorted(name for name, value in unsupported.items()
+                   if not (name in _IGNORED_WHEN_EMPTY and _is_empty(value)))
+    if given:
+        raise ValueError(
+            f"under RoundPipe the model's forward takes input_ids, attention_mask, position_ids and labels; "
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported. Compute that outside the "
+            "model call, or train under another strategy"
+        )
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value is False or (type(value) is int and value == 0)

@@ -1,0 +1,264 @@
+"""Hugging Face causal LMs, unchanged, under RoundPipe: the same LightningModule and data as Lightning's
+default strategy, full fine-tuning and LoRA, with padded batches and ignored labels."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
+from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+
+VOCAB = 64
+TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def tiny_llama(tied: bool = True, seed: int = 0) -> torch.nn.Module:
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=tied, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def tiny_qwen3(tied: bool = False, seed: int = 0) -> torch.nn.Module:
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, tie_word_embeddings=tied,
+                                      attn_implementation="eager")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def with_lora(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "v_proj", "up_proj"])
+    torch.manual_seed(seed)
+    lora = peft.get_peft_model(model, config)
+    for name, param in lora.named_parameters():  # LoRA's B starts at zero: make the first steps see A too
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return lora
+
+
+class PaddedTokens(Dataset):
+    """Right- and left-padded sequences with some labels ignored (-100) besides the padding."""
+
+    def __init__(self, samples: int = 24, length: int = 12, seed: int = 3) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (samples, length), generator=generator)
+        self.mask = torch.ones(samples, length, dtype=torch.long)
+        for index in range(samples):
+            pad = int(torch.randint(0, length // 2, (), generator=generator))
+            if index % 3 == 1:
+                self.mask[index, length - pad:] = 0   # right padding
+            elif index % 3 == 2:
+                self.mask[index, :pad] = 0            # left padding
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+        ignored = torch.rand(samples, length, generator=generator) < 0.15
+        self.labels = self.labels.masked_fill(ignored, -100)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int):
+        return {"input_ids": self.ids[index], "attention_mask": self.mask[index], "labels": self.labels[index]}
+
+
+class CausalLMModule(pl.LightningModule):
+    """How a user writes it: the Hugging Face model's own loss, nothing RoundPipe-specific."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          labels=batch["labels"]).loss
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _fit(module: pl.LightningModule, strategy, devices: int = 1) -> pl.Trainer:
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=1, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6), DataLoader(PaddedTokens(6, seed=4), batch_size=6))
+    return trainer
+
+
+def _assert_same_training(module: CausalLMModule, reference: CausalLMModule) -> None:
+    assert len(module.losses) == len(reference.losses) == 4
+    torch.testing.assert_close(module.losses, reference.losses, **TOL)
+    torch.testing.assert_close(module.val_losses, reference.val_losses, **TOL)
+    reference_params = dict(reference.named_parameters())
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(param, reference_params[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+MODELS = {"llama_tied": lambda: tiny_llama(tied=True), "qwen3_untied": lambda: tiny_qwen3(tied=False)}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_training_equals_the_unmodified_model_under_lightnings_default_strategy(family, lora):
+    model = MODELS[family]()
+    if lora:
+        model = with_lora(model)
+    reference = CausalLMModule(copy.deepcopy(model))
+    _fit(reference, "auto")
+    module = CausalLMModule(model)
+    initial = {name: param.detach().clone() for name, param in module.named_parameters()}
+    trainer = _fit(module, RoundPipeStrategy(num_microbatches=3, num_stages=3), devices=2)
+    _assert_same_training(module, reference)
+    inner = model.get_base_model() if lora else model
+    assert "forward" not in inner.__dict__  # the model's own forward is back after fit
+    if lora:
+        optimizer = trainer.optimizers[0]
+        stepped = {id(p) for p in optimizer.state}
+        for name, param in module.named_parameters():
+            if "lora_" in name:
+                assert param.requires_grad and id(param) in stepped, name
+                assert not torch.equal(param, initial[name]), f"adapter {name} did not train"
+            else:
+                assert param.grad is None and id(param) not in stepped, f"frozen {name} got a gradient or state"
+                assert torch.equal(param, initial[name]), f"frozen {name} changed"
+
+
+def test_tied_embedding_is_one_parameter_stepped_once():
+    model = tiny_llama(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = CausalLMModule(copy.deepcopy(model))
+    _fit(reference, "auto")
+    module = CausalLMModule(model)
+    _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    torch.testing.assert_close(module.model.lm_head.weight, reference.model.lm_head.weight, **TOL)
+
+
+def test_state_dict_keys_and_save_pretrained_are_unchanged(tmp_path):
+    model = tiny_qwen3()
+    keys = list(model.state_dict())
+    module = CausalLMModule(model)
+    _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+    assert list(module.model.state_dict()) == keys
+    module.model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, param in loaded.named_parameters():
+        torch.testing.assert_close(param, dict(module.model.named_parameters())[name], rtol=0, atol=0)
+
+
+class LogitsModule(CausalLMModule):
+    """The transparent path: the model returns logits and the module computes its own loss."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_logits_without_labels_take_the_transparent_path():
+    model = tiny_llama(tied=False)
+    reference = LogitsModule(copy.deepcopy(model))
+    _fit(reference, "auto")
+    module = LogitsModule(model)
+    _fit(module, RoundPipeStrategy(num_microbatches=3), devices=2)
+    _assert_same_training(module, reference)
+
+
+def test_lora_base_stays_in_its_stored_dtype_on_the_host_and_the_devices(caplog):
+    model = tiny_llama().to(torch.bfloat16)
+    model = with_lora(model)  # peft keeps the adapters in float32 (autocast_adapter_dtype)
+    seen: dict[str, tuple[torch.dtype, bool]] = {}
+    attention = model.get_base_model().model.layers[1].self_attn
+    attention.q_proj.base_layer.register_forward_hook(
+        lambda m, i, o: seen.__setitem__("base", (m.weight.dtype, m.weight.requires_grad)))
+    attention.q_proj.lora_A.default.register_forward_hook(
+        lambda m, i, o: seen.__setitem__("adapter", (m.weight.dtype, m.weight.requires_grad)) if torch.is_grad_enabled()
+        else None)
+    module = CausalLMModule(model)
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2,
+                         precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with caplog.at_level("INFO", logger="lightning_roundpipe.strategy"):
+        trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6))
+    # hooks fire in the device replicas: the weights they computed with are the uploaded copies
+    assert seen["base"] == (torch.bfloat16, False)
+    assert seen["adapter"] == (torch.float32, True)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.bfloat16 for p in frozen) and all(p.dtype == torch.float32 for p in trainable)
+    # the setup log states what the host holds, by dtype
+    frozen_count, trainable_count = sum(p.numel() for p in frozen), sum(p.numel() for p in trainable)
+    assert f"trainable {trainable_count:,} float32" in caplog.text
+    assert f"frozen {frozen_count:,} bfloat16" in caplog.text
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in module.losses)
+
+
+def test_unsupported_calls_and_models_are_refused_with_a_clear_message():
+    module = CausalLMModule(tiny_llama())
+
+    class Probe(pl.Callback):
+        errors: list[str] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            model = pl_module.model
+            for call in (lambda: model.generate(batch["input_ids"][:1], max_new_tokens=2),
+                         lambda: model(inputs_embeds=torch.zeros(2, 4, 32)),
+                         lambda: model(input_ids=batch["input_ids"], output_attentions=True)):
+                with pytest.raises(ValueError) as error:
+                    call()
+                self.errors.append(str(error.value))
+            raise KeyboardInterrupt  # stop after the checks; Lightning tears down gracefully
+
+    probe = Probe()
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=2, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[probe])
+    with pytest.raises(SystemExit):
+        trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6))
+    assert "use_cache" in probe.errors[0] and "after trainer.fit" in probe.errors[0]
+    assert "inputs_embeds" in probe.errors[1]
+    assert "output_attentions" in probe.errors[2]
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB))
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(pipeline="model"), accelerator="cpu", devices=2, max_steps=1,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(TypeError, match="not an nn.Sequential"):
+        trainer.fit(CausalLMModule(gpt2), DataLoader(PaddedTokens(), batch_size=6))
+
+
+def test_an_unsupported_transformers_version_is_refused(monkeypatch):
+    from lightning_roundpipe.causal_lm import SUPPORTED_TRANSFORMERS, find_causal_lm
+
+    model = tiny_llama()
+    assert find_causal_lm(model) is model
+    installed = sys.modules["transformers"]  # transformers may replace its lazy module object on first use
+    monkeypatch.setattr(installed, "__version__", "4.30.0")
+    with pytest.raises(RuntimeError, match=f"transformers >={SUPPORTED_TRANSFORMERS[0]},<{SUPPORTED_TRANSFORMERS[1]}"):
+        find_causal_lm(model)
+    monkeypatch.setattr(installed, "__version__", SUPPORTED_TRANSFORMERS[1])
+    with pytest.raises(RuntimeError, match="found " + SUPPORTED_TRANSFORMERS[1]):
+        find_causal_lm(model)
