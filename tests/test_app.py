@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import math
 import pathlib
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_roundpipe.app.causal_lm import CausalLM
 from lightning_roundpipe.app.schema import ConfigError, validate
 from lightning_roundpipe.app.train import CONFIG_DIR, run
 
@@ -38,7 +41,10 @@ def test_every_config_composes_and_instantiates(group, option, tmp_path):
     cfg = _compose(*overrides)
     validate(cfg)
     model = instantiate(cfg.model)
-    assert len(model.net) >= 3
+    if isinstance(model, CausalLM):
+        assert model.model is None  # built in configure_model: instantiating an 8B option allocates nothing
+    else:
+        assert len(model.net) >= 3
     instantiate(cfg.data).setup("fit")
     instantiate(cfg.strategy)
     assert cfg.trainer.accelerator in {"cpu", "cuda"}
@@ -49,6 +55,7 @@ def test_every_config_composes_and_instantiates(group, option, tmp_path):
     ("model.net.colour=blue", "colour"),
     ("strategy.num_microbatches=many", "strategy.num_microbatches"),
     ("trainer.max_steps=lots", "trainer.max_steps"),
+    ("+model/lora=default", "lora"),  # LoRA is for the Hugging Face options only, not gpt_small
 ])
 def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as error:
@@ -64,6 +71,17 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     (["strategy.device_memory_limit=lots"], "strategy.device_memory_limit"),
     (["data=text_path", "data.path=/no/such/corpus"], "data.path"),
     (["data=text_path"], "data.path"),  # not given at all
+    (["model=llama_tiny", "model.family=gpt2"], "model.family"),
+    (["model=llama_tiny", "model.dtype=float8"], "model.dtype"),
+    (["model=llama_tiny", "model.attn_implementation=flash"], "model.attn_implementation"),
+    (["model=llama_tiny", "model.hidden_size=66"], "model.hidden_size"),
+    (["model=llama_tiny", "model.num_key_value_heads=3"], "model.num_key_value_heads"),
+    (["model=llama_tiny", "model.num_hidden_layers=0"], "model.num_hidden_layers"),
+    (["model=llama_tiny", "model.vocab_size=128"], "model.vocab_size"),
+    (["model=llama_tiny", "model.max_position_embeddings=32"], "model.max_position_embeddings"),
+    (["model=llama_tiny", "strategy.pipeline=net"], "strategy.pipeline"),
+    (["model=llama_tiny", "+model/lora=default", "model.lora.r=0"], "model.lora.r"),
+    (["model=llama_tiny", "+model/lora=default", "model.lora.target_modules=[]"], "model.lora.target_modules"),
 ])
 def test_impossible_values_fail_before_training_naming_the_key(overrides, key, tmp_path):
     cfg = _compose(*overrides)
@@ -113,3 +131,74 @@ def test_the_command_line_reports_a_bad_value_without_a_traceback():
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "config error: `strategy.num_microbatches` must be at least 1 (or null for devices + 1), got 0")
+
+
+# ---------------------------------------------------------------------------- Hugging Face causal LMs
+HF_OPTIONS = {  # option: (config class, hidden size, tied head, parameters)
+    "llama_tiny": ("LlamaConfig", 64, True, 164_416),
+    "qwen3_tiny": ("Qwen3Config", 64, False, 180_928),
+    "llama_1b": ("LlamaConfig", 2048, True, 1_235_814_400),
+    "llama_8b": ("LlamaConfig", 4096, False, 8_030_261_248),
+    "qwen3_8b": ("Qwen3Config", 4096, False, 8_190_735_360),
+}
+
+
+@pytest.mark.parametrize("option", sorted(HF_OPTIONS))
+def test_hugging_face_options_describe_the_intended_models(option):
+    import torch
+
+    config_class, hidden, tied, parameters = HF_OPTIONS[option]
+    cfg = _compose(f"model={option}")
+    validate(cfg)
+    model = instantiate(cfg.model)
+    config = model.hf_config()
+    assert (type(config).__name__, config.hidden_size, config.tie_word_embeddings) == (config_class, hidden, tied)
+    assert config.vocab_size >= 256 and config.use_cache is False
+    with torch.device("meta"):  # the real shape, counted without allocating it
+        model.configure_model()
+    assert sum(p.numel() for p in model.model.parameters()) == parameters
+    assert next(model.model.parameters()).dtype == (torch.float32 if "tiny" in option else torch.bfloat16)
+
+
+def test_lora_trains_only_the_adapters():
+    cfg = _compose("model=llama_tiny", "+model/lora=default", "model.lora.r=4",
+                   "model.lora.target_modules=[q_proj,v_proj]")
+    validate(cfg)
+    module = instantiate(cfg.model)
+    module.configure_model()
+    built = module.model
+    module.configure_model()
+    assert module.model is built  # Lightning calls the hook on every fit/validate: built once
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    assert {name.split(".")[-4] for name in trainable} == {"q_proj", "v_proj"}
+    assert sum(p.numel() for p in module.parameters() if p.requires_grad) == 4 * 4 * (2 * 64 + 64 + 32)
+    optimized = {id(p) for group in module.configure_optimizers().param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in module.parameters() if p.requires_grad}
+
+
+def _train_losses(output_dir: pathlib.Path) -> list[float]:
+    with open(output_dir / "logs" / "metrics.csv") as file:
+        return [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
+
+
+HF_RUN = ["trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.log_every_n_steps=1",
+          "trainer.enable_progress_bar=false", "sample_tokens=8", *TINY]
+
+
+@pytest.mark.parametrize("overrides", [["model=llama_tiny"], ["model=qwen3_tiny", "+model/lora=default"]],
+                         ids=["llama_tiny", "qwen3_tiny_lora"])
+def test_a_hugging_face_model_trains_on_the_byte_data(overrides, tmp_path):
+    summary = run(_compose(*overrides, "strategy=single_device", *HF_RUN), tmp_path)
+    losses = _train_losses(tmp_path)
+    assert len(losses) == 40 and all(map(math.isfinite, losses))
+    assert sum(losses[-5:]) < sum(losses[:5])  # from ~ln(256) down
+    assert summary.val_loss is not None and math.isfinite(summary.val_loss)
+    assert len(summary.sample) >= 1
+
+
+def test_a_hugging_face_model_trains_under_roundpipe(tmp_path):
+    cfg = _compose("model=llama_tiny", "strategy=roundpipe", *HF_RUN)  # the default pipeline=null finds it
+    run(cfg, tmp_path)
+    losses = _train_losses(tmp_path)
+    assert all(map(math.isfinite, losses)) and sum(losses[-5:]) < sum(losses[:5])

@@ -262,3 +262,22 @@ def test_an_unsupported_transformers_version_is_refused(monkeypatch):
     monkeypatch.setattr(installed, "__version__", SUPPORTED_TRANSFORMERS[1])
     with pytest.raises(RuntimeError, match="found " + SUPPORTED_TRANSFORMERS[1]):
         find_causal_lm(model)
+
+
+def test_lora_dropout_does_not_depend_on_the_device_count():
+    """Dropout masks are seeded per (step, call, layer, microbatch) and replayed when backward stages
+    recompute, so one device and three train the same adapters."""
+    results = []
+    for devices in (1, 3):
+        model = tiny_llama(tied=False)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, task_type="CAUSAL_LM",
+                                 target_modules=["q_proj", "v_proj", "up_proj"])
+        torch.manual_seed(1)
+        module = CausalLMModule(peft.get_peft_model(model, config))
+        _fit(module, RoundPipeStrategy(num_microbatches=3, seed=7), devices=devices)
+        results.append(({n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad},
+                        module.losses))
+    (params_one, losses_one), (params_three, losses_three) = results
+    torch.testing.assert_close(losses_three, losses_one, rtol=1e-5, atol=1e-6)
+    for name, param in params_three.items():
+        torch.testing.assert_close(param, params_one[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

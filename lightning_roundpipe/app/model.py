@@ -1,8 +1,8 @@
 """Byte-level language models for the app (and the engine demo), as RoundPipe-ready LightningModules.
 
 Each model keeps its layers in one ``nn.Sequential`` at ``self.net`` (embedding, blocks, head): that is
-the trunk RoundPipe pipelines, one child per layer. Real model families (e.g. Hugging Face presets)
-go here later as further ``net`` builders with their own config files under ``conf/model/``.
+the trunk RoundPipe pipelines, one child per layer. Hugging Face models (Llama, Qwen3) are the other
+LightningModule, :class:`lightning_roundpipe.app.causal_lm.CausalLM`.
 """
 
 from __future__ import annotations

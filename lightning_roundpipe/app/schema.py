@@ -15,6 +15,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 RECOMPUTE_GRAINS = ("stage", "layer")
+CAUSAL_LM_FAMILIES = ("llama", "qwen3")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -59,6 +62,45 @@ class MLPModelConf(ByteLMConf):
     net: MLPNetConf = field(default_factory=MLPNetConf)
 
 
+@dataclass
+class LoRAConf:
+    """LoRA adapters (peft): ``+model/lora=default`` switches them on, then ``model.lora.r=16`` etc."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class CausalLMConf:
+    """A Hugging Face causal LM built from a config (random init, no download) by ``app.causal_lm.CausalLM``.
+
+    The architecture keys are the ``transformers`` config's own (``LlamaConfig`` / ``Qwen3Config``).
+    """
+
+    _target_: str = "lightning_roundpipe.app.causal_lm.CausalLM"
+    _convert_: str = "all"  # `lora` arrives as a plain dict and its list as a list (peft saves them as JSON)
+    family: str = "llama"
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None     # null: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    attn_implementation: str = "sdpa"
+    dtype: str = "float32"             # of the stored weights
+    lora: Optional[LoRAConf] = None    # null: full fine-tuning
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    context: Optional[int] = "${data.context}"  # type: ignore[assignment]  # the sampling window
+
+
 # ---------------------------------------------------------------------------- data
 @dataclass
 class StdlibDataConf:
@@ -100,7 +142,7 @@ class TrainerConf:
 @dataclass
 class RoundPipeConf:
     _target_: str = "lightning_roundpipe.strategy.RoundPipeStrategy"
-    pipeline: Optional[str] = "net"
+    pipeline: Optional[str] = None     # null: the Hugging Face causal LM, else the largest nn.Sequential
     num_stages: Any = "auto"           # "auto" or the chunk count (number of forward stages)
     num_microbatches: Optional[int] = None
     async_step: bool = False
@@ -134,6 +176,8 @@ def register() -> None:
     store.store(name="base_config", node=Config)
     store.store(group="model", name="base_gpt", node=GPTModelConf)
     store.store(group="model", name="base_mlp", node=MLPModelConf)
+    store.store(group="model", name="base_causal_lm", node=CausalLMConf)
+    store.store(group="model/lora", name="base_lora", node=LoRAConf)
     store.store(group="data", name="base_stdlib", node=StdlibDataConf)
     store.store(group="data", name="base_text_path", node=TextPathDataConf)
     store.store(group="trainer", name="base_trainer", node=TrainerConf)
@@ -163,6 +207,11 @@ def validate(cfg: DictConfig) -> None:
             parse_bytes(strategy.device_memory_limit)
         except ValueError as error:
             _fail("strategy.device_memory_limit", f"is invalid: {error}")
+    if "family" in cfg.model:
+        _validate_causal_lm(cfg.model, cfg.data.context)
+        if strategy.get("pipeline") not in (None, "model"):
+            _fail("strategy.pipeline", f"must be `model` (or null) for a Hugging Face model option, got "
+                  f"{strategy.pipeline!r}")
     data = cfg.data
     for key in ("context", "batch_size", "val_windows", "train_samples"):
         if data[key] < 1:
@@ -175,3 +224,37 @@ def validate(cfg: DictConfig) -> None:
             _fail("data.path", f"names no file or folder: {str(path)!r}")
     if cfg.sample_tokens < 0:
         _fail("sample_tokens", f"must be at least 0, got {cfg.sample_tokens}")
+
+
+def _validate_causal_lm(model: DictConfig, context: int) -> None:
+    for key, allowed in (("family", CAUSAL_LM_FAMILIES), ("attn_implementation", ATTN_IMPLEMENTATIONS),
+                         ("dtype", DTYPES)):
+        if model[key] not in allowed:
+            _fail(f"model.{key}", f"must be one of {allowed}, got {model[key]!r}")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads"):
+        if model[key] < 1:
+            _fail(f"model.{key}", f"must be at least 1, got {model[key]}")
+    if model.vocab_size < 256:
+        _fail("model.vocab_size", f"must be at least 256 (the data are bytes), got {model.vocab_size}")
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    if model.head_dim is None and model.hidden_size % heads:
+        _fail("model.hidden_size", f"({model.hidden_size}) must be a multiple of `model.num_attention_heads` "
+              f"({heads}), or set `model.head_dim`")
+    if model.head_dim is not None and model.head_dim < 1:
+        _fail("model.head_dim", f"must be at least 1 (or null), got {model.head_dim}")
+    if heads % kv_heads:
+        _fail("model.num_key_value_heads", f"({kv_heads}) must divide `model.num_attention_heads` ({heads})")
+    if model.max_position_embeddings < context:
+        _fail("model.max_position_embeddings", f"({model.max_position_embeddings}) must be at least "
+              f"`data.context` ({context})")
+    lora = model.lora
+    if lora is not None:
+        if lora.r < 1:
+            _fail("model.lora.r", f"must be at least 1 (or set `model.lora=null` for full fine-tuning), got {lora.r}")
+        if lora.alpha <= 0:
+            _fail("model.lora.alpha", f"must be positive, got {lora.alpha}")
+        if not 0 <= lora.dropout < 1:
+            _fail("model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules:
+            _fail("model.lora.target_modules", "must name at least one module, e.g. [q_proj,v_proj]")
