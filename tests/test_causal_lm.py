@@ -38,6 +38,14 @@ def tiny_qwen3(tied: bool = False, seed: int = 0) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
+def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def with_lora(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                              target_modules=["q_proj", "v_proj", "up_proj"])
@@ -116,7 +124,8 @@ def _assert_same_training(module: CausalLMModule, reference: CausalLMModule) -> 
         torch.testing.assert_close(param, reference_params[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-MODELS = {"llama_tied": lambda: tiny_llama(tied=True), "qwen3_untied": lambda: tiny_qwen3(tied=False)}
+MODELS = {"llama_tied": lambda: tiny_llama(tied=True), "qwen3_untied": lambda: tiny_qwen3(tied=False),
+          "qwen2_tied": tiny_qwen2}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
