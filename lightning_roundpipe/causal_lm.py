@@ -27,6 +27,7 @@ normalized by the whole batch's count of valid tokens.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,11 @@ def causal_lm_preset(module: nn.Module, chunk_bytes: int | None = None) -> list[
     if model is None:
         return None
     base = model.model
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in base.layers):
+        warnings.warn(
+            f"{type(model).__name__} has gradient checkpointing enabled; RoundPipe's backward stages already "
+            "recompute, so every block would run its forward three times. Call "
+            "model.gradient_checkpointing_disable() before training", stacklevel=3)
     layer_types = getattr(model.config, "layer_types", None)
     blocks = [
         CausalLMBlock(layer, getattr(layer, "attention_type", None)

@@ -290,3 +290,13 @@ def test_lora_dropout_does_not_depend_on_the_device_count():
     torch.testing.assert_close(losses_three, losses_one, rtol=1e-5, atol=1e-6)
     for name, param in params_three.items():
         torch.testing.assert_close(param, params_one[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_hugging_face_gradient_checkpointing_is_flagged_as_redundant():
+    from lightning_roundpipe.causal_lm import causal_lm_preset
+
+    model = tiny_llama()
+    assert len(causal_lm_preset(model)) == 3 + 2  # embedding, three blocks, head
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="gradient_checkpointing_disable"):
+        causal_lm_preset(model)
