@@ -38,6 +38,9 @@ from lightning_roundpipe.runtime import RoundPipeEngine
 
 log = logging.getLogger(__name__)
 
+TIMELINE_MAX_EVENTS = 200_000
+"""The most timeline events a strategy keeps (about 40 MB), whatever ``timeline_steps`` says."""
+
 _MOSTLY_INSIDE = 0.5  # warn when the trunk holds less than this share of the module's parameters
 
 
@@ -55,6 +58,17 @@ class RoundPipeStrategy(ParallelStrategy):
         device_memory_limit: per-device budget in bytes or as ``"20GiB"``.
         log_pipeline_metrics: log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded,
             host step time and the part of it the devices waited for) after each optimizer step.
+        timeline_dir: a folder: record the pipeline's timeline (every upload, compute, download and host
+            optimizer step, with its device, job and microbatch) and, when the strategy tears down (after
+            an exception too, without masking it), write ``timeline.json``, a Chrome trace to open at
+            https://ui.perfetto.dev, and ``timeline.png``, a Gantt chart (needs matplotlib:
+            ``pip install 'lightning_roundpipe[plot]'``; without it a warning is logged and only the
+            trace is written). ``None`` (default): nothing is recorded, at no cost.
+        timeline: ``True`` records and writes those files like ``timeline_dir``, into
+            ``timeline_dir`` if given, else the Trainer's ``default_root_dir``.
+        timeline_steps: keep only the events of the last this many optimizer steps (and of what ran since
+            the last one, e.g. a final validation), so a long run's timeline stays small; at most
+            ``TIMELINE_MAX_EVENTS`` events are kept whatever happens. ``None``: keep everything.
         **engine_options: further :class:`~lightning_roundpipe.config.EngineOptions` fields.
     """
 
@@ -65,11 +79,22 @@ class RoundPipeStrategy(ParallelStrategy):
                  pin_memory: bool = True, device_memory_limit: int | str | None = None, *,
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, log_pipeline_metrics: bool = True,
-                 **engine_options: Any) -> None:
+                 timeline_dir: str | os.PathLike[str] | None = None, timeline: bool = False,
+                 timeline_steps: int | None = 3, **engine_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.pipeline = pipeline
         self.log_pipeline_metrics = log_pipeline_metrics
+        if timeline_steps is not None and (isinstance(timeline_steps, bool) or not isinstance(timeline_steps, int)
+                                           or timeline_steps < 1):
+            raise ValueError(f"`timeline_steps` must be a positive int or None, got {timeline_steps!r}")
+        self.timeline_dir = None if timeline_dir is None else os.fspath(timeline_dir)
+        self.timeline = bool(timeline) or self.timeline_dir is not None
+        self.timeline_steps = timeline_steps
+        self.timeline_files: list[str] = []  #: what the last teardown wrote
+        self._timeline_pending = False
+        if self.timeline:
+            engine_options["record_timeline"] = True
         self.engine_options = EngineOptions(
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, **engine_options)
@@ -170,6 +195,9 @@ class RoundPipeStrategy(ParallelStrategy):
         trunk, driven = self._build_trunk(module)
         devices = self.parallel_devices or [torch.device("cpu")]
         self.engine = RoundPipeEngine(trunk, devices, self.engine_options).start()
+        if self.timeline:
+            self.engine.timeline.bound(keep_steps=self.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
+            self._timeline_pending = True
         forward_patch = PipelinedForward if isinstance(driven, nn.Sequential) else CausalLMForward
         self._patches = [forward_patch(driven, self.engine, self._backward_scale, self._mark_fused_backward),
                          ZeroGradAfterSteps(module, self.engine)]
@@ -256,6 +284,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def _release(self, finish_steps: bool) -> None:
         if self.engine is not None:
             self.engine.close(finish_steps=finish_steps)
+            self._write_timeline()
         for patch in self._patches:
             patch.remove()
         self._patches = []
@@ -265,6 +294,36 @@ class RoundPipeStrategy(ParallelStrategy):
         for optimizer in self._silenced_zero_grad:
             optimizer.__dict__.pop("zero_grad", None)
         self._silenced_zero_grad.clear()
+
+    def _write_timeline(self) -> None:
+        """Write the recorded timeline once per engine; a failure is logged, never raised (this runs while
+        an exception may be propagating)."""
+        if not self._timeline_pending or self.engine is None:
+            return
+        self._timeline_pending = False
+        try:
+            from lightning_roundpipe.trace import to_chrome_trace
+
+            folder = self.timeline_dir
+            if folder is None:
+                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+                folder = trainer.default_root_dir if trainer is not None else os.getcwd()
+            os.makedirs(folder, exist_ok=True)
+            events = self.engine.events()
+            devices = self.engine.num_devices
+            written = [os.path.join(folder, "timeline.json")]
+            to_chrome_trace(events, written[0], num_devices=devices)
+            try:
+                from lightning_roundpipe.gantt import draw_timeline
+
+                draw_timeline(events, os.path.join(folder, "timeline.png"), num_devices=devices)
+                written.append(os.path.join(folder, "timeline.png"))
+            except ImportError as error:
+                log.warning(f"RoundPipe wrote {written[0]} but no timeline.png: {error}")
+            self.timeline_files = written
+            log.info(f"RoundPipe timeline ({len(events)} events): {', '.join(written)}")
+        except Exception as error:  # noqa: BLE001 - a picture is never worth masking the run's own outcome
+            log.warning(f"RoundPipe could not write its timeline: {type(error).__name__}: {error}")
 
     @override
     def teardown(self) -> None:
@@ -323,6 +382,7 @@ class RoundPipeStrategy(ParallelStrategy):
             if self._needs_final_gradients(model):
                 before_step = lambda: self.precision_plugin._after_closure(model, optimizer)  # noqa: E731
             self.engine.step(optimizer, before_step=before_step)
+            self.engine.timeline.mark_step()  # one branch unless a timeline window is kept
             return result
         # 16-bit loss scaling, as Lightning's MixedPrecision does it, around the engine's step: unscale the
         # final gradients and check them for inf/NaN on the main thread, skip the update if any, then let
@@ -339,6 +399,7 @@ class RoundPipeStrategy(ParallelStrategy):
             return not any(value.item() for value in found_inf.values())
 
         self.engine.step(optimizer, before_step=unscale_and_check)
+        self.engine.timeline.mark_step()
         if not nothing_to_step:
             scaler.update()
         return result

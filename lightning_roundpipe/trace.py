@@ -1,15 +1,52 @@
-"""Timeline recording: what ran where and when, for tests now and Chrome traces and pictures later."""
+"""Timeline recording: what ran where and when, as events, Chrome traces (Perfetto) and pictures.
+
+:class:`Timeline` collects :class:`TimelineEvent` s from the engine's threads (``record_timeline``);
+:func:`to_chrome_trace` writes them in the Chrome trace event format, which https://ui.perfetto.dev
+and ``chrome://tracing`` open; :func:`load_chrome_trace` reads such a file back (to draw it later
+with :func:`lightning_roundpipe.gantt.draw_timeline`). Standard library only.
+
+Kinds of events, and the stream of their device that runs them (each stream runs one operation at
+a time, so events of one track never overlap)::
+
+    upload_params                 parameter uploads     (device d, "params upload")
+    upload_acts                   activation uploads    (device d, "activations upload")
+    forward, fused, backward      compute               (device d, "compute")
+    download, release             downloads, gradients  (device d, "download")
+    optimizer                     the host optimizer step (device -1, "host optimizer")
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import IO, Any
+
+COMPUTE_KINDS = ("forward", "fused", "backward")
+"""Event kinds that occupy a device's compute stream."""
+
+STREAMS = ("compute", "params upload", "activations upload", "download")
+"""A device's tracks in a Chrome trace, in display order."""
+
+_STREAM_OF_KIND = {
+    "forward": "compute", "fused": "compute", "backward": "compute",
+    "upload_params": "params upload", "upload_acts": "activations upload",
+    "download": "download", "release": "download",
+}
+HOST_OPTIMIZER = "host optimizer"
+"""The track of device ``-1``: optimizer steps on the host."""
 
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One operation: on ``device`` (-1 for the host optimizer), for ``job`` (its ring index and label)."""
+    """One operation: on ``device`` (-1 for the host optimizer), for ``job`` (its ring index and label).
+
+    ``microbatch`` is -1 for per-job operations (parameter upload, release); ``start`` and ``end`` are
+    seconds since the timeline's origin."""
 
     device: int
     job: int
@@ -20,14 +57,49 @@ class TimelineEvent:
     end: float
 
 
-class Timeline:
-    """Collects events from many threads. When disabled, ``span`` is a no-op costing one branch."""
+def stream_of(kind: str) -> str:
+    """The device stream (track) that runs events of ``kind``: one of :data:`STREAMS`, or the kind itself
+    for a kind this module does not know."""
+    return _STREAM_OF_KIND.get(kind, kind)
 
-    def __init__(self, enabled: bool) -> None:
+
+def event_name(event: TimelineEvent) -> str:
+    """``"F3 mb1"`` for a microbatch's operation, ``"F3 params"`` / ``"F3 release"`` for a job's, and
+    the label itself (``"step 4"``) for an optimizer step."""
+    if event.kind == "optimizer":
+        return event.label
+    if event.microbatch >= 0:
+        return f"{event.label} mb{event.microbatch}"
+    return f"{event.label} {'params' if event.kind == 'upload_params' else event.kind}"
+
+
+class Timeline:
+    """Collects events from many threads. When disabled, ``add`` and ``mark_step`` are no-ops costing
+    one branch.
+
+    Memory stays bounded when asked: with ``keep_steps=K``, :meth:`mark_step` (called once per optimizer
+    step) drops the events that ended before the K-th last mark, so the timeline holds the last K steps
+    (and whatever ran since the last mark); ``max_events`` caps the count whatever happens (the oldest go
+    first). Both default to ``None``: keep everything."""
+
+    def __init__(self, enabled: bool, *, keep_steps: int | None = None, max_events: int | None = None) -> None:
         self.enabled = enabled
-        self._events: list[TimelineEvent] = []
+        self.keep_steps: int | None = None
+        self._events: deque[TimelineEvent] = deque()
+        self._marks: deque[float] = deque()
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
+        self.bound(keep_steps=keep_steps, max_events=max_events)
+
+    def bound(self, *, keep_steps: int | None, max_events: int | None) -> None:
+        """Change the memory bounds (see the class docstring) of a running timeline."""
+        if keep_steps is not None and keep_steps < 1:
+            raise ValueError(f"`keep_steps` must be >= 1 or None, got {keep_steps}")
+        if max_events is not None and max_events < 1:
+            raise ValueError(f"`max_events` must be >= 1 or None, got {max_events}")
+        with self._lock:
+            self.keep_steps = keep_steps
+            self._events = deque(self._events, maxlen=max_events)
 
     def now(self) -> float:
         return time.perf_counter() - self._origin
@@ -38,6 +110,21 @@ class Timeline:
             with self._lock:
                 self._events.append(event)
 
+    def mark_step(self) -> None:
+        """An optimizer step was queued: with ``keep_steps`` set, forget what ended before the window."""
+        if self.enabled and self.keep_steps is not None:
+            now = self.now()
+            with self._lock:
+                self._marks.append(now)
+                keep = self.keep_steps
+                while len(self._marks) > keep + 1:
+                    self._marks.popleft()
+                if len(self._marks) == keep + 1:
+                    cutoff = self._marks[0]
+                    # events arrive in (nearly) end order: trimming from the left is enough
+                    while self._events and self._events[0].end < cutoff:
+                        self._events.popleft()
+
     def events(self) -> list[TimelineEvent]:
         with self._lock:
             return sorted(self._events, key=lambda event: event.start)
@@ -45,3 +132,103 @@ class Timeline:
     def clear(self) -> None:
         with self._lock:
             self._events.clear()
+            self._marks.clear()
+
+
+# ---------------------------------------------------------------------------- Chrome trace format
+def _tracks(events: Sequence[TimelineEvent], num_devices: int | None) -> dict[tuple[int, str], int]:
+    """``(device, stream) -> tid`` for every device (all of ``range(num_devices)`` if given), every
+    stream of :data:`STREAMS`, any unknown kinds' tracks, and the host optimizer (tid 0, last)."""
+    devices = {e.device for e in events if e.device >= 0}
+    if num_devices is not None:
+        devices |= set(range(num_devices))
+    extra = sorted({stream_of(e.kind) for e in events if e.device >= 0} - set(STREAMS))
+    tracks: dict[tuple[int, str], int] = {}
+    for device in sorted(devices):
+        for stream in (*STREAMS, *extra):
+            tracks[(device, stream)] = len(tracks) + 1
+    tracks[(-1, HOST_OPTIMIZER)] = 0
+    return tracks
+
+
+def track_name(device: int, stream: str) -> str:
+    """``"device 0 · compute"``, ``"host optimizer"``."""
+    return HOST_OPTIMIZER if device < 0 else f"device {device} · {stream}"
+
+
+def chrome_trace(events: Iterable[TimelineEvent], *, process_name: str = "roundpipe",
+                 num_devices: int | None = None) -> dict[str, Any]:
+    """The Chrome trace (JSON object format) of ``events``: one ``"X"`` (complete) event per operation,
+    ``ts`` and ``dur`` in microseconds from the earliest event, pid 0, one tid (track) per device stream
+    and one for the host optimizer, named by ``"M"`` (metadata) events. Idle time shows as gaps;
+    ``otherData`` holds each device's compute-idle share of the trace's span."""
+    events = sorted(events, key=lambda e: (e.start, e.end))
+    origin = events[0].start if events else 0.0
+    span = max((e.end for e in events), default=origin) - origin
+    tracks = _tracks(events, num_devices)
+    trace: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 0, "tid": 0, "ts": 0, "name": "process_name", "args": {"name": process_name}}]
+    for (device, stream), tid in sorted(tracks.items(), key=lambda item: item[1]):
+        trace.append({"ph": "M", "pid": 0, "tid": tid, "ts": 0, "name": "thread_name",
+                      "args": {"name": track_name(device, stream)}})
+        sort_index = tid if device >= 0 else len(tracks)  # the host optimizer below the devices
+        trace.append({"ph": "M", "pid": 0, "tid": tid, "ts": 0, "name": "thread_sort_index",
+                      "args": {"sort_index": sort_index}})
+    busy: dict[int, float] = {}
+    for e in events:
+        stream = HOST_OPTIMIZER if e.device < 0 else stream_of(e.kind)
+        start = round((e.start - origin) * 1e6, 3)
+        end = round((e.end - origin) * 1e6, 3)
+        trace.append({
+            "ph": "X", "pid": 0, "tid": tracks[(e.device if e.device >= 0 else -1, stream)],
+            "ts": start, "dur": max(0.0, round(end - start, 3)), "name": event_name(e), "cat": e.kind,
+            "args": {"device": e.device, "job": e.job, "label": e.label, "microbatch": e.microbatch,
+                     "kind": e.kind},
+        })
+        if e.kind in COMPUTE_KINDS:
+            busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
+    idle = {track_name(d, "compute"): round(1.0 - busy.get(d, 0.0) / span, 4) if span > 0 else 0.0
+            for d, _ in sorted(k for k in tracks if k[0] >= 0 and k[1] == "compute")}
+    return {
+        "traceEvents": trace,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "producer": "lightning_roundpipe",
+            "origin_seconds": origin,
+            "span_ms": round(span * 1e3, 3),
+            "compute_idle_share": idle,
+        },
+    }
+
+
+def to_chrome_trace(events: Iterable[TimelineEvent], path_or_file: str | os.PathLike[str] | IO[str], *,
+                    process_name: str = "roundpipe", num_devices: int | None = None) -> None:
+    """Write :func:`chrome_trace` of ``events`` as JSON to a path or an open text file. Open the file at
+    https://ui.perfetto.dev (or ``chrome://tracing``): one track per device stream ("device 0 ·
+    compute", "device 0 · params upload", ...) and one for the host optimizer; ``num_devices`` also
+    lists devices that recorded nothing."""
+    data = chrome_trace(events, process_name=process_name, num_devices=num_devices)
+    if hasattr(path_or_file, "write"):
+        json.dump(data, path_or_file)  # type: ignore[arg-type]
+        return
+    with open(path_or_file, "w", encoding="utf-8") as file:
+        json.dump(data, file)
+
+
+def load_chrome_trace(path_or_file: str | os.PathLike[str] | IO[str]) -> list[TimelineEvent]:
+    """The events of a trace written by :func:`to_chrome_trace` (times in seconds from its first event)."""
+    if hasattr(path_or_file, "read"):
+        data = json.load(path_or_file)  # type: ignore[arg-type]
+    else:
+        with open(path_or_file, encoding="utf-8") as file:
+            data = json.load(file)
+    events = []
+    for item in data.get("traceEvents", []) if isinstance(data, dict) else data:
+        args = item.get("args", {})
+        if item.get("ph") != "X" or "kind" not in args:
+            continue
+        start = item["ts"] / 1e6
+        events.append(TimelineEvent(int(args["device"]), int(args["job"]), str(args["label"]),
+                                    int(args["microbatch"]), str(args["kind"]), start,
+                                    start + item.get("dur", 0.0) / 1e6))
+    return sorted(events, key=lambda e: e.start)

@@ -149,6 +149,8 @@ class RoundPipeConf:
     recompute: str = "stage"
     pin_memory: bool = True
     device_memory_limit: Any = None    # bytes or "20GiB"
+    timeline: bool = False             # write timeline.json (Chrome trace) and timeline.png into the run's folder
+    timeline_steps: Optional[int] = 3  # the last this many optimizer steps (null: all)
 
 
 @dataclass
@@ -203,6 +205,9 @@ def validate(cfg: DictConfig) -> None:
         k = strategy.num_stages
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             _fail("strategy.num_stages", f"must be 'auto' or a chunk count of at least 1, got {k!r}")
+        steps = strategy.get("timeline_steps")
+        if steps is not None and steps < 1:
+            _fail("strategy.timeline_steps", f"must be at least 1 (or null for every step), got {steps}")
         try:
             parse_bytes(strategy.device_memory_limit)
         except ValueError as error:

@@ -11,7 +11,7 @@ import math
 import pathlib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import hydra
@@ -40,6 +40,7 @@ class Summary:
     output_dir: str
     data: str
     sample: str
+    timeline_files: list[str] = field(default_factory=list)  #: timeline.json / .png with strategy.timeline=true
 
     def lines(self) -> list[str]:
         peak = "n/a (no RoundPipe engine)" if self.peak_device_bytes is None else ", ".join(
@@ -54,6 +55,8 @@ class Summary:
             f"peak device mem {peak}",
             f"bubble ratio    {bubble}",
             f"outputs         {self.output_dir}",
+            *([f"timeline        {', '.join(self.timeline_files)} (open the .json at ui.perfetto.dev)"]
+              if self.timeline_files else []),
             "sample (host-side, bypassing the pipeline):",
             *("  | " + line for line in self.sample.splitlines()[:8]),
             "=" * 57,
@@ -99,7 +102,9 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path) -> Summary:
     try:
         datamodule = instantiate(cfg.data)
         model = instantiate(cfg.model)
-        strategy = instantiate(cfg.strategy)
+        # strategy.timeline=true: the timeline files land in this run's folder
+        timeline = {"timeline_dir": str(output_dir)} if cfg.strategy.get("timeline") else {}
+        strategy = instantiate(cfg.strategy, **timeline)
         overrides: dict[str, Any] = {}
         if isinstance(strategy, pl.strategies.SingleDeviceStrategy):
             overrides["devices"] = 1  # the baseline trains on one device whatever the trainer group says
@@ -125,6 +130,7 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path) -> Summary:
             output_dir=str(output_dir),
             data=datamodule.describe(),
             sample=text.decode("utf-8", errors="replace"),
+            timeline_files=list(getattr(strategy, "timeline_files", [])),
         )
     finally:
         torch.set_num_threads(threads)
