@@ -138,8 +138,10 @@ class HostOptimizer:
         self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
-    def submit(self, task: Callable[[], None], done: HostEvent, label: str) -> None:
-        self._tasks.put((task, done, label))
+    def submit(self, task: Callable[[], None], done: HostEvent, label: str,
+               wait: Callable[[], None] | None = None) -> None:
+        """Run ``wait`` (for gradients, say: not counted as optimizer time), then ``task``, then set ``done``."""
+        self._tasks.put((wait, task, done, label))
 
     def close(self) -> None:
         self._tasks.put(None)
@@ -150,11 +152,13 @@ class HostOptimizer:
             item = self._tasks.get()
             if item is None:
                 return
-            task, done, label = item
+            wait, task, done, label = item
             if self._abort.aborted:
                 continue
-            start = self._timeline.now()
             try:
+                if wait is not None:
+                    wait()
+                start = self._timeline.now()
                 task()
             except EngineAborted:
                 continue
@@ -164,7 +168,7 @@ class HostOptimizer:
             self.busy_seconds += self._timeline.now() - start
             self._timeline.add(-1, -1, label, 0, "optimizer", start)
             done.set()
-            item = task = None  # a finished step's closure holds its gradient window
+            item = task = wait = None  # a finished step's closures hold its gradient window
 
 
 class PublishedWeights:

@@ -346,20 +346,23 @@ class RoundPipeEngine:
         published = HostEvent("weights published") if self.options.async_step else None
         finished = HostEvent(f"step {self._step}")
 
-        def run_step() -> None:
+        def wait_for_gradients() -> None:
             if published is not None:
                 window.wait_uploads()  # every read of the published copy by this iteration is done
                 self._published.publish(trunk_params)
                 published.set()
             if not hook_on_main:
                 window.wait_complete()
+
+        def run_step() -> None:
+            if not hook_on_main:
                 window.publish()
             if proceed is not False:
                 step_with_groups(optimizer, groups)
             for param in params:
                 param.grad = None
 
-        self._optimizer.submit(run_step, finished, f"step {self._step}")
+        self._optimizer.submit(run_step, finished, f"step {self._step}", wait=wait_for_gradients)
         self._weights_ready = published if published is not None else finished
         if outside:  # main-thread code reads those parameters next: wait for the update
             self._wait(finished)
