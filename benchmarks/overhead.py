@@ -1,0 +1,260 @@
+"""RoundPipe's per-step overhead on ONE CPU device: the engine against Lightning's single-device strategy.
+
+Run: ``python benchmarks/overhead.py [--quick] [--json PATH]`` (default about 1.5-2.5 minutes on 2 cores,
+``--quick`` about 15-25 s). Not a test: it prints a table and a verdict and always exits 0. Model and
+batch flags (``--width``, ``--depth``, ``--context``, ``--batch``) change the size; the default (width
+128, 4 blocks, context 64, batch 8) makes a step of (a)/(b) take about 35-50 ms on one core.
+
+What is compared (the same byte GPT from ``lightning_roundpipe.app.model.gpt``, the same initial
+weights, the same batches, AdamW, fp32, Lightning ``Trainer(max_steps=...)`` with no logger, no
+checkpointing, no progress bar):
+
+* ``(a) plain``: Lightning's ``SingleDeviceStrategy`` on the CPU, nothing recomputed.
+* ``(b) checkpointed``: the same, with ``torch.utils.checkpoint`` around every transformer block (the
+  embedding and the head are not wrapped). It does the FLOPs RoundPipe does: a backward stage
+  recomputes its blocks' forward from a stage-boundary checkpoint, and the fused stage (the deepest
+  layers and the loss) is never recomputed, like the head here.
+* ``(c) roundpipe``: ``RoundPipeStrategy(num_microbatches=1)`` on one CPU device, sync step, the loss
+  fused with ``pipeline_loss`` (``ByteLM(fused=True)``). The difference to (b) is the engine's own cost:
+  per-stage parameter copies to the "device" and gradient copies back (real copies even on a CPU
+  device), thread hand-offs between the main, worker, stream and optimizer threads, and bookkeeping.
+  The planner (``num_stages="auto"``, or ``--num-stages``) picks the stages; the plans used are printed
+  (layers per stage; it re-plans from measured times, so runs may differ).
+
+Target: (c) runs at least 0.9x the speed of (b).
+
+Threads: the machine this was written for has 2 cores and other jobs may run beside it. Every variant
+runs with ``torch.set_num_threads(1)`` (``--threads``): the setting is process-wide, so it also holds
+for the engine's worker, stream and optimizer threads. On one device the engine's compute is serial
+(one compute stream; the sync step's successor uploads wait for it), so each variant uses about one
+core and the other core absorbs the engine's hand-off threads and any neighbour's noise, which then
+hits all three variants alike.
+
+Timing: per step, from one ``on_train_batch_start`` to the next (a callback). Start-to-start time is
+the steady-state step period of every variant: it includes the data loading, the training step, the
+optimizer step and Lightning's own per-batch work, and for RoundPipe also the optimizer step queued on
+its thread (its ``on_train_batch_end`` can come before the queued step has run; the next batch's
+uploads wait for it). Wall time over ``fit`` would include the Trainer's and engine's setup and
+teardown, which are not per-step overheads. The first ``--warmup`` steps of every run are dropped
+(allocator, first-call and planner warm-up: RoundPipe re-plans from measured times after a step).
+
+``CPU ms/step`` is the process's CPU time (all threads) per step, from the same callback: less
+sensitive to a busy machine than wall time, and for (c) it shows the work the engine's helper threads
+add (copies, hand-offs), which on an idle machine can partly overlap the compute on the second core.
+The verdict line adds two cross-checks of (c)/(b): by CPU time, and by each run's 10th-percentile step
+time (noise from other processes only ever adds time, so the fastest steps are the least disturbed).
+
+Repeats are interleaved (a, b, c, a, b, c, ...), each a fresh ``fit`` from the same initial weights, so
+slow drift of the machine's load hits all variants alike. Per run the median step time gives
+tokens/s; the table shows the median over repeats, and the ratios are medians of the per-repeat
+ratios (each taken between runs of the same round), with their min..max over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.app.data import stdlib_bytes  # noqa: E402
+from lightning_roundpipe.app.model import Block, ByteLM, gpt  # noqa: E402
+
+VARIANTS = ("a", "b", "c")
+NAMES = {"a": "(a) plain single-device", "b": "(b) single-device + ckpt", "c": "(c) roundpipe, 1 device"}
+TARGET = 0.9  # (c) / (b)
+
+
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (``torch.utils.checkpoint``)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.block(x)
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+class StepTimer(pl.Callback):
+    """Times from one ``on_train_batch_start`` to the next; also samples the engine's compute counter."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.starts: list[float] = []
+        self.cpu: list[float] = []  # process CPU time, all threads
+        self.compute: list[float] = []
+        self.engine = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.engine = engine
+            self.compute.append(sum(device.counters.compute_seconds for device in engine.devices))
+
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts[self.warmup:], self.starts[self.warmup + 1:])]
+
+    def cpu_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.cpu[self.warmup:], self.cpu[self.warmup + 1:])]
+
+    def compute_share(self) -> float | None:
+        """Share of the measured wall time the (one) device spent computing; None if not RoundPipe."""
+        if len(self.compute) <= self.warmup + 1:
+            return None
+        busy = self.compute[-1] - self.compute[self.warmup]
+        wall = self.starts[-1] - self.starts[self.warmup]
+        return busy / wall if wall > 0 else None
+
+
+def make_batches(context: int, batch: int, count: int, seed: int = 0) -> DataLoader:
+    """``count`` batches of random windows of the standard library's bytes, fixed once for every run."""
+    data = stdlib_bytes(2_000_000)
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - context - 1, (count * batch,), generator=generator)
+    windows = torch.stack([data[s: s + context + 1] for s in starts.tolist()])
+    return DataLoader(TensorDataset(windows[:, :-1], windows[:, 1:]), batch_size=batch, shuffle=False)
+
+
+def make_module(variant: str, args: argparse.Namespace) -> ByteLM:
+    torch.manual_seed(1234)  # the same initial weights for every variant and repeat
+    net = gpt(width=args.width, depth=args.depth, heads=args.heads, context=args.context)
+    if variant == "b":
+        net = nn.Sequential(*[Checkpointed(layer) if isinstance(layer, Block) else layer for layer in net])
+    return ByteLM(net, fused=True, context=args.context)
+
+
+def run_once(variant: str, args: argparse.Namespace) -> dict:
+    steps = args.warmup + args.steps + 1  # + 1: the last measured step ends at the next step's start
+    module = make_module(variant, args)
+    if variant == "c":
+        stages = args.num_stages if args.num_stages == "auto" else int(args.num_stages)
+        strategy = RoundPipeStrategy(num_microbatches=1, num_stages=stages)
+    else:
+        strategy = SingleDeviceStrategy(device=torch.device("cpu"))
+    timer = StepTimer(args.warmup)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+    trainer.fit(module, make_batches(args.context, args.batch, steps))
+    times = timer.step_seconds()
+    median = statistics.median(times)
+    result = {"variant": variant, "median_step_s": median, "tokens_per_s": args.batch * args.context / median,
+              "median_cpu_s": statistics.median(timer.cpu_seconds()), "steps": len(times),
+              "p10_step_s": statistics.quantiles(times, n=10)[0]}
+    if timer.engine is not None:
+        result["compute_share"] = timer.compute_share()
+        result["plan"] = plan_shape(timer.engine.plan)
+    return result
+
+
+def plan_shape(plan) -> str:
+    """Layers per stage: ``forward | fused | backward`` (backward deep to shallow)."""
+    return (f"{','.join(str(len(r)) for r in plan.forward) or '-'} | {len(plan.fused)} | "
+            f"{','.join(str(len(r)) for r in plan.backward) or '-'}")
+
+
+def quiet() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning_roundpipe"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*validation_step.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 12 measured steps (under 40 s)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 11, quick 3)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 30, quick 12)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps dropped per run (default 5, quick 3)")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (process-wide)")
+    parser.add_argument("--num-stages", default="auto", help="(c)'s num_stages: 'auto' (default) or an int")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+    args.repeats = args.repeats or (3 if args.quick else 11)
+    args.steps = args.steps or (12 if args.quick else 30)
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    torch.set_num_threads(args.threads)
+    quiet()
+
+    began = time.perf_counter()
+    params = sum(p.numel() for p in {id(p): p for p in gpt(args.width, args.depth, args.heads, args.context).parameters()}.values())
+    print(f"Byte GPT: width {args.width}, depth {args.depth}, heads {args.heads}, context {args.context}, batch "
+          f"{args.batch} ({args.batch * args.context} tokens/step), {params:,} parameters; fp32, AdamW; "
+          f"torch threads {args.threads}")
+    print(f"{args.repeats} interleaved rounds x (a, b, c); per run {args.warmup} warm-up + {args.steps} measured steps")
+    rounds: list[dict[str, dict]] = []
+    for index in range(args.repeats):
+        row = {variant: run_once(variant, args) for variant in VARIANTS}
+        rounds.append(row)
+        print(f"  round {index + 1}: " + "  ".join(
+            f"{v} {1e3 * row[v]['median_step_s']:6.1f} ms" for v in VARIANTS), flush=True)
+
+    def ratios(num: str, den: str) -> list[float]:
+        return [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in rounds]
+
+    summary = {}
+    print()
+    print(f"{'variant':<27} {'ms/step':>8} {'tokens/s':>9} {'vs (b)':>7} {'(min..max)':>12} {'vs (a)':>7} "
+          f"{'(min..max)':>12} {'CPU ms/step':>12}")
+    for variant in VARIANTS:
+        tps = statistics.median(r[variant]["tokens_per_s"] for r in rounds)
+        ms = 1e3 * statistics.median(r[variant]["median_step_s"] for r in rounds)
+        cpu = 1e3 * statistics.median(r[variant]["median_cpu_s"] for r in rounds)
+        vb, va = ratios(variant, "b"), ratios(variant, "a")
+        summary[variant] = {"name": NAMES[variant], "median_ms_per_step": ms, "median_tokens_per_s": tps,
+                            "ratio_vs_b": statistics.median(vb), "ratio_vs_a": statistics.median(va),
+                            "ratio_vs_b_range": [min(vb), max(vb)], "ratio_vs_a_range": [min(va), max(va)],
+                            "median_cpu_ms_per_step": cpu}
+        print(f"{NAMES[variant]:<27} {ms:8.1f} {tps:9.0f} {statistics.median(vb):7.3f} "
+              f"{min(vb):5.2f}..{max(vb):<5.2f} {statistics.median(va):7.3f} {min(va):5.2f}..{max(va):<5.2f} {cpu:12.1f}")
+    plans = sorted({r["c"]["plan"] for r in rounds})
+    shares = [r["c"]["compute_share"] for r in rounds if r["c"].get("compute_share") is not None]
+    if shares:
+        print(f"\n(c) plans (layers per stage, forward | fused | backward): {'; '.join(plans)}. Device compute share "
+              f"of the step period: median {statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, "
+              "Lightning)")
+    ratio = summary["c"]["ratio_vs_b"]
+    verdict = "MET" if ratio >= TARGET else "NOT MET"
+    elapsed = time.perf_counter() - began
+    cpu_ratio = statistics.median(r["b"]["median_cpu_s"] / r["c"]["median_cpu_s"] for r in rounds)
+    fast_ratio = statistics.median(r["b"]["p10_step_s"] / r["c"]["p10_step_s"] for r in rounds)
+    low, high = summary["c"]["ratio_vs_b_range"]
+    print(f"Verdict: (c)/(b) = {ratio:.3f} (median of {args.repeats} paired rounds, {low:.2f}..{high:.2f}) -> target "
+          f">= {TARGET} {verdict}; (c)/(a) = {summary['c']['ratio_vs_a']:.3f}. Cross-checks, less sensitive to a "
+          f"busy machine: by CPU time {cpu_ratio:.3f}, by the fastest-decile step {fast_ratio:.3f}. [{elapsed:.0f} s]")
+    summary["cpu_ratio_c_vs_b"] = cpu_ratio
+    summary["p10_ratio_c_vs_b"] = fast_ratio
+    if args.json is not None:
+        args.json.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "summary": summary, "rounds": rounds, "seconds": elapsed}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
