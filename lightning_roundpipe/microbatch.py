@@ -4,7 +4,19 @@ The rule, the same everywhere: every tensor with at least one dimension is split
 tensors must agree on that size, and everything else (0-dim tensors, plain values) is replicated.
 ``n`` samples in ``M`` microbatches give sizes that differ by at most one, the larger ones first
 (``torch.tensor_split``'s rule: 10 in 4 -> 3, 3, 2, 2). A batch with fewer samples than ``M`` uses
-one microbatch per sample, never an empty one.
+one microbatch per sample, never an empty one; an empty batch (0 samples) is an error.
+
+What is a container and what is a value:
+
+* Containers are walked, and every microbatch gets a container of the same type and structure:
+  tuples, lists, dicts, namedtuples (anything ``torch.utils._pytree`` knows) and dataclass instances
+  (their ``init`` fields, rebuilt by calling the class; see :mod:`lightning_roundpipe.transfer`).
+* Every leaf that is not a tensor with a dim 0 is a value, replicated whole to every microbatch:
+  strings, numbers, ``None``, 0-dim tensors, any other object. The trunk's first layer sees the same
+  values it would see without microbatches.
+* Lists are containers, not per-sample columns: a list of ``B`` strings (one id per sample) is ``B``
+  values, and every microbatch gets all ``B`` of them, not its own share. To have per-sample values
+  follow the split, make them a tensor (e.g. indices into a host-side list).
 """
 
 from __future__ import annotations
@@ -13,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from lightning_roundpipe.transfer import spec_has_dataclass, tree_flatten, tree_leaves, tree_unflatten
 
 
 def microbatch_sizes(num_samples: int, num_microbatches: int) -> list[int]:
@@ -27,7 +40,7 @@ def microbatch_sizes(num_samples: int, num_microbatches: int) -> list[int]:
 
 def batch_size(tree: Any, what: str = "inputs") -> int | None:
     """The common dim-0 size of the tensors in ``tree`` that have a dim 0, or ``None`` if there are none."""
-    sizes = [leaf.shape[0] for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    sizes = [leaf.shape[0] for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
     if not sizes:
         return None
     if any(size != sizes[0] for size in sizes):
@@ -40,18 +53,25 @@ def batch_size(tree: Any, what: str = "inputs") -> int | None:
 
 def split(tree: Any, sizes: list[int]) -> list[Any]:
     """Split every tensor with a dim 0 of ``tree`` into chunks of ``sizes``; replicate the rest."""
-    leaves, spec = pytree.tree_flatten(tree)
+    leaves, spec = tree_flatten(tree)
     columns = [
         torch.split(leaf, sizes) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * len(sizes)
         for leaf in leaves
     ]
-    return [pytree.tree_unflatten([column[m] for column in columns], spec) for m in range(len(sizes))]
+    return [tree_unflatten([column[m] for column in columns], spec) for m in range(len(sizes))]
 
 
 def merge(outputs: list[Any]) -> Any:
     """Concatenate per-microbatch outputs on dim 0; plain values must agree across microbatches."""
-    flat = [pytree.tree_flatten(output) for output in outputs]
+    flat = [tree_flatten(output) for output in outputs]
     spec = flat[0][1]
+    if spec_has_dataclass(spec):
+        # the engine wires the merged output into autograd with plain ``_pytree``, which sees a dataclass
+        # as one opaque leaf: its tensors would be left out of the backward
+        raise ValueError(
+            "the trunk returned a dataclass instance; its output must be tensors, or tuples, lists or dicts of "
+            "them (dataclasses are fine as inputs, between layers and into the loss of `pipeline_loss`)"
+        )
     for index, (_, other) in enumerate(flat[1:], start=1):
         if other != spec:
             raise ValueError(
@@ -76,7 +96,7 @@ def merge(outputs: list[Any]) -> Any:
                     f"({column[0]!r} vs others); only tensors are concatenated, plain values must agree"
                 )
             merged.append(first)
-    return pytree.tree_unflatten(merged, spec)
+    return tree_unflatten(merged, spec)
 
 
 LossWeight = Callable[[Any], "int | float | torch.Tensor"]
@@ -92,7 +112,7 @@ def token_count(ignore_index: int = -100) -> LossWeight:
     """Loss weight for a token-mean loss: the number of target entries that are not ``ignore_index``."""
 
     def count(target: Any) -> torch.Tensor:
-        leaves = [leaf for leaf in pytree.tree_leaves(target) if isinstance(leaf, torch.Tensor)]
+        leaves = [leaf for leaf in tree_leaves(target) if isinstance(leaf, torch.Tensor)]
         return sum((leaf != ignore_index).sum() for leaf in leaves)  # type: ignore[return-value]
 
     count.__name__ = f"token_count(ignore_index={ignore_index})"

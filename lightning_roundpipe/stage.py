@@ -8,12 +8,12 @@ devices' compute and parameter streams; the worker decides when.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from lightning_roundpipe import replica as replicas
 from lightning_roundpipe.call import Call, PipelineError
@@ -23,7 +23,26 @@ from lightning_roundpipe.optim import GradWindow, PublishedWeights
 from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
 from lightning_roundpipe.schedule import Job, StageKind
 from lightning_roundpipe.trace import Timeline
-from lightning_roundpipe.transfer import clone_tree, copy_tensor, differentiable_leaves
+from lightning_roundpipe.transfer import clone_tree, copy_tensor, differentiable_leaves, tree_map
+
+
+class ReplicaWriteWarning(UserWarning):
+    """A trunk layer writes state in its forward that stays on its per-device copy (see ``replica.py``)."""
+
+
+_DEVICE_MISMATCH = ("on the same device", "on different devices")
+"""Phrases of torch's device-mismatch errors ("Expected all tensors to be on the same device, but ...")."""
+
+
+def _device_mismatch_hint(error: Exception) -> str:
+    if not isinstance(error, RuntimeError) or not any(phrase in str(error) for phrase in _DEVICE_MISMATCH):
+        return ""
+    return (
+        ". Trunk layers run on per-device copies: each device computes with its own copy of the layer's "
+        "parameters and buffers, and its inputs arrive on that device. Do not hard-code a device or keep "
+        "tensors in plain attributes: create tensors on the input's device (`torch.zeros(n, device=x.device)`) "
+        "or register them as buffers (`self.register_buffer(...)`) so they travel with the layer"
+    )
 
 
 @dataclass
@@ -39,6 +58,8 @@ class Task:
     upload_done: HostEvent
     done: HostEvent
     needs_grad: bool          # the job differentiates (fused, backward)
+    # per layer, from bind to unbind: the replica's attributes as bound, and the buffers bound into it
+    bound: dict[int, tuple[replicas.AttributeSnapshot, list[torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def kind(self) -> StageKind:
@@ -67,10 +88,13 @@ class StageRunner:
         self.base_seed = base_seed
         self._published = published
         self._replicas: list[dict[int, nn.Module]] = [{} for _ in range(num_devices)]
+        self._pairs: list[dict[int, list[tuple[nn.Module, nn.Module]]]] = [{} for _ in range(num_devices)]
         self._measure = measure
         self._measure_lock = threading.Lock()
         self._measured_forward: dict[int, list[float]] = {}
         self._measured_backward: dict[int, list[float]] = {}
+        self._warned_writes: set[int] = set()  # layers warned about writing state in forward
+        self._warn_lock = threading.Lock()
 
     def take_measurements(self) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
         """Per-layer forward and backward times per microbatch since the last call (for the planner)."""
@@ -82,7 +106,9 @@ class StageRunner:
     def replica(self, device: Device, layer: int) -> nn.Module:
         cache = self._replicas[device.index]
         if layer not in cache:
-            cache[layer] = replicas.make_replica(self.trunk.layers[layer], self.trunk.states[layer])
+            replica = replicas.make_replica(self.trunk.layers[layer], self.trunk.states[layer])
+            self._pairs[device.index][layer] = replicas.module_pairs(replica, self.trunk.layers[layer])
+            cache[layer] = replica
         return cache[layer]
 
     def _source(self, param: nn.Parameter) -> torch.Tensor:
@@ -115,11 +141,50 @@ class StageRunner:
         for layer in task.job.layers:
             replica = self.replica(device, layer)
             replicas.bind(replica, self.trunk.states[layer], stage.params[layer], stage.buffers[layer])
+            attributes = replicas.sync_attributes(self._pairs[device.index][layer])
             replicas.set_training_flags(replica, list(task.call.context.training[layer]))
+            task.bound[layer] = (attributes, stage.buffers[layer])
 
     def unbind(self, device: Device, task: Task) -> None:
         for layer in task.job.layers:
-            replicas.unbind(self.replica(device, layer), self.trunk.states[layer])
+            replica = self.replica(device, layer)
+            attributes, buffers = task.bound.pop(layer, ([], []))
+            if layer not in self._warned_writes:
+                self._check_writes(layer, replica, attributes, buffers, task.kind)
+            replicas.unbind(replica, self.trunk.states[layer])
+
+    def _check_writes(self, layer: int, replica: nn.Module, attributes: replicas.AttributeSnapshot,
+                      buffers: list[torch.Tensor], kind: StageKind) -> None:
+        """Warn (once per layer) when the layer's forward wrote state that stays on its replica."""
+        written = replicas.written_attributes(replica, attributes)
+        # a backward job rebinds buffers itself (snapshots for the recompute); its forward job already checked
+        rebound = [] if kind is StageKind.BACKWARD else replicas.rebound_buffers(replica, self.trunk.states[layer],
+                                                                                  buffers)
+        if not written and not rebound:
+            return
+        with self._warn_lock:
+            if layer in self._warned_writes:
+                return
+            self._warned_writes.add(layer)
+        name = type(self.trunk.layers[layer]).__name__
+        problems = []
+        if written:
+            problems.append(
+                f"assigns the attribute(s) {', '.join(f'`{n}`' for n in written)} in its forward. Each device runs "
+                "the layer on its own copy, which starts every job from the host layer's attributes, so the write "
+                "lands on the copy and is lost: the host layer (and other devices, and later jobs) never see it, "
+                "unlike plain training. Keep such state in a registered buffer updated in place "
+                "(`self.register_buffer('calls', torch.zeros(()))`, then `self.calls += 1`), or compute it "
+                "outside the trunk. (A cache the forward rebuilds from its inputs, parameters or buffers loses "
+                "nothing: declare it with `roundpipe_transient = ('name',)` on the layer's class.)")
+        if rebound:
+            problems.append(
+                f"assigns new tensors to the buffer(s) {', '.join(f'`{n}`' for n in rebound)} in its forward. "
+                "After a job the pipeline copies back the buffer tensors it bound into the layer's copy, so the "
+                "new tensors are lost; update buffers in place instead (`self.ema.mul_(0.9).add_(x.mean(), "
+                "alpha=0.1)`, `self.buffer.copy_(value)`)")
+        warnings.warn(f"trunk layer {layer} ({name}) " + "; it also ".join(problems) + " (shown once per layer)",
+                      ReplicaWriteWarning, stacklevel=2)
 
     def _run_layer(self, device: Device, task: Task, layer: int, microbatch: int, layer_input: Any,
                    stage: Stage) -> Any:
@@ -140,6 +205,7 @@ class StageRunner:
             raise PipelineError(
                 f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
                 f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
+                f"{_device_mismatch_hint(error)}"
             ) from error
         elapsed = self.timeline.now() - start
         stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
@@ -171,7 +237,7 @@ class StageRunner:
             if requires_grad is None or requires_grad[position]:
                 leaf.requires_grad_(True)
                 clones[id(leaf)] = leaf.clone()
-        value = pytree.tree_map(lambda t: clones.get(id(t), t) if isinstance(t, torch.Tensor) else t, layer_input)
+        value = tree_map(lambda t: clones.get(id(t), t) if isinstance(t, torch.Tensor) else t, layer_input)
         return leaves, value
 
     def fused_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,

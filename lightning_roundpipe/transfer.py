@@ -1,17 +1,98 @@
-"""Host <-> device copies of tensors and of pytrees of tensors.
+"""Host <-> device copies of tensors and of pytrees of tensors, and the tree walk every module uses.
 
 Copies are always real copies, also between CPU devices: aliasing a host tensor would let a device
 see a later write to it (the optimizer's, say) and hide staleness and fencing bugs.
+
+Trees are ``torch.utils._pytree`` trees (tuples, lists, dicts, namedtuples and every type registered
+with it) and, on top, **dataclass instances**, which ``_pytree`` treats as opaque leaves unless they are
+registered. Here an unregistered dataclass instance is a container like a dict of its fields: the
+fields with ``init=True`` (in ``dataclasses.fields`` order) are walked, and it is rebuilt by calling
+its class with them, as ``dataclasses.replace`` does (fields with ``init=False`` are left to
+``__post_init__`` and defaults). A dataclass registered with ``_pytree`` follows its registration.
+Nothing is registered globally: :func:`tree_flatten`, :func:`tree_unflatten`, :func:`tree_map` and
+:func:`tree_leaves` open dataclasses up for the duration of the call.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 HOST = torch.device("cpu")
+
+
+class _Fields:
+    """A dataclass instance opened up for ``_pytree``: its class, its init field names and their values."""
+
+    __slots__ = ("cls", "names", "values")
+
+    def __init__(self, cls: type, names: tuple[str, ...], values: list[Any]) -> None:
+        self.cls, self.names, self.values = cls, names, values
+
+    def rebuild(self) -> Any:
+        return self.cls(**dict(zip(self.names, (_close(value) for value in self.values))))
+
+
+pytree.register_pytree_node(
+    _Fields, lambda node: (node.values, (node.cls, node.names)),
+    lambda values, context: _Fields(context[0], context[1], list(values)),
+)
+
+
+def _is_dataclass_instance(leaf: Any) -> bool:
+    return not isinstance(leaf, (torch.Tensor, type)) and dataclasses.is_dataclass(leaf)
+
+
+def _open(tree: Any) -> Any:
+    """``tree`` with every (unregistered) dataclass instance replaced by a :class:`_Fields` node."""
+    def open_leaf(leaf: Any) -> Any:
+        if not _is_dataclass_instance(leaf):
+            return leaf
+        names = tuple(field.name for field in dataclasses.fields(leaf) if field.init)
+        return _Fields(type(leaf), names, [_open(getattr(leaf, name)) for name in names])
+
+    return pytree.tree_map(open_leaf, tree)
+
+
+def _close(tree: Any) -> Any:
+    """The inverse of :func:`_open`: rebuild the dataclass instances."""
+    is_fields = lambda node: isinstance(node, _Fields)  # noqa: E731
+    return pytree.tree_map(lambda node: node.rebuild() if is_fields(node) else node, tree, is_leaf=is_fields)
+
+
+def spec_has_dataclass(spec: pytree.TreeSpec) -> bool:
+    """Whether a spec from :func:`tree_flatten` holds a dataclass instance."""
+    children = getattr(spec, "children", None)  # a method in newer torch; older ones have `children_specs`
+    return spec.type is _Fields or any(
+        spec_has_dataclass(child) for child in (children() if callable(children) else spec.children_specs))
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``_pytree.tree_flatten`` that also walks into dataclass instances (see the module docstring)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    if any(_is_dataclass_instance(leaf) for leaf in leaves):
+        leaves, spec = pytree.tree_flatten(_open(tree))
+    return leaves, spec
+
+
+def tree_unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
+    """The inverse of :func:`tree_flatten`."""
+    tree = pytree.tree_unflatten(leaves, spec)
+    return _close(tree) if spec_has_dataclass(spec) else tree
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    return tree_flatten(tree)[0]
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of ``tree``, the containers (dataclasses too) rebuilt around the results."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(leaf) for leaf in leaves], spec)
 
 
 class NoGrad:
@@ -42,11 +123,10 @@ class NoGrad:
         return NoGrad(**{**self._fields, **fields})
 
     def map_tensors(self, fn: Any) -> NoGrad:
-        return NoGrad(**pytree.tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf,
-                                        self._fields))
+        return NoGrad(**tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, self._fields))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [leaf for leaf in pytree.tree_leaves(self._fields) if isinstance(leaf, torch.Tensor)]
+        return [leaf for leaf in tree_leaves(self._fields) if isinstance(leaf, torch.Tensor)]
 
     def __repr__(self) -> str:
         return f"NoGrad({', '.join(sorted(self._fields))})"
@@ -64,12 +144,12 @@ def _map_tensors(fn: Any, tree: Any) -> Any:
             return fn(leaf)
         return leaf.map_tensors(fn) if isinstance(leaf, NoGrad) else leaf
 
-    return pytree.tree_map(apply, tree)
+    return tree_map(apply, tree)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    for leaf in pytree.tree_leaves(tree):
+    for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
         elif isinstance(leaf, NoGrad):
@@ -84,7 +164,7 @@ def copy_tree(tree: Any, device: torch.device) -> Any:
 
 def clone_tree(tree: Any) -> Any:
     """Clone every tensor of ``tree`` on its own device; a :class:`NoGrad` is read-only and shared."""
-    return pytree.tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
+    return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
 def tree_nbytes(tree: Any) -> int:
@@ -92,9 +172,9 @@ def tree_nbytes(tree: Any) -> int:
 
 
 def detach_tree(tree: Any) -> Any:
-    return pytree.tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, tree)
+    return tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
 def differentiable_leaves(tree: Any) -> list[torch.Tensor]:
     """The floating-point tensors of ``tree`` outside any :class:`NoGrad`: the ones a gradient can flow through."""
-    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
