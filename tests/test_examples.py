@@ -28,3 +28,19 @@ def test_the_fused_loss_example_learns():
     output = _run("fused_loss.py")
     loss, uniform = (float(x) for x in re.search(r"final train loss ([0-9.]+) .* is ([0-9.]+)", output).groups())
     assert loss < 0.75 * uniform
+
+
+def test_the_gpu_check_runs_end_to_end_in_smoke_mode(tmp_path):
+    """``benchmarks/gpu.py --smoke`` runs every section on CPU, so the GPU check is debugged before a GPU."""
+    out = tmp_path / "gpu.json"
+    result = subprocess.run([sys.executable, str(EXAMPLES.parent / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    sections = json.loads(out.read_text())
+    assert sections["smoke"] is True
+    for name in ("ceilings", "fits", "big_sync", "big_async", "published"):
+        assert "result" in sections[name], (name, sections[name])
+    assert sections["fits"]["result"]["roundpipe_tokens_per_s"] > 0
+    assert sections["big_async"]["result"]["tokens_per_s"] > 0
