@@ -13,27 +13,32 @@ thread before the step is queued, so ``self.log`` works there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import tempfile
+import secrets
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
+from lightning_roundpipe import preflight
 from lightning_roundpipe.causal_lm import FAMILIES, CausalLMForward, causal_lm_preset, find_causal_lm
 from lightning_roundpipe.config import EngineOptions
 from lightning_roundpipe.layers import Trunk, build_trunk
 from lightning_roundpipe.partition import Plan
 from lightning_roundpipe.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.preflight import PREFLIGHT_MODES, MemoryPlan
 from lightning_roundpipe.runtime import RoundPipeEngine
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,15 @@ class RoundPipeStrategy(ParallelStrategy):
         timeline_steps: keep only the events of the last this many optimizer steps (and of what ran since
             the last one, e.g. a final validation), so a long run's timeline stays small; at most
             ``TIMELINE_MAX_EVENTS`` events are kept whatever happens. ``None``: keep everything.
+        preflight: the memory plan made at setup, before any thread starts or training state is allocated
+            (:mod:`lightning_roundpipe.preflight`): host bytes for parameters, gradients, optimizer state
+            (estimated per optimizer class), async's published weights and simulated device copies against
+            ``MemAvailable`` and the cgroup limit, and the largest layer and stages against
+            ``device_memory_limit``. It is logged (INFO) and kept as ``strategy.memory_plan``. ``"refuse"``
+            (default): raise :class:`~lightning_roundpipe.preflight.HostMemoryError` or
+            :class:`~lightning_roundpipe.preflight.DeviceMemoryError` (``MemoryError`` subclasses) naming what
+            does not fit, by how much, and what to change. ``"warn"``: warn and train anyway. ``"off"``: no
+            plan, no log.
         **engine_options: further :class:`~lightning_roundpipe.config.EngineOptions` fields.
     """
 
@@ -80,7 +94,7 @@ class RoundPipeStrategy(ParallelStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, log_pipeline_metrics: bool = True,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline: bool = False,
-                 timeline_steps: int | None = 3, **engine_options: Any) -> None:
+                 timeline_steps: int | None = 3, preflight: str = "refuse", **engine_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.pipeline = pipeline
@@ -91,6 +105,10 @@ class RoundPipeStrategy(ParallelStrategy):
         self.timeline_dir = None if timeline_dir is None else os.fspath(timeline_dir)
         self.timeline = bool(timeline) or self.timeline_dir is not None
         self.timeline_steps = timeline_steps
+        if preflight not in PREFLIGHT_MODES:
+            raise ValueError(f"`preflight` must be one of {', '.join(map(repr, PREFLIGHT_MODES))}, got {preflight!r}")
+        self.preflight = preflight
+        self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
         self.timeline_files: list[str] = []  #: what the last teardown wrote
         self._timeline_pending = False
         if self.timeline:
@@ -194,7 +212,28 @@ class RoundPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         trunk, driven = self._build_trunk(module)
         devices = self.parallel_devices or [torch.device("cpu")]
-        self.engine = RoundPipeEngine(trunk, devices, self.engine_options).start()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # pre-flight, before any thread starts: a layer too large for the device budget first (the planner
+        # would refuse it tersely), then, with the plan and the optimizers known, the whole memory plan
+        self.memory_plan = None
+        options = self.engine_options
+        if self.preflight != "off":
+            problem = preflight.check_layers(trunk, options.device_memory_limit)
+            if problem is not None and self.preflight == "refuse":
+                raise preflight.DeviceMemoryError(problem)
+            if problem is not None:
+                warnings.warn(problem + " (preflight='warn': continuing)", UserWarning, stacklevel=2)
+        engine = RoundPipeEngine(trunk, devices, options)  # plans; threads start below
+        if fitting:
+            self.setup_optimizers(trainer)
+        if self.preflight != "off":
+            self.memory_plan = preflight.plan_memory(
+                module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
+                async_step=options.async_step, recompute=options.recompute,
+                device_memory_limit=options.device_memory_limit, pin_memory=options.pin_memory, training=fitting,
+                trainer_fn=str(trainer.state.fn.value))
+            preflight.enforce(self.memory_plan, self.preflight, log)
+        self.engine = engine.start()
         if self.timeline:
             self.engine.timeline.bound(keep_steps=self.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
             self._timeline_pending = True
@@ -203,8 +242,6 @@ class RoundPipeStrategy(ParallelStrategy):
                          ZeroGradAfterSteps(module, self.engine)]
         for patch in self._patches:
             patch.install()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
         self.setup_precision_plugin()  # may replace the optimizers and their LightningOptimizer wrappers
         if trainer.state.fn == TrainerFn.FITTING:
             self._silence_zero_grad()
@@ -329,10 +366,27 @@ class RoundPipeStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._release(finish_steps=True)
         super().teardown()
+        engine = self.engine
+        if engine is None or engine.unreported_failure is None:
+            return
+        if self._interrupted():  # an exception is propagating already: say it, never mask it
+            error = engine.unreported_failure
+            log.warning(f"RoundPipe's pipeline had also failed: {type(error).__name__}: {error}")
+            return
+        # a failure no call has raised yet (the last optimizer step's, say): fit must not end as a success
+        engine.raise_unreported_failure()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._release(finish_steps=False)
+        # the steps Lightning has counted complete (they are whole or not at all), unless the pipeline itself
+        # failed; the batch in flight is dropped. Every wait in there is bounded by `wait_timeout`.
+        self._release(finish_steps=self.engine is not None and not self.engine.failed)
+
+    def _interrupted(self) -> bool:
+        """Whether the run is being interrupted: Lightning handles an exception (it calls the callbacks'
+        ``on_exception``, e.g. ``OnExceptionCheckpoint``'s save, then the strategy's, then teardown)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     # ------------------------------------------------------------------ training
     def _backward_scale(self) -> float:
@@ -419,14 +473,20 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def _quiesce(self) -> None:
-        """Let steps in flight finish so the module holds consistent weights; after a pipeline failure
-        (``OnExceptionCheckpoint`` saves before the strategy hears of the exception) stop the engine instead."""
-        if self.engine is None or self.engine.closed:
+        """Make the module's weights consistent before they are read (a checkpoint): let the steps in flight
+        finish. While an exception propagates (``OnExceptionCheckpoint`` saves before the strategy hears of
+        it) stop the engine instead, without waiting for the interrupted batch: the steps Lightning counted
+        complete, unless the pipeline itself failed (then queued steps are dropped; each step is applied
+        whole or not at all)."""
+        engine = self.engine
+        if engine is None or engine.closed:
             return
-        if self.engine.failed:
-            self.engine.close(finish_steps=False)
+        if engine.failed:
+            engine.close(finish_steps=False)
+        elif self._interrupted():
+            engine.close(finish_steps=True)
         else:
-            self.engine.synchronize()
+            engine.synchronize()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -440,23 +500,35 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write a local checkpoint atomically, streaming it to disk.
+
+        Lightning's default ``TorchCheckpointIO`` serializes the whole checkpoint into memory first (a
+        second, then a third copy of a host-sized state); here ``torch.save`` streams into a temporary file
+        beside the target, which is flushed to disk and then renamed over the target. A crash mid-write
+        leaves the previous checkpoint intact, and an exception removes the temporary file. Remote paths,
+        ``storage_options`` and a ``CheckpointIO`` plugin of the user's own go through that plugin.
+        """
         path = os.fspath(filepath)
-        if storage_options is not None or "://" in path:
+        if storage_options is not None or "://" in path or type(self.checkpoint_io) is not TorchCheckpointIO:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        # stream straight to a temporary file beside the target and rename it into place: no second
-        # in-memory copy of a host-sized state, and a crash mid-write leaves the previous file intact
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=".roundpipe-", suffix=".ckpt.tmp", dir=directory)
+        temporary = os.path.join(directory, f".roundpipe-{os.getpid()}-{secrets.token_hex(6)}.ckpt.tmp")
+        # "x": a new file, never someone else's; its mode is open()'s (0o666 less the umask), which a
+        # checkpoint should keep (tempfile.mkstemp would make it owner-only)
+        file = open(temporary, "xb")
         try:
-            with os.fdopen(handle, "wb") as file:
+            with file:
                 torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())  # on disk before it replaces the previous checkpoint
             os.replace(temporary, path)
         except BaseException:
-            if os.path.exists(temporary):
+            with contextlib.suppress(OSError):
                 os.remove(temporary)
             raise
+        _fsync_directory(directory)  # the rename itself survives a power loss
 
     @classmethod
     @override
@@ -495,6 +567,19 @@ def _refuse_compiled(name: str, trunk: nn.Module) -> None:
             f"the trunk `{name}` is (or contains) a torch.compile'd module, which RoundPipe does not support: it "
             "runs every layer on per-device copies of it. Pass the trunk uncompiled."
         )
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the file itself is synced
+    finally:
+        os.close(handle)
 
 
 def _no_zero_grad(set_to_none: bool = True) -> None:

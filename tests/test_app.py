@@ -67,6 +67,7 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
 @pytest.mark.parametrize("overrides,key", [
     (["strategy.num_microbatches=0"], "strategy.num_microbatches"),
     (["strategy.recompute=sometimes"], "strategy.recompute"),
+    (["strategy.preflight=maybe"], "strategy.preflight"),
     (["strategy.num_stages=0"], "strategy.num_stages"),
     (["strategy.device_memory_limit=lots"], "strategy.device_memory_limit"),
     (["data=text_path", "data.path=/no/such/corpus"], "data.path"),

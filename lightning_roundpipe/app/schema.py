@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 RECOMPUTE_GRAINS = ("stage", "layer")
+PREFLIGHT_MODES = ("refuse", "warn", "off")
 CAUSAL_LM_FAMILIES = ("llama", "qwen3")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -151,6 +152,7 @@ class RoundPipeConf:
     device_memory_limit: Any = None    # bytes or "20GiB"
     timeline: bool = False             # write timeline.json (Chrome trace) and timeline.png into the run's folder
     timeline_steps: Optional[int] = 3  # the last this many optimizer steps (null: all)
+    preflight: str = "refuse"          # the memory plan at setup: refuse | warn | off
 
 
 @dataclass
@@ -205,6 +207,8 @@ def validate(cfg: DictConfig) -> None:
         k = strategy.num_stages
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             _fail("strategy.num_stages", f"must be 'auto' or a chunk count of at least 1, got {k!r}")
+        if strategy.get("preflight", "refuse") not in PREFLIGHT_MODES:
+            _fail("strategy.preflight", f"must be one of {PREFLIGHT_MODES}, got {strategy.preflight!r}")
         steps = strategy.get("timeline_steps")
         if steps is not None and steps < 1:
             _fail("strategy.timeline_steps", f"must be at least 1 (or null for every step), got {steps}")

@@ -1,0 +1,746 @@
+"""Pre-flight memory plan: what training will hold on the host and on each device, checked at setup.
+
+RoundPipe keeps all training state in host memory, so a run that does not fit should fail at setup with
+a message, not minutes later with the kernel's OOM killer. :func:`plan_memory` adds up, from the model,
+the engine's plan and the optimizers (before their first step), what the host will hold:
+
+* **parameters and buffers** as stored (their dtypes): already allocated when the strategy sets up;
+* **gradients**: one ``param.grad`` per trainable parameter, in its dtype (training only); in async mode
+  the next iteration's gradients gather in a second window while the step reads the current ones;
+* **optimizer state**, estimated per optimizer class from its hyperparameters (``Adam``/``AdamW``: two
+  buffers in the parameter's dtype plus a scalar step, three with ``amsgrad``; ``SGD``: one buffer with
+  ``momentum``, none without; other ``torch.optim`` classes likewise; an unknown class is assumed to keep
+  two buffers, and the plan says so);
+* **async's published weights**: the trainable trunk parameters once more;
+* **simulated device copies**: CPU devices live in host memory, each holding its running and its
+  prefetched stage;
+* **stage-boundary activations** are *not* estimated: they depend on the batch, which setup has not seen.
+  The plan says how many layer inputs a training batch keeps on the host and reports the headroom left
+  for them;
+* **checkpoint saves** add nothing: the strategy streams ``torch.save`` into the file.
+
+What the machine allows (:func:`read_host_limits`): ``MemAvailable`` from ``/proc/meminfo`` and the cgroup
+limit of this process (v2 ``memory.max`` minus ``memory.current``, v1 ``memory.limit_in_bytes`` minus
+``memory.usage_in_bytes``; reclaimable inactive file cache is not counted as used), whichever is smaller,
+and the locked-memory limit (``RLIMIT_MEMLOCK``, for pinned staging on CUDA devices; pinning is not
+used on CPU devices). The new allocations must fit in what is available now. (When resuming with
+``ckpt_path``, Lightning has loaded the checkpoint before the strategy sets up, so the figure is lower than
+it will be once the checkpoint is restored and freed: the check is pessimistic then.)
+
+Device side: each device holds the stage it runs and the one it prefetches, every layer of a training
+stage with its gradients; with ``device_memory_limit`` set, a layer must fit in the planner's stage
+budget (:func:`check_layers`, run before the planner), and twice the largest stage in the limit.
+
+Everything here reads sizes and hyperparameters only: nothing proportional to the model is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.layers import Trunk
+from lightning_roundpipe.partition import Plan
+from lightning_roundpipe.runtime import ACTIVATION_RESERVE
+
+__all__ = [
+    "CgroupMemory", "DeviceMemoryError", "HostLimits", "HostMemoryError", "MemoryPlan", "PREFLIGHT_MODES",
+    "PreflightError", "check_layers", "enforce", "format_bytes", "optimizer_state_bytes", "plan_memory",
+    "read_cgroup_memory", "read_cgroup_v1", "read_cgroup_v2", "read_host_limits", "read_mem_available",
+]
+
+log = logging.getLogger(__name__)
+
+PREFLIGHT_MODES = ("refuse", "warn", "off")
+
+_UNLIMITED = 2**60  # cgroup v1 writes "unlimited" as a page-aligned LONG_MAX (9223372036854771712)
+
+
+class PreflightError(MemoryError):
+    """The pre-flight memory plan does not fit; raised at setup, before any thread starts."""
+
+
+class HostMemoryError(PreflightError):
+    """The host cannot hold the training state."""
+
+
+class DeviceMemoryError(PreflightError):
+    """A layer or stage cannot fit in ``device_memory_limit``."""
+
+
+def format_bytes(nbytes: int | float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'unlimited'``."""
+    if nbytes is None:
+        return "unlimited"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if unit == "B" and abs(value) < 1024:
+            return f"{int(value)} B"
+        if unit != "B" and abs(round(value, 1)) < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+# ---------------------------------------------------------------------------------------------- machine
+@dataclass(frozen=True)
+class CgroupMemory:
+    """A cgroup's memory limit and usage, in bytes. ``limit=None``: no limit (``max``)."""
+
+    version: int
+    limit: int | None
+    usage: int
+    reclaimable: int = 0  # inactive file cache: counted in usage, dropped by the kernel before an OOM
+    path: str = ""
+
+    @property
+    def available(self) -> int | None:
+        if self.limit is None:
+            return None
+        return max(0, self.limit - max(0, self.usage - self.reclaimable))
+
+    def describe(self) -> str:
+        name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+        if self.limit is None:
+            return f"cgroup v{self.version}: no limit"
+        return (f"cgroup v{self.version} {name} {format_bytes(self.limit)} - used "
+                f"{format_bytes(max(0, self.usage - self.reclaimable))}")
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """What the machine allows now. ``None`` fields are unknown or unlimited."""
+
+    mem_available: int | None = None  # /proc/meminfo MemAvailable
+    cgroup: CgroupMemory | None = None
+    memlock: int | None = None        # RLIMIT_MEMLOCK soft limit; None: unlimited or unknown
+
+    @property
+    def available(self) -> int | None:
+        """The smaller of ``MemAvailable`` and the cgroup's room; ``None`` if neither is known."""
+        known = [v for v in (self.mem_available, self.cgroup.available if self.cgroup else None) if v is not None]
+        return min(known) if known else None
+
+    @property
+    def cgroup_binds(self) -> bool:
+        room = self.cgroup.available if self.cgroup is not None else None
+        return room is not None and (self.mem_available is None or room < self.mem_available)
+
+    def describe(self) -> str:
+        parts = [f"MemAvailable {format_bytes(self.mem_available)}" if self.mem_available is not None
+                 else "MemAvailable unknown"]
+        parts.append(self.cgroup.describe() if self.cgroup is not None else "no cgroup memory limit found")
+        return "; ".join(parts)
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file (``max``/absent/unreadable: ``None``)."""
+    try:
+        with open(path) as file:
+            text = file.read().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _read_stat(path: str) -> dict[str, int]:
+    stats: dict[str, int] = {}
+    try:
+        with open(path) as file:
+            for line in file:
+                key, _, value = line.partition(" ")
+                if value.strip().isdigit():
+                    stats[key] = int(value)
+    except OSError:
+        pass
+    return stats
+
+
+def read_mem_available(path: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes, or ``None`` when the file or the line is missing."""
+    try:
+        with open(path) as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    fields = line.split()
+                    scale = 1024 if len(fields) > 2 and fields[2].lower() == "kb" else 1
+                    return int(fields[1]) * scale
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def read_cgroup_v2(directory: str) -> CgroupMemory | None:
+    """One cgroup v2 directory: ``memory.max`` (``max``: no limit), ``memory.current``, and
+    ``inactive_file`` from ``memory.stat``. ``None`` if ``memory.current`` is missing."""
+    usage = _read_int(os.path.join(directory, "memory.current"))
+    if usage is None:
+        return None
+    limit = _read_int(os.path.join(directory, "memory.max"))
+    reclaimable = _read_stat(os.path.join(directory, "memory.stat")).get("inactive_file", 0)
+    return CgroupMemory(2, limit, usage, reclaimable, directory)
+
+
+def read_cgroup_v1(directory: str) -> CgroupMemory | None:
+    """One cgroup v1 memory directory: ``memory.limit_in_bytes`` (or the smaller
+    ``hierarchical_memory_limit`` of ``memory.stat``; about ``2**63`` means no limit),
+    ``memory.usage_in_bytes`` and ``total_inactive_file``. ``None`` if the usage file is missing."""
+    usage = _read_int(os.path.join(directory, "memory.usage_in_bytes"))
+    if usage is None:
+        return None
+    stats = _read_stat(os.path.join(directory, "memory.stat"))
+    limits = [v for v in (_read_int(os.path.join(directory, "memory.limit_in_bytes")),
+                          stats.get("hierarchical_memory_limit")) if v is not None and v < _UNLIMITED]
+    reclaimable = stats.get("total_inactive_file", stats.get("inactive_file", 0))
+    return CgroupMemory(1, min(limits) if limits else None, usage, reclaimable, directory)
+
+
+def _own_cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
+    """This process's (v2 path, v1 memory path) from ``/proc/self/cgroup``."""
+    v2 = v1 = None
+    try:
+        with open(proc_cgroup) as file:
+            for line in file:
+                parts = line.strip().split(":", 2)
+                if len(parts) != 3:
+                    continue
+                if parts[0] == "0" and parts[1] == "":
+                    v2 = parts[2]
+                elif "memory" in parts[1].split(","):
+                    v1 = parts[2]
+    except OSError:
+        pass
+    return v2, v1
+
+
+def read_cgroup_memory(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> CgroupMemory | None:
+    """The tightest cgroup memory limit of this process, or ``None`` when no cgroup files are found.
+
+    v2 (``root/cgroup.controllers`` or ``root/memory.current`` exists): this process's cgroup (from
+    ``proc_cgroup``) and each ancestor up to ``root``; the limited one with the least room wins. v1:
+    ``root/memory/<own path>``, or ``root/memory`` when that does not exist (a container's namespace
+    root). A cgroup without a limit comes back with ``limit=None``."""
+    v2_path, v1_path = _own_cgroup_paths(proc_cgroup)
+    top = os.path.normpath(root)
+    if os.path.exists(os.path.join(top, "cgroup.controllers")) or os.path.exists(os.path.join(top, "memory.current")):
+        directory = os.path.normpath(os.path.join(top, (v2_path or "/").lstrip("/")))
+        if not directory.startswith(top + os.sep) or not os.path.isdir(directory):
+            directory = top
+        entries = []
+        while True:
+            entry = read_cgroup_v2(directory)
+            if entry is not None:
+                entries.append(entry)
+            if directory == top:
+                break
+            directory = os.path.dirname(directory)
+        limited = [entry for entry in entries if entry.limit is not None]
+        if limited:
+            return min(limited, key=lambda entry: entry.available or 0)
+        return entries[0] if entries else None
+    base = os.path.join(top, "memory")
+    directory = os.path.normpath(os.path.join(base, (v1_path or "/").lstrip("/")))
+    if not os.path.exists(os.path.join(directory, "memory.usage_in_bytes")):
+        directory = base
+    return read_cgroup_v1(directory)
+
+
+def read_memlock() -> int | None:
+    """The soft ``RLIMIT_MEMLOCK`` in bytes; ``None`` if unlimited or unknown (no ``resource`` module)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def read_host_limits() -> HostLimits:
+    """What this machine allows now. The strategy calls this at setup; tests replace it."""
+    return HostLimits(read_mem_available(), read_cgroup_memory(), read_memlock())
+
+
+# ---------------------------------------------------------------------------------------------- optimizers
+def _scalar_bytes() -> int:
+    # torch keeps per-parameter scalars (``step``) as 0-dim tensors of _get_scalar_dtype()
+    return 8 if torch.get_default_dtype() == torch.float64 else 4
+
+
+def _factored_bytes(param: torch.Tensor) -> int:
+    """Adafactor's second moment: a row and a column factor for 2+-dim parameters, else full."""
+    size = param.element_size()
+    if param.dim() < 2:
+        return param.numel() * size
+    shape = list(param.shape)
+    rows = math.prod(shape[:-1])
+    cols = math.prod(shape[:-2] + shape[-1:])
+    return (rows + cols) * size
+
+
+# Per torch.optim class: (buffers the size of the parameter, per-parameter scalars, description). The
+# buffer count may depend on the group's hyperparameters.
+def _rule(name: str, group: dict) -> tuple[float, int, str] | None:
+    if name in ("Adam", "AdamW"):
+        if group.get("amsgrad"):
+            return 3, 1, "exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) + step"
+        return 2, 1, "exp_avg, exp_avg_sq + step"
+    if name == "SGD":
+        return (1, 0, "momentum_buffer") if group.get("momentum", 0) else (0, 0, "none (no momentum)")
+    if name == "RMSprop":
+        count = 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+        names = ["square_avg"] + ["momentum_buffer"] * bool(group.get("momentum", 0)) + \
+            ["grad_avg"] * bool(group.get("centered"))
+        return count, 1, ", ".join(names) + " + step"
+    simple = {
+        "Adagrad": (1, 1, "sum + step"),
+        "Adamax": (2, 1, "exp_avg, exp_inf + step"),
+        "NAdam": (2, 2, "exp_avg, exp_avg_sq + step, mu_product"),
+        "RAdam": (2, 1, "exp_avg, exp_avg_sq + step"),
+        "Adadelta": (2, 1, "square_avg, acc_delta + step"),
+        "ASGD": (1, 3, "ax + step, eta, mu"),
+        "Rprop": (2, 1, "prev, step_size + step"),
+        "Muon": (1, 0, "momentum_buffer"),
+        "SparseAdam": (2, 1, "exp_avg, exp_avg_sq + step"),
+        "Adafactor": (-1, 1, "row_var and col_var (factored; full variance for 1-dim) + step"),
+    }
+    return simple.get(name)
+
+
+def _known_class(optimizer: Any) -> str | None:
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and _rule(cls.__name__, {}) is not None:
+            return cls.__name__
+    return None
+
+
+def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
+    """Bytes ``optimizer``'s state will hold once every trainable parameter has stepped, from its class
+    and hyperparameters (no step is taken): ``(bytes, description, known)``. Frozen parameters get no
+    state. A class not derived from a known ``torch.optim`` one is assumed to keep two buffers per
+    parameter (``known=False``)."""
+    name = _known_class(optimizer)
+    label = type(optimizer).__name__
+    scalar = _scalar_bytes()
+    total = 0
+    descriptions: list[str] = []
+    for group in getattr(optimizer, "param_groups", []):
+        rule = _rule(name, group) if name is not None else None
+        buffers, scalars, description = rule if rule is not None else (2, 0, "unknown, assumed 2x")
+        if description not in descriptions:
+            descriptions.append(description)
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            if buffers < 0:
+                total += _factored_bytes(param)
+            else:
+                total += int(buffers * param.numel() * param.element_size())
+            total += scalars * scalar
+    shown = label if name is None or name == label else f"{label} (as {name})"
+    return total, f"{shown}: {'; '.join(descriptions) or 'no parameters'}", name is not None
+
+
+# ---------------------------------------------------------------------------------------------- device side
+def _stage_budget(limit: int | None) -> int | None:
+    """Bytes the planner lets two stages use: what ``device_memory_limit`` leaves after the activation reserve."""
+    return None if limit is None else int(limit * (1.0 - ACTIVATION_RESERVE))
+
+
+def _layer_need(trunk: Trunk, index: int) -> tuple[int, int]:
+    state = trunk.states[index]
+    return state.param_bytes(), state.grad_bytes()
+
+
+def _smallest_limit_for(need: int) -> int:
+    """The smallest ``device_memory_limit`` whose stage budget holds ``need`` bytes in half of it."""
+    limit = max(1, math.ceil(2 * need / (1.0 - ACTIVATION_RESERVE)))
+    while (_stage_budget(limit) or 0) / 2 < need:
+        limit += 1
+    return limit
+
+
+def check_layers(trunk: Trunk, device_memory_limit: int | None) -> str | None:
+    """A message if some layer cannot fit on a device under ``device_memory_limit``, else ``None``.
+
+    A layer is never split, and every layer runs in a backward or the fused stage with its gradients, so
+    ``parameters + buffers + gradients`` of one layer must fit in half the planner's stage budget (the
+    other half holds the prefetched stage). Run before the planner, which would fail on the same layer
+    with a terser message."""
+    budget = _stage_budget(device_memory_limit)
+    if budget is None:
+        return None
+    cap = budget / 2
+    worst = max(range(len(trunk)), key=lambda i: sum(_layer_need(trunk, i)))
+    weights, grads = _layer_need(trunk, worst)
+    if weights + grads <= cap:
+        return None
+    assert device_memory_limit is not None
+    return (
+        f"RoundPipe pre-flight: layer {worst} ({type(trunk.layers[worst]).__name__}) needs "
+        f"{format_bytes(weights + grads)} on a device (parameters and buffers {format_bytes(weights)} + "
+        f"gradients {format_bytes(grads)}), but with device_memory_limit={format_bytes(device_memory_limit)} "
+        f"({device_memory_limit:,} bytes) a stage may use at most {format_bytes(int(cap))}: a quarter of the "
+        "limit is kept for activations and the rest is split between the running stage and the prefetched "
+        f"one. The layer is short by {format_bytes(weights + grads - int(cap))}. Raise `device_memory_limit` "
+        f"to at least {format_bytes(_smallest_limit_for(weights + grads))}. More devices or stages do not "
+        "help (a layer is never split across stages), and neither does `recompute` (it saves activations, "
+        "not weights): split the layer into smaller layers (more children of the nn.Sequential), freeze some "
+        "of its parameters (frozen ones have no gradient), or store it in a smaller dtype "
+        "(precision='bf16-true')."
+    )
+
+
+def _stage_sizes(trunk: Trunk, stages: Iterable[range], with_grads: bool) -> list[int]:
+    sizes = []
+    for stage in stages:
+        total = 0
+        for index in stage:
+            weights, grads = _layer_need(trunk, index)
+            total += weights + (grads if with_grads else 0)
+        sizes.append(total)
+    return sizes
+
+
+def _heaviest_window(sizes: Sequence[int], width: int) -> int:
+    """The largest sum of ``width`` consecutive jobs of a schedule that repeats ``sizes``."""
+    if not sizes:
+        return 0
+    return max(sum(sizes[(start + k) % len(sizes)] for k in range(width)) for start in range(len(sizes)))
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass
+class MemoryPlan:
+    """The pre-flight figures, in bytes. ``new_bytes`` must fit in ``host_available``."""
+
+    trainer_fn: str
+    num_devices: int
+    device_type: str
+    async_step: bool
+    recompute: str
+    # host: already allocated at setup
+    parameter_bytes: int
+    parameter_bytes_by_dtype: dict[str, int]
+    buffer_bytes: int
+    # host: allocated once training runs
+    gradient_bytes: int
+    next_gradient_bytes: int          # async: the next iteration's gradients while a step reads param.grad
+    optimizer_state_bytes: int
+    optimizer_notes: list[str]
+    optimizer_state_assumed: bool     # some optimizer class is unknown: 2 buffers per parameter assumed
+    published_bytes: int              # async: the published copy of the trainable trunk weights
+    device_copy_bytes: int            # CPU devices: their stage copies live in host memory
+    activation_bytes: int | None      # None: not estimated at setup (depends on the batch)
+    activation_layers: list[int]      # layers whose inputs a training batch keeps on the host until backward
+    checkpoint_save_bytes: int        # 0: saves stream into the file
+    # the machine
+    limits: HostLimits
+    pinned_bytes: int                 # CUDA devices with pin_memory: staging to pin (0 on CPU devices)
+    # device side (per device)
+    device_memory_limit: int | None
+    stage_budget: int | None          # what the planner lets two stages use
+    largest_stages: dict[str, tuple[range, int]]  # stage kind -> (its layers, its bytes), the largest
+    device_stage_bytes: int           # two stages: the running one and the prefetched one (2 x largest)
+    largest_layer: tuple[int, int]    # (layer index, parameters + buffers + gradients)
+    problems: list[str] = field(default_factory=list)       # each a full message; any refuses
+    problem_kinds: list[str] = field(default_factory=list)  # per problem: "device", "host" or "memlock"
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Parameters and buffers: allocated before setup, already outside ``host_available``."""
+        return self.parameter_bytes + self.buffer_bytes
+
+    @property
+    def new_bytes(self) -> int:
+        """What training will allocate on the host beyond what it holds at setup (activations excluded
+        unless estimated)."""
+        return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.published_bytes
+                + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes)
+
+    @property
+    def host_total_bytes(self) -> int:
+        return self.resident_bytes + self.new_bytes
+
+    @property
+    def host_available(self) -> int | None:
+        return self.limits.available
+
+    @property
+    def headroom(self) -> int | None:
+        """What is left, after the plan, for activations, batches and everything else."""
+        available = self.host_available
+        return None if available is None else available - self.new_bytes
+
+    @property
+    def shortfall(self) -> int:
+        headroom = self.headroom
+        return 0 if headroom is None or headroom >= 0 else -headroom
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def new_items(self) -> list[tuple[str, int]]:
+        """The host allocations still to come, largest first."""
+        optimizer = f"optimizer state ({'; '.join(self.optimizer_notes)})" if self.optimizer_notes else "optimizer state"
+        items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
+                 (optimizer, self.optimizer_state_bytes), ("published weights (async)", self.published_bytes),
+                 ("simulated device copies", self.device_copy_bytes)]
+        return sorted([item for item in items if item[1] > 0], key=lambda item: -item[1])
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """The table: (item, bytes, note)."""
+        dtypes = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
+        training = self.trainer_fn == "fit"
+        rows = [
+            ("host", "", ""),
+            ("parameters", format_bytes(self.parameter_bytes), f"allocated; {dtypes or 'none'}"),
+            ("buffers", format_bytes(self.buffer_bytes), "allocated"),
+            ("gradients", "+" + format_bytes(self.gradient_bytes),
+             "param.grad of trainable parameters, in their dtype" if training else "none: not training"),
+        ]
+        if self.next_gradient_bytes:
+            rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),
+                         "async: gather while the step reads param.grad"))
+        rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
+                     "; ".join(self.optimizer_notes) if self.optimizer_notes
+                     else ("no optimizer" if training else "none: not training")))
+        rows.append(("published weights", "+" + format_bytes(self.published_bytes),
+                     "async: trainable trunk weights once more" if self.async_step else "none: sync step"))
+        rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
+                     f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
+                     if self.device_type == "cpu" else "none: device memory"))
+        if self.activation_bytes is None:
+            kept = self.activation_layers
+            which = (f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}" if len(kept) <= 8
+                     else f"{len(kept)} layers")
+            if 0 in kept:
+                which += " (layer 0's is the batch itself)"
+            note = (f"not estimated at setup (depends on the batch): a training batch keeps the inputs of "
+                    f"{which} on the host until backward" if training
+                    else "not estimated at setup (depends on the batch); none kept for backward")
+            rows.append(("stage-boundary activations", "?", note))
+        else:
+            rows.append(("stage-boundary activations", "+" + format_bytes(self.activation_bytes), "estimated"))
+        rows.append(("checkpoint save", "+" + format_bytes(self.checkpoint_save_bytes),
+                     "streamed to the file by torch.save: no in-memory copy"))
+        rows.append(("to allocate", format_bytes(self.new_bytes),
+                     f"host total with parameters and buffers {format_bytes(self.host_total_bytes)}"))
+        available, headroom = self.host_available, self.headroom
+        rows.append(("available", "unknown" if available is None else format_bytes(available),
+                     self.limits.describe()))
+        rows.append(("headroom", "unknown" if headroom is None else
+                     "-" + format_bytes(-headroom) if headroom < 0 else format_bytes(headroom),
+                     "for activations, batches and everything else"))
+        if self.device_type == "cpu":
+            pinned = f"not used on CPU devices (RLIMIT_MEMLOCK {format_bytes(self.limits.memlock)})"
+        else:
+            pinned = f"RLIMIT_MEMLOCK {format_bytes(self.limits.memlock)}"
+        rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
+        rows.append((f"device (each of {self.num_devices})", "", ""))
+        for kind, (layers, nbytes) in self.largest_stages.items():
+            rows.append((f"largest {kind} stage" if kind != "fused" else "fused stage", format_bytes(nbytes),
+                         f"layers {_span(layers)}"))
+        if self.device_memory_limit is None:
+            limit_note = "device_memory_limit: none, not checked"
+        else:
+            limit_note = (f"device_memory_limit {format_bytes(self.device_memory_limit)}; the planner keeps two "
+                          f"stages within {format_bytes(self.stage_budget)}")
+        rows.append(("running + prefetched stage", format_bytes(self.device_stage_bytes), limit_note))
+        index, nbytes = self.largest_layer
+        rows.append((f"largest layer ({index})", format_bytes(nbytes), "parameters, buffers and gradients"))
+        return rows
+
+    def table(self) -> str:
+        rows = self.rows()
+        width = max(len(item) for item, _, _ in rows)
+        amount = max(len(value) for _, value, _ in rows)
+        lines = [f"RoundPipe memory plan ({self.trainer_fn}; {self.num_devices} {self.device_type} device(s); "
+                 f"{'async' if self.async_step else 'sync'} step; recompute={self.recompute})"]
+        for item, value, note in rows:
+            if not value and not note:
+                lines.append(f"  {item}")
+            else:
+                lines.append(f"    {item:<{width}}  {value:>{amount}}  {note}".rstrip())
+        return "\n".join(lines)
+
+
+def _span(layers: range) -> str:
+    return f"[{layers.start}]" if len(layers) == 1 else f"[{layers.start}-{layers.stop - 1}]"
+
+
+def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequence[Any], *,
+                devices: Sequence[torch.device], async_step: bool = False, recompute: str = "stage",
+                device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
+                trainer_fn: str | None = None, limits: HostLimits | None = None) -> MemoryPlan:
+    """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
+    with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
+    predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`."""
+    limits = read_host_limits() if limits is None else limits
+    params = list(module.parameters())  # each once, tied weights too
+    by_dtype: dict[str, int] = {}
+    for param in params:
+        name = str(param.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
+    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    trunk_trainable = trunk.trainable_parameters()
+    trunk_trainable_bytes = sum(p.numel() * p.element_size() for p in trunk_trainable)
+
+    gradient_bytes = next_gradient_bytes = optimizer_bytes = 0
+    notes: list[str] = []
+    assumed = False
+    if training:
+        gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        if async_step:  # the step reads window k in param.grad while iteration k+1 fills the next window
+            next_gradient_bytes = trunk_trainable_bytes
+        for optimizer in optimizers:
+            nbytes, description, known = optimizer_state_bytes(optimizer)
+            optimizer_bytes += nbytes
+            notes.append(description)
+            assumed = assumed or not known
+    published = trunk_trainable_bytes if async_step else 0
+
+    device_type = devices[0].type if devices else "cpu"
+    forward_sizes = _stage_sizes(trunk, plan.forward, with_grads=False)
+    fused_size = _stage_sizes(trunk, [plan.fused], with_grads=training)[0]
+    backward_sizes = _stage_sizes(trunk, plan.backward, with_grads=True) if training else []
+    largest: dict[str, tuple[range, int]] = {}
+    for kind, stages, sizes in (("forward", plan.forward, forward_sizes), ("fused", (plan.fused,), [fused_size]),
+                                ("backward", plan.backward, backward_sizes)):
+        if sizes:
+            best = max(range(len(sizes)), key=lambda i: sizes[i])
+            largest[kind] = (stages[best], sizes[best])
+    largest_stage = max(size for _, size in largest.values())
+    # on CPU devices the stage copies are host memory: each device holds at most its running and its
+    # prefetched stage, consecutive jobs of the ring, so the heaviest 2N consecutive jobs bound them all
+    schedules = [forward_sizes + [fused_size] + backward_sizes]
+    if training:  # the transparent path runs the fused layers forward, then as the first backward stage
+        schedules.append(forward_sizes + _stage_sizes(trunk, [plan.fused], with_grads=False) + [fused_size]
+                         + backward_sizes)
+    resident_copies = max(_heaviest_window(sizes, 2 * len(devices)) for sizes in schedules)
+    device_copies = resident_copies if device_type == "cpu" else 0
+    pinned = resident_copies if device_type == "cuda" and pin_memory else 0
+
+    if not training:
+        activation_layers: list[int] = []
+    elif recompute == "layer":
+        activation_layers = list(range(len(trunk)))
+    else:
+        activation_layers = sorted({stage.start for stage in plan.backward} | {plan.fused.start})
+    layer_sizes = [sum(_layer_need(trunk, i)) for i in range(len(trunk))]
+    worst_layer = max(range(len(trunk)), key=lambda i: layer_sizes[i])
+
+    memory_plan = MemoryPlan(
+        trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
+        device_type=device_type, async_step=async_step, recompute=recompute,
+        parameter_bytes=sum(by_dtype.values()), parameter_bytes_by_dtype=by_dtype, buffer_bytes=buffer_bytes,
+        gradient_bytes=gradient_bytes, next_gradient_bytes=next_gradient_bytes, optimizer_state_bytes=optimizer_bytes,
+        optimizer_notes=notes, optimizer_state_assumed=assumed, published_bytes=published,
+        device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
+        checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
+        stage_budget=_stage_budget(device_memory_limit), largest_stages=largest,
+        device_stage_bytes=2 * largest_stage, largest_layer=(worst_layer, layer_sizes[worst_layer]),
+    )
+    _judge(memory_plan, trunk)
+    return memory_plan
+
+
+def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
+    """Fill ``plan.problems`` (refused) and ``plan.warnings`` (logged)."""
+    layer_problem = check_layers(trunk, plan.device_memory_limit)
+    if layer_problem is not None:
+        plan.problems.append(layer_problem)
+        plan.problem_kinds.append("device")
+    elif plan.device_memory_limit is not None and plan.device_stage_bytes > plan.device_memory_limit:
+        kind, (layers, nbytes) = max(plan.largest_stages.items(), key=lambda item: item[1][1])
+        plan.problems.append(
+            f"RoundPipe pre-flight: the largest stage ({kind}, layers {_span(layers)}) needs {format_bytes(nbytes)} "
+            f"on a device, and a device holds two stages (the running one and the prefetched one): "
+            f"{format_bytes(plan.device_stage_bytes)}, over device_memory_limit="
+            f"{format_bytes(plan.device_memory_limit)} by {format_bytes(plan.device_stage_bytes - plan.device_memory_limit)}. "
+            "Use smaller stages (`num_stages='auto'` or a larger chunk count instead of an explicit Plan) or "
+            "raise `device_memory_limit`."
+        )
+        plan.problem_kinds.append("device")
+    if plan.shortfall > 0:
+        plan.problems.append(_host_message(plan))
+        plan.problem_kinds.append("host")
+    if plan.optimizer_state_assumed:
+        plan.warnings.append(
+            "RoundPipe pre-flight: the optimizer state of " + ", ".join(
+                note.split(":")[0] for note in plan.optimizer_notes if "unknown, assumed 2x" in note)
+            + " is unknown; the plan assumes two buffers the size of each trainable parameter")
+    memlock = plan.limits.memlock
+    if plan.pinned_bytes and memlock is not None and plan.pinned_bytes > memlock:
+        plan.problems.append(
+            f"RoundPipe pre-flight: pin_memory=True would pin about {format_bytes(plan.pinned_bytes)} of host "
+            f"staging, over the locked-memory limit (RLIMIT_MEMLOCK) of {format_bytes(memlock)}. Raise it "
+            "(`ulimit -l unlimited`, or the container's memlock ulimit) or pass pin_memory=False."
+        )
+        plan.problem_kinds.append("memlock")
+
+
+def _host_message(plan: MemoryPlan) -> str:
+    available = plan.host_available
+    assert available is not None
+    items = plan.new_items()
+    largest = f"; the largest is {items[0][0]}: {format_bytes(items[0][1])}" if items else ""
+    where = plan.limits.cgroup.describe() if plan.limits.cgroup_binds and plan.limits.cgroup else "MemAvailable"
+    advice = []
+    if plan.optimizer_state_bytes:
+        advice.append("an optimizer with less state (SGD without momentum keeps none; Adam/AdamW keep two "
+                      "copies of every trainable parameter)")
+    if plan.gradient_bytes:
+        advice.append("freeze what you do not train (LoRA): frozen parameters get no gradient and no optimizer "
+                      "state")
+    if any(dtype == "float32" for dtype in plan.parameter_bytes_by_dtype):
+        advice.append("store the weights in bfloat16 (precision='bf16-true'), which halves parameters, gradients "
+                      "and optimizer state")
+    if plan.async_step:
+        advice.append(f"async_step=False, which drops the published copy ({format_bytes(plan.published_bytes)}) "
+                      f"and the next iteration's gradients ({format_bytes(plan.next_gradient_bytes)})")
+    if plan.device_copy_bytes:
+        advice.append(f"fewer simulated devices or smaller stages (their copies take "
+                      f"{format_bytes(plan.device_copy_bytes)})")
+    if plan.limits.cgroup_binds:
+        advice.append("a higher memory limit for the container (cgroup)")
+    advice.append("preflight='warn' to try anyway")
+    return (
+        f"RoundPipe pre-flight: the host cannot hold the training state. Training will allocate "
+        f"{format_bytes(plan.new_bytes)} more{largest}; the host has {format_bytes(available)} available "
+        f"({where}), short by {format_bytes(plan.shortfall)} (before stage-boundary activations, which "
+        f"are not counted). The parameters and buffers ({format_bytes(plan.resident_bytes)}) are already "
+        "allocated. Options: " + "; ".join(advice) + "."
+    )
+
+
+def enforce(plan: MemoryPlan, mode: str, logger: logging.Logger | None = None) -> None:
+    """Log the plan (INFO) and act on its problems: ``"refuse"`` raises, ``"warn"`` warns, ``"off"`` does
+    nothing at all (not even the log)."""
+    if mode == "off":
+        return
+    logger = logger or log
+    logger.info(plan.table())
+    for message in plan.warnings:
+        logger.warning(message)
+    if not plan.problems:
+        return
+    message = "\n".join(plan.problems)
+    if mode == "refuse":
+        error = DeviceMemoryError if set(plan.problem_kinds) == {"device"} else HostMemoryError
+        raise error(message + "\n" + plan.table())
+    warnings.warn(message + " (preflight='warn': continuing)", UserWarning, stacklevel=2)

@@ -1,0 +1,480 @@
+"""The pre-flight memory plan: its figures against hand-computed ones, the machine's limits, refusals."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_roundpipe  # noqa: F401 - registers the strategy names
+from lightning_roundpipe import RoundPipeStrategy, preflight
+from lightning_roundpipe.layers import build_trunk
+from lightning_roundpipe.partition import Plan
+from lightning_roundpipe.preflight import (
+    CgroupMemory, DeviceMemoryError, HostLimits, HostMemoryError, format_bytes, plan_memory, read_cgroup_memory,
+    read_cgroup_v1, read_cgroup_v2, read_mem_available,
+)
+from lightning_roundpipe.runtime import RoundPipeEngine
+
+PLENTY = HostLimits(mem_available=2**40)
+
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 3))
+
+
+def _plan(model: nn.Module, optimizers, devices: int = 2, *, trunk_module: nn.Module | None = None, **kwargs):
+    trunk = build_trunk(trunk_module if trunk_module is not None else model)
+    engine = RoundPipeEngine(trunk, devices)  # plans only: no thread starts before start()
+    kwargs.setdefault("limits", PLENTY)
+    return plan_memory(model, trunk, engine.plan, optimizers, devices=engine.torch_devices, **kwargs)
+
+
+def _measured_state_bytes(make_optimizer, model: nn.Module) -> int:
+    """Bytes of the optimizer state after one real step on a copy of the model."""
+    params = list(model.parameters())
+    optimizer = make_optimizer(params)
+    for param in params:
+        if param.requires_grad:
+            param.grad = torch.ones_like(param)
+    optimizer.step()
+    for param in params:
+        param.grad = None
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))
+
+
+OPTIMIZERS = {
+    # name: (factory, buffers the size of each trainable parameter, 0-dim float32 scalars per parameter)
+    "adamw": (lambda p: torch.optim.AdamW(p, lr=1e-3), 2, 1),
+    "adam_amsgrad": (lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True), 3, 1),
+    "sgd_momentum": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1, 0),
+    "sgd": (lambda p: torch.optim.SGD(p, lr=0.1), 0, 0),
+    "rmsprop_centered": (lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.5, centered=True), 3, 1),
+    "nadam": (lambda p: torch.optim.NAdam(p, lr=0.1), 2, 2),
+    "adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.1), 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_parameter_gradient_and_optimizer_bytes_equal_hand_computed(name):
+    factory, buffers, scalars = OPTIMIZERS[name]
+    model = _model()
+    params = list(model.parameters())
+    param_bytes = _nbytes(params)
+    plan = _plan(model, [factory(params)])
+    assert plan.parameter_bytes == param_bytes == plan.parameter_bytes_by_dtype["float32"]
+    assert plan.gradient_bytes == param_bytes
+    assert plan.optimizer_state_bytes == buffers * param_bytes + 4 * scalars * len(params)
+    # and equal to what the optimizer really allocates on its first step
+    assert plan.optimizer_state_bytes == _measured_state_bytes(factory, _model())
+    assert plan.published_bytes == plan.next_gradient_bytes == 0  # sync
+    assert not plan.optimizer_state_assumed and plan.fits
+
+
+def test_factored_adafactor_state_equals_measured():
+    model = _model()
+    plan = _plan(model, [torch.optim.Adafactor(model.parameters(), lr=1e-2)])
+    assert plan.optimizer_state_bytes == _measured_state_bytes(lambda p: torch.optim.Adafactor(p, lr=1e-2), _model())
+    assert plan.optimizer_state_bytes < _nbytes(model.parameters())  # factored: much smaller than one copy
+
+
+def test_frozen_parameters_get_no_gradient_or_state_and_dtypes_are_as_stored():
+    model = _model()
+    model[0].requires_grad_(False)
+    model[2].to(torch.bfloat16).requires_grad_(False)  # a frozen base weight stored in bf16 (LoRA-like)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen16 = list(model[2].parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # frozen ones included in the groups
+    plan = _plan(model, [optimizer])
+    assert plan.parameter_bytes_by_dtype["bfloat16"] == _nbytes(frozen16) == 2 * 32 * 33
+    assert plan.parameter_bytes == _nbytes(model.parameters())
+    assert plan.gradient_bytes == _nbytes(trainable)
+    assert plan.optimizer_state_bytes == 2 * _nbytes(trainable) + 4 * len(trainable)
+    assert plan.optimizer_state_bytes == _measured_state_bytes(lambda p: torch.optim.AdamW(p, lr=1e-3), model)
+
+
+def test_async_adds_the_published_copy_and_the_next_gradients_of_trunk_parameters_only():
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+            self.extra = nn.Linear(4, 4)   # trainable, outside the trunk: no published copy
+            self.net[0].requires_grad_(False)
+
+    module = Module()
+    trunk_trainable = [p for p in module.net.parameters() if p.requires_grad]
+    sgd = torch.optim.SGD(module.parameters(), lr=0.1)
+    sync = _plan(module, [sgd], trunk_module=module.net)
+    plan = _plan(module, [sgd], trunk_module=module.net, async_step=True)
+    assert sync.published_bytes == 0
+    assert plan.published_bytes == _nbytes(trunk_trainable)
+    assert plan.next_gradient_bytes == _nbytes(trunk_trainable)
+    assert plan.gradient_bytes == sync.gradient_bytes == _nbytes(p for p in module.parameters() if p.requires_grad)
+    assert plan.new_bytes - sync.new_bytes == 2 * _nbytes(trunk_trainable)
+
+
+def test_an_unknown_optimizer_is_assumed_to_keep_two_copies_and_named():
+    class Lion(torch.optim.Optimizer):
+        def __init__(self, params) -> None:
+            super().__init__(params, {"lr": 1e-4})
+
+    model = _model()
+    plan = _plan(model, [Lion(model.parameters())])
+    assert plan.optimizer_state_bytes == 2 * _nbytes(model.parameters())
+    assert plan.optimizer_state_assumed
+    assert any("Lion" in w and "unknown" in w for w in plan.warnings)
+    assert "Lion: unknown, assumed 2x" in plan.table()
+
+
+def test_a_subclass_of_a_known_optimizer_is_estimated_as_its_base():
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    model = _model()
+    plan = _plan(model, [MyAdamW(model.parameters(), lr=1e-3)])
+    assert plan.optimizer_state_bytes == 2 * _nbytes(model.parameters()) + 4 * len(list(model.parameters()))
+    assert "MyAdamW (as AdamW)" in plan.optimizer_notes[0] and not plan.optimizer_state_assumed
+
+
+def test_cpu_device_copies_are_bounded_by_two_stages_per_device():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    layer = _nbytes(model[0].parameters())
+    one = _plan(model, [], devices=1)
+    two = _plan(model, [], devices=2)
+    # each device holds its running and its prefetched stage; a backward stage's layers come with gradients
+    assert 0 < one.device_copy_bytes <= 2 * (2 * 8 * layer)
+    assert one.device_copy_bytes <= two.device_copy_bytes <= 2 * one.device_copy_bytes
+    assert two.device_stage_bytes == 2 * max(size for _, size in two.largest_stages.values())
+
+
+def test_a_model_far_larger_than_the_host_is_planned_without_allocating_it():
+    with torch.device("meta"):  # 4 x 2 GiB of float32 weights, never allocated
+        model = nn.Sequential(*[nn.Linear(2**15, 2**14, bias=False) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = _plan(model, [optimizer], limits=HostLimits(mem_available=16 * 2**30))
+    assert plan.parameter_bytes == 8 * 2**30
+    assert plan.new_bytes >= 3 * 8 * 2**30          # gradients and two AdamW buffers at least
+    assert plan.shortfall == plan.new_bytes - 16 * 2**30
+    assert plan.problem_kinds == ["host"]
+
+
+# ------------------------------------------------------------------------------------------ the machine
+def _write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_meminfo_parser(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    _write(meminfo, "MemTotal:       32000000 kB\nMemFree:  100 kB\nMemAvailable:   23466944 kB\n")
+    assert read_mem_available(str(meminfo)) == 23466944 * 1024
+    _write(meminfo, "MemTotal:       32000000 kB\n")
+    assert read_mem_available(str(meminfo)) is None
+    assert read_mem_available(str(tmp_path / "missing")) is None
+
+
+def test_cgroup_v2_parser_with_a_limit_and_with_max(tmp_path):
+    _write(tmp_path / "memory.max", "8589934592\n")
+    _write(tmp_path / "memory.current", "3221225472\n")
+    _write(tmp_path / "memory.stat", "anon 2147483648\nfile 1073741824\ninactive_file 536870912\n")
+    entry = read_cgroup_v2(str(tmp_path))
+    assert entry == CgroupMemory(2, 8 * 2**30, 3 * 2**30, 2**29, str(tmp_path))
+    assert entry.available == 8 * 2**30 - (3 * 2**30 - 2**29)  # inactive file cache is reclaimable
+    _write(tmp_path / "memory.max", "max\n")
+    unlimited = read_cgroup_v2(str(tmp_path))
+    assert unlimited.limit is None and unlimited.available is None
+    assert read_cgroup_v2(str(tmp_path / "nowhere")) is None
+
+
+def test_cgroup_v2_takes_the_tightest_of_the_process_cgroup_and_its_ancestors(tmp_path):
+    root = tmp_path / "cgroup"
+    _write(root / "cgroup.controllers", "cpu memory\n")
+    _write(root / "memory.current", "999999999999\n")        # the root cgroup has no memory.max
+    _write(root / "kube" / "memory.max", str(4 * 2**30))      # the pod: 4 GiB, 1 GiB used
+    _write(root / "kube" / "memory.current", str(2**30))
+    _write(root / "kube" / "job" / "memory.max", "max")       # the container: no limit of its own
+    _write(root / "kube" / "job" / "memory.current", str(2**29))
+    proc = tmp_path / "self_cgroup"
+    _write(proc, "0::/kube/job\n")
+    entry = read_cgroup_memory(str(root), str(proc))
+    assert entry.limit == 4 * 2**30 and entry.available == 3 * 2**30
+    assert entry.path == str(root / "kube")
+    _write(root / "kube" / "job" / "memory.max", str(2**30))  # now the container is tighter
+    assert read_cgroup_memory(str(root), str(proc)).available == 2**30 - 2**29
+    _write(proc, "0::/not/here\n")                            # a namespace root: read root itself
+    assert read_cgroup_memory(str(root), str(proc)).limit is None
+
+
+def test_cgroup_v1_parser_unlimited_limited_and_hierarchical(tmp_path):
+    memory = tmp_path / "cgroup" / "memory"
+    _write(memory / "memory.limit_in_bytes", "9223372036854771712\n")   # v1's "unlimited"
+    _write(memory / "memory.usage_in_bytes", "1508524032\n")
+    _write(memory / "memory.stat", "cache 100\ninactive_file 0\nhierarchical_memory_limit 9223372036854771712\n"
+                                   "total_inactive_file 755593216\n")
+    entry = read_cgroup_v1(str(memory))
+    assert entry.version == 1 and entry.limit is None and entry.available is None
+    assert entry.usage == 1508524032 and entry.reclaimable == 755593216
+    _write(memory / "memory.limit_in_bytes", str(2 * 2**30))
+    assert read_cgroup_v1(str(memory)).available == 2 * 2**30 - (1508524032 - 755593216)
+    _write(memory / "memory.stat", f"hierarchical_memory_limit {2**30}\ntotal_inactive_file 0\n")
+    assert read_cgroup_v1(str(memory)).limit == 2**30  # a parent's tighter limit
+    # found from /proc/self/cgroup, falling back to the mount's root when the path is not visible
+    proc = tmp_path / "self_cgroup"
+    _write(proc, "9:name=systemd:/\n4:memory:/process_api/abc\n0::/\n")
+    assert read_cgroup_memory(str(tmp_path / "cgroup"), str(proc)).path == str(memory)
+    _write(memory / "process_api" / "abc" / "memory.usage_in_bytes", "5\n")
+    _write(memory / "process_api" / "abc" / "memory.limit_in_bytes", "105\n")
+    found = read_cgroup_memory(str(tmp_path / "cgroup"), str(proc))
+    assert (found.limit, found.available) == (105, 100)
+
+
+def test_host_limits_take_the_smaller_of_meminfo_and_cgroup():
+    cgroup = CgroupMemory(2, 10 * 2**30, 8 * 2**30)
+    assert HostLimits(mem_available=5 * 2**30, cgroup=cgroup).available == 2 * 2**30
+    assert HostLimits(mem_available=2**30, cgroup=cgroup).available == 2**30
+    assert HostLimits(mem_available=2**30, cgroup=CgroupMemory(2, None, 5)).available == 2**30
+    assert HostLimits().available is None
+    assert HostLimits(mem_available=5 * 2**30, cgroup=cgroup).cgroup_binds
+
+
+def test_the_real_machine_is_read():
+    limits = preflight.read_host_limits()
+    assert limits.mem_available is None or limits.mem_available > 0
+    assert limits.available is None or limits.available >= 0
+
+
+def test_pinned_staging_is_checked_against_memlock_on_cuda_devices_only():
+    model = _model()
+    trunk = build_trunk(model)
+    plan = RoundPipeEngine(trunk, 2).plan
+    tight = HostLimits(mem_available=2**40, memlock=64)
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    pinned = plan_memory(model, trunk, plan, [], devices=cuda, limits=tight)
+    assert pinned.pinned_bytes > 64 and pinned.problem_kinds == ["memlock"] and pinned.device_copy_bytes == 0
+    assert "RLIMIT_MEMLOCK" in pinned.problems[0] and "pin_memory=False" in pinned.problems[0]
+    assert plan_memory(model, trunk, plan, [], devices=cuda, limits=tight, pin_memory=False).fits
+    cpu = plan_memory(model, trunk, plan, [], devices=[torch.device("cpu")] * 2, limits=tight)
+    assert cpu.fits and cpu.pinned_bytes == 0 and "not used on CPU devices" in cpu.table()
+
+
+# ------------------------------------------------------------------------------------------ through Lightning
+class Classifier(pl.LightningModule):
+    def __init__(self, optimizer: str = "adamw", width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.optimizer_name = optimizer
+        self.net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                 nn.Linear(width, 3))
+        self.steps = 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(16, 6, generator=generator),
+                                    torch.randint(0, 3, (16,), generator=generator)), batch_size=8)
+
+
+def _trainer(strategy, **kwargs) -> pl.Trainer:
+    kwargs.setdefault("max_steps", 2)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, limit_val_batches=0,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+def _fake_host(monkeypatch, available: int | None, cgroup: CgroupMemory | None = None) -> list[int]:
+    calls = []
+
+    def fake() -> HostLimits:
+        calls.append(1)
+        return HostLimits(mem_available=available, cgroup=cgroup, memlock=None)
+
+    monkeypatch.setattr(preflight, "read_host_limits", fake)
+    return calls
+
+
+def _expected_new_bytes(module: Classifier, strategy: RoundPipeStrategy) -> int:
+    params = list(module.parameters())
+    adamw = 2 * _nbytes(params) + 4 * len(params)
+    return _nbytes(params) + adamw + strategy.memory_plan.device_copy_bytes
+
+
+def test_fit_logs_the_plan_when_it_fits(monkeypatch, caplog):
+    _fake_host(monkeypatch, 2**40)
+    module = Classifier()
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
+        _trainer(strategy).fit(module, _loader())
+    plan = strategy.memory_plan
+    assert plan is not None and plan.fits and plan.trainer_fn == "fit"
+    params = list(module.parameters())
+    assert plan.parameter_bytes == plan.gradient_bytes == _nbytes(params)
+    assert plan.optimizer_state_bytes == 2 * _nbytes(params) + 4 * len(params)
+    assert plan.new_bytes == _expected_new_bytes(module, strategy)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RoundPipe memory plan")]
+    assert len(logged) == 1
+    for item in ("parameters", "gradients", "optimizer state", "AdamW", "published weights", "headroom",
+                 "stage-boundary activations", "checkpoint save", "running + prefetched stage", "largest layer"):
+        assert item in logged[0]
+    assert format_bytes(_nbytes(params)) in logged[0]
+    assert module.steps == 2
+
+
+def test_fit_refuses_before_training_when_the_host_is_short(monkeypatch):
+    _fake_host(monkeypatch, 2**40)
+    probe = RoundPipeStrategy(num_microbatches=2)
+    _trainer(probe, max_steps=1).fit(Classifier(), _loader())
+    need = probe.memory_plan.new_bytes
+    available = need - 1000
+    _fake_host(monkeypatch, available)
+    module = Classifier()
+    before = [p.detach().clone() for p in module.parameters()]
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    with pytest.raises(HostMemoryError) as caught:
+        _trainer(strategy).fit(module, _loader())
+    message = str(caught.value)
+    assert isinstance(caught.value, MemoryError)
+    assert f"short by {format_bytes(1000)}" in message
+    params = list(module.parameters())
+    items = {"gradients": _nbytes(params), "optimizer state (AdamW": 2 * _nbytes(params) + 4 * len(params),
+             "simulated device copies": probe.memory_plan.device_copy_bytes}
+    largest = max(items, key=items.get)
+    assert f"the largest is {largest}" in message and format_bytes(items[largest]) in message
+    assert f"{format_bytes(available)} available (MemAvailable)" in message
+    for option in ("SGD without momentum", "freeze", "bf16-true", "fewer simulated devices", "preflight='warn'"):
+        assert option in message
+    assert module.steps == 0                                  # refused before training started
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+    assert strategy.engine is None and _threads() == []        # no engine thread ever started
+    assert "forward" not in module.net.__dict__
+
+
+def test_a_tight_cgroup_is_named(monkeypatch):
+    _fake_host(monkeypatch, 2**40, cgroup=CgroupMemory(2, 2**30, 2**30 - 2048))
+    with pytest.raises(HostMemoryError, match=r"cgroup v2 memory\.max 1\.0 GiB .*container"):
+        _trainer(RoundPipeStrategy(num_microbatches=2)).fit(Classifier(), _loader())
+    assert _threads() == []
+
+
+def test_async_refusal_suggests_the_sync_step(monkeypatch):
+    _fake_host(monkeypatch, 10)
+    with pytest.raises(HostMemoryError, match="async_step=False, which drops the published copy"):
+        _trainer(RoundPipeStrategy(num_microbatches=2, async_step=True)).fit(Classifier(), _loader())
+    assert _threads() == []
+
+
+def test_warn_mode_warns_and_trains(monkeypatch):
+    _fake_host(monkeypatch, 10)
+    module = Classifier()
+    strategy = RoundPipeStrategy(num_microbatches=2, preflight="warn")
+    with pytest.warns(UserWarning, match="the host cannot hold the training state.*preflight='warn': continuing"):
+        _trainer(strategy).fit(module, _loader())
+    assert module.steps == 2 and not strategy.memory_plan.fits and strategy.memory_plan.shortfall > 0
+
+
+def test_off_mode_is_silent(monkeypatch, caplog):
+    calls = _fake_host(monkeypatch, 10)
+    module = Classifier()
+    strategy = RoundPipeStrategy(num_microbatches=2, preflight="off")
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(strategy).fit(module, _loader())
+    assert module.steps == 2 and strategy.memory_plan is None and calls == []
+    assert not any("memory plan" in r.getMessage() or "pre-flight" in r.getMessage() for r in caplog.records)
+    assert not any("pre-flight" in str(w.message) for w in caught)
+
+
+def test_an_invalid_mode_is_refused():
+    with pytest.raises(ValueError, match="`preflight` must be one of 'refuse', 'warn', 'off', got 'strict'"):
+        RoundPipeStrategy(preflight="strict")
+
+
+def test_validate_plans_no_gradients_or_optimizer_state(monkeypatch):
+    _fake_host(monkeypatch, 2**40)
+    module = Classifier()
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    _trainer(strategy).validate(module, _loader())
+    plan = strategy.memory_plan
+    assert plan.trainer_fn == "validate" and plan.gradient_bytes == plan.optimizer_state_bytes == 0
+    assert plan.parameter_bytes == _nbytes(module.parameters()) and plan.activation_layers == []
+    assert "backward" not in plan.largest_stages
+
+
+# ------------------------------------------------------------------------------------------ device side
+def test_a_layer_larger_than_the_device_budget_is_refused_naming_it(monkeypatch):
+    _fake_host(monkeypatch, 2**40)
+    module = Classifier(width=64)
+    big = module.net[2]                                   # Linear(64, 64): the largest layer
+    need = 2 * _nbytes(big.parameters())                  # parameters + gradients
+    limit = 20_000                                        # stages get 15,000 bytes, 7,500 each; need 33,280
+    strategy = RoundPipeStrategy(num_microbatches=2, device_memory_limit=limit)
+    with pytest.raises(DeviceMemoryError) as caught:
+        _trainer(strategy).fit(module, _loader())
+    message = str(caught.value)
+    assert f"layer 2 (Linear) needs {format_bytes(need)}" in message
+    assert f"device_memory_limit={format_bytes(limit)}" in message
+    assert f"short by {format_bytes(need - 7500)}" in message
+    minimum = preflight._smallest_limit_for(need)
+    assert int(minimum * 0.75) / 2 >= need > int((minimum - 1) * 0.75) / 2
+    assert f"at least {format_bytes(minimum)}" in message
+    for advice in ("More devices or stages do not help", "`recompute`", "split the layer", "freeze"):
+        assert advice in message
+    assert module.steps == 0 and strategy.engine is None and _threads() == []
+
+
+def test_warn_mode_lets_the_planner_refuse_an_oversized_layer(monkeypatch):
+    _fake_host(monkeypatch, 2**40)
+    strategy = RoundPipeStrategy(num_microbatches=2, device_memory_limit=20_000, preflight="warn")
+    with pytest.warns(UserWarning, match="layer 2"), pytest.raises(ValueError, match="layer 2 needs"):
+        _trainer(strategy).fit(Classifier(width=64), _loader())
+    assert _threads() == []
+
+
+def test_an_explicit_plan_whose_two_stages_exceed_the_limit_is_refused():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    layer = _nbytes(model[0].parameters())
+    trunk = build_trunk(model)
+    explicit = Plan.from_sizes([4, 1], 1, [4, 1])           # backward stage of 4 layers with gradients
+    limit = 12 * layer                                       # every layer fits; 2 x 8 layers' bytes do not
+    plan = plan_memory(model, trunk, explicit, [], devices=[torch.device("cpu")] * 2, device_memory_limit=limit,
+                       limits=PLENTY)
+    assert plan.largest_stages["backward"] == (range(1, 5), 8 * layer)
+    assert plan.device_stage_bytes == 16 * layer and plan.problem_kinds == ["device"]
+    assert "largest stage (backward, layers [1-4])" in plan.problems[0]
+    assert f"by {format_bytes(4 * layer)}" in plan.problems[0]
+    with pytest.raises(DeviceMemoryError):
+        preflight.enforce(plan, "refuse")
+    auto = RoundPipeEngine(trunk, 2, lightning_roundpipe.EngineOptions(device_memory_limit=limit)).plan
+    assert plan_memory(model, trunk, auto, [], devices=[torch.device("cpu")] * 2, device_memory_limit=limit,
+                       limits=PLENTY).fits
