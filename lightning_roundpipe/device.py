@@ -57,8 +57,8 @@ class AbortSignal:
                 raise EngineAborted(f"engine stopped while waiting for {what}")
             if time.monotonic() > deadline:
                 error = TimeoutError(
-                    f"waited more than {self.timeout:.0f} s for {what}; the pipeline is stuck. "
-                    "Raise `wait_timeout` if a single stage really takes that long."
+                    f"{threading.current_thread().name} waited more than {self.timeout:g} s for {what}; the "
+                    "pipeline is stuck. Raise `wait_timeout` if a single stage really takes that long."
                 )
                 self.fail(error)
                 raise error
@@ -106,7 +106,7 @@ class CpuStream:
 
     def record(self, name: str = "event") -> HostEvent:
         """An event that is set when the stream reaches this point."""
-        event = HostEvent(f"{self.name}:{name}")
+        event = HostEvent(f"{name} (stream {self.name})")
         self._queue.put(event.set)
         return event
 
@@ -115,9 +115,15 @@ class CpuStream:
         if event is not None and not event.is_set():
             self._queue.put(lambda: event.wait(self._abort))
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Let the thread end after what is queued (after an abort: after the operation it is running)."""
         self._queue.put(_STOP)
-        self._thread.join()
+
+    def join(self, deadline: float) -> str | None:
+        """Wait for the thread to end until ``deadline`` (``time.monotonic()``); returns its name if it is
+        still running then (inside an operation that has not returned: it ends by itself once it does)."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return self._thread.name if self._thread.is_alive() else None
 
     def _run(self) -> None:
         while True:
@@ -207,6 +213,19 @@ class Device:
         self.compute_stream = CpuStream(f"dev{index}-compute", abort, jitter, seed + 2)
         self.download_stream = CpuStream(f"dev{index}-download", abort, jitter, seed + 3)
 
-    def close(self) -> None:
-        for stream in (self.param_stream, self.act_stream, self.compute_stream, self.download_stream):
-            stream.close()
+    def stop(self) -> None:
+        """Let the four stream threads end (see :meth:`CpuStream.stop`)."""
+        for stream in self.streams:
+            stream.stop()
+
+    def join(self, deadline: float) -> list[str]:
+        """Wait for the stream threads to end until ``deadline`` at most; returns those still running."""
+        return [name for name in (stream.join(deadline) for stream in self.streams) if name is not None]
+
+    def close(self, deadline: float) -> list[str]:
+        self.stop()
+        return self.join(deadline)
+
+    @property
+    def streams(self) -> tuple[CpuStream, ...]:
+        return self.param_stream, self.act_stream, self.compute_stream, self.download_stream

@@ -135,6 +135,8 @@ class HostOptimizer:
         self._timeline = timeline
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_seconds = 0.0  # running total of step time, for pipeline metrics
+        self._handled = 0  # tasks taken off the queue and run, skipped or failed: progress, for close()
+        self.running: str | None = None  # the label of the task being run
         self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
@@ -143,32 +145,50 @@ class HostOptimizer:
         """Run ``wait`` (for gradients, say: not counted as optimizer time), then ``task``, then set ``done``."""
         self._tasks.put((wait, task, done, label))
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> str | None:
+        """End the thread after the queued tasks (after an abort they are dropped, but one already running
+        finishes). Waits as long as the thread keeps making progress: it gives up once no task has ended
+        for ``timeout`` seconds, and returns the thread's name if it is still running then (stuck inside a
+        step: it ends by itself once the step returns)."""
         self._tasks.put(None)
-        self._thread.join()
+        while True:
+            handled = self._handled
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                return None
+            if self._handled == handled:
+                return self._thread.name
 
     def _run(self) -> None:
         while True:
             item = self._tasks.get()
             if item is None:
                 return
-            wait, task, done, label = item
-            if self._abort.aborted:
-                continue
+            self.running = item[3]
             try:
-                if wait is not None:
-                    wait()
-                start = self._timeline.now()
-                task()
-            except EngineAborted:
-                continue
-            except BaseException as error:  # noqa: BLE001 - surfaced by the engine's next wait
-                self._abort.fail(error)
-                continue
-            self.busy_seconds += self._timeline.now() - start
-            self._timeline.add(-1, -1, label, 0, "optimizer", start)
-            done.set()
-            item = task = wait = None  # a finished step's closures hold its gradient window
+                self._handle(*item)
+            finally:
+                self.running = None
+                self._handled += 1
+            item = None  # a finished step's closures hold its gradient window
+
+    def _handle(self, wait: Callable[[], None] | None, task: Callable[[], None], done: HostEvent,
+                label: str) -> None:
+        if self._abort.aborted:
+            return
+        try:
+            if wait is not None:
+                wait()
+            start = self._timeline.now()
+            task()
+        except EngineAborted:
+            return
+        except BaseException as error:  # noqa: BLE001 - surfaced by the engine's next wait
+            self._abort.fail(error)
+            return
+        self.busy_seconds += self._timeline.now() - start
+        self._timeline.add(-1, -1, label, 0, "optimizer", start)
+        done.set()
 
 
 class PublishedWeights:

@@ -19,6 +19,7 @@ the host into the optimizer step's :class:`~lightning_roundpipe.optim.GradWindow
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -83,6 +84,7 @@ class RoundPipeEngine:
         self.planner.initial(initial)
         self._started = False
         self._closed = False
+        self._failure_reported = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> RoundPipeEngine:
@@ -116,29 +118,71 @@ class RoundPipeEngine:
         return self
 
     def close(self, *, finish_steps: bool = True) -> None:
-        """Stop every thread. Safe to call twice and after an error.
+        """Stop every thread. Safe to call twice and after an error; never raises (see
+        :meth:`raise_unreported_failure`).
 
         With ``finish_steps`` queued optimizer steps complete first; without it (after an exception) only
         a step already doing its arithmetic finishes and the rest are dropped. Either way every step is
-        applied whole or not at all, so the module holds consistent weights afterwards.
+        applied whole or not at all, so the module holds consistent weights afterwards. Device work still
+        queued is dropped.
+
+        Nothing here waits without a bound: the optimizer thread is given ``wait_timeout`` per step, the
+        other threads ``wait_timeout`` in all to finish the operation they are running. A thread still
+        running then (inside a layer that does not return, say) is named in a ``RuntimeWarning`` and left
+        to end by itself once that operation returns; it runs nothing else. An optimizer step still
+        running is also the engine's failure (the weights may be mid-update): see
+        :meth:`raise_unreported_failure`.
         """
         if not self._started or self._closed:
             return
         self._closed = True
         if not finish_steps:
             self._abort.abort()
-        self._optimizer.close()
+        timeout = self.options.wait_timeout
+        stuck = [self._optimizer.close(timeout)]
+        if stuck[0] is not None:  # the module's weights may be mid-update: never a silent success
+            self._abort.fail(TimeoutError(
+                f"{stuck[0]} has not finished {self._optimizer.running or 'its task'} within "
+                f"`wait_timeout={timeout:g}` s while the engine closed; the module's weights may be mid-update. "
+                "Raise `wait_timeout` if a single optimizer step really takes that long."))
         self._abort.abort()
-        for worker in self._workers:
-            worker.close()
+        deadline = time.monotonic() + timeout
         for device in self.devices:
-            device.close()
+            device.stop()  # every stream at once: a stuck one must not hold up the others' ends
+        stuck += [worker.close(deadline) for worker in self._workers]
+        for device in self.devices:
+            stuck += device.join(deadline)
+        stuck = [name for name in stuck if name is not None]
+        if stuck:
+            warnings.warn(
+                f"RoundPipe closed its engine but {len(stuck)} thread(s) are still inside an operation that has "
+                f"not returned within `wait_timeout={timeout:g}` s: {', '.join(stuck)}. They run nothing else "
+                "and end by themselves once it returns (a layer, loss or optimizer step that never returns "
+                "keeps its thread for good).",
+                RuntimeWarning, stacklevel=2,
+            )
+
+    @property
+    def unreported_failure(self) -> BaseException | None:
+        """The error that stopped the pipeline if no call has raised it yet (a step that failed after the
+        last call, say)."""
+        if not self._started or self._failure_reported:
+            return None
+        return self._abort.error
+
+    def raise_unreported_failure(self) -> None:
+        """Raise :attr:`unreported_failure` as a :class:`PipelineError`, if any (and close the engine). Call
+        it after :meth:`close` when no exception is pending, so that no failure goes unnoticed."""
+        if self.unreported_failure is not None:
+            self._raise_failure()
 
     def __enter__(self) -> RoundPipeEngine:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         self.close(finish_steps=exc_type is None)
+        if exc_type is None:
+            self.raise_unreported_failure()
 
     def _check_running(self) -> None:
         if not self._started:
@@ -152,6 +196,7 @@ class RoundPipeEngine:
 
     def _raise_failure(self) -> None:
         error = self._abort.error
+        self._failure_reported = True
         self.close(finish_steps=False)
         if isinstance(error, PipelineError):
             raise PipelineError(str(error)) from error.__cause__
@@ -289,7 +334,7 @@ class RoundPipeEngine:
         call.loss_fn = loss_fn
         call.loss_scales = [w / total for w in weights]
         call.backward_scale = scale
-        call.losses = [Slot(f"loss {m}") for m in range(call.num_microbatches)]
+        call.losses = [Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)]
         jobs = training_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=None)
@@ -343,8 +388,9 @@ class RoundPipeEngine:
             proceed = before_step()
         groups = snapshot_param_groups(optimizer)
         optimizer._opt_called = True  # an LR scheduler checks that a step preceded its own
-        published = HostEvent("weights published") if self.options.async_step else None
-        finished = HostEvent(f"step {self._step}")
+        number = self._step
+        published = HostEvent(f"the weights published by optimizer step {number}") if self.options.async_step else None
+        finished = HostEvent(f"optimizer step {number}")
 
         def wait_for_gradients() -> None:
             if published is not None:
@@ -358,11 +404,16 @@ class RoundPipeEngine:
             if not hook_on_main:
                 window.publish()
             if proceed is not False:
-                step_with_groups(optimizer, groups)
+                try:
+                    step_with_groups(optimizer, groups)
+                except Exception as error:
+                    raise PipelineError(
+                        f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
+                        f"the optimizer thread: {error}") from error
             for param in params:
                 param.grad = None
 
-        self._optimizer.submit(run_step, finished, f"step {self._step}", wait=wait_for_gradients)
+        self._optimizer.submit(run_step, finished, f"step {number}", wait=wait_for_gradients)
         self._weights_ready = published if published is not None else finished
         if outside:  # main-thread code reads those parameters next: wait for the update
             self._wait(finished)
@@ -462,7 +513,8 @@ class RoundPipeEngine:
 
     def _dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
         for job in jobs:
-            call.outputs[job.index] = [Slot(f"{job.label}.{m}") for m in range(call.num_microbatches)]
+            call.outputs[job.index] = [Slot(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
+                                    for m in range(call.num_microbatches)]
         if first_output_grads is not None:
             call.first_grads = [Slot.ready(g) for g in first_output_grads]
         for job in jobs:
@@ -478,19 +530,21 @@ class RoundPipeEngine:
                         previous = self._buffer_ready.get(layer)
                         if previous is not None:
                             buffer_waits.append(previous)
-                        buffer_done[layer] = self._buffer_ready[layer] = HostEvent(f"buffers of layer {layer}")
+                        buffer_done[layer] = self._buffer_ready[layer] = HostEvent(
+                            f"the buffers of layer {layer} from stage {job.label} (job {job.index})")
             task = Task(
                 job=job, call=call, window=self._window, weights_ready=self._weights_ready,
                 buffer_waits=buffer_waits, buffer_done=buffer_done,
-                upload_done=HostEvent(f"{job.label} upload"), done=HostEvent(f"{job.label} done"),
+                upload_done=HostEvent(f"the parameter upload of stage {job.label} (job {job.index})"),
+                done=HostEvent(f"stage {job.label} (job {job.index})"),
                 needs_grad=differentiates,
             )
             if differentiates:
                 self._window.job_started(task.upload_done)
             else:
                 self._window.job_read_only(task.upload_done)
-            self._last_done[job.device] = task.done
             self._workers[job.device].put(task)
+            self._last_done[job.device] = task.done  # after the put: never wait for a job that was not queued
 
     def _make_checkpoint_slots(self, call: Call, job: Job) -> None:
         """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
@@ -500,9 +554,11 @@ class RoundPipeEngine:
             for layer in job.layers:
                 if layer in call.checkpoint_layers:
                     call.checkpoints[(layer, microbatch)] = (
-                        source if layer == job.layers.start else Slot(f"checkpoint {layer}.{microbatch}"))
+                        source if layer == job.layers.start
+                        else Slot(f"the checkpoint of layer {layer} microbatch {microbatch}"))
                 if self.trunk.states[layer].buffers:
-                    call.snapshots[(layer, microbatch)] = Slot(f"snapshot {layer}.{microbatch}")
+                    call.snapshots[(layer, microbatch)] = Slot(
+                        f"the buffer snapshot of layer {layer} microbatch {microbatch}")
 
 
 class _PipelineFunction(torch.autograd.Function):

@@ -10,13 +10,15 @@ the host module, memory released). Streams run the operations and events order t
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lightning_roundpipe.call import Slot
-from lightning_roundpipe.device import AbortSignal, Device, HostEvent
+from lightning_roundpipe.call import PipelineError, Slot
+from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent
 from lightning_roundpipe.schedule import StageKind
 from lightning_roundpipe.stage import Stage, StageRunner, Task
 from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, tree_nbytes
@@ -41,9 +43,12 @@ class Worker:
             self._tasks.append(task)
             self._ready.notify()
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> str | None:
+        """End the thread (it never blocks on device work, only enqueues it); wait until ``deadline`` at
+        most and return its name if it is still running then."""
         self.put(None)
-        self._thread.join()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return self._thread.name if self._thread.is_alive() else None
 
     def _take(self) -> Task | None:
         with self._ready:
@@ -98,20 +103,24 @@ class Worker:
             task.upload_done.set()
             self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
 
-        stream.submit(upload)
-        self._uploads[task.job.index] = (stage, stream.record(f"{task.job.label} params"))
+        stream.submit(_named(upload, lambda: f"uploading the parameters of stage {task.job.label} (job "
+                                             f"{task.job.index}) to device {self.device.index}"))
+        self._uploads[task.job.index] = (stage, stream.record(f"the parameters of stage {task.job.label} "
+                                                              f"(job {task.job.index}) uploaded"))
 
     def _enqueue_job(self, task: Task, sequence: int) -> None:
         runner, device, job, call = self.runner, self.device, task.job, task.call
         stage, params_ready = self._uploads.pop(job.index)
         compute, download = device.compute_stream, device.download_stream
         compute.wait_event(params_ready)
-        compute.submit(lambda: runner.bind(device, task, stage))
+        compute.submit(_named(lambda: runner.bind(device, task, stage),
+                              lambda: f"binding stage {job.label} (job {job.index}) on device {device.index}"))
         for microbatch in range(call.num_microbatches):
             self._enqueue_microbatch(task, stage, microbatch)
         # unbind on the compute stream: the next job on this device may reuse the same replicas
-        compute.submit(lambda: runner.unbind(device, task))
-        finished = compute.record(f"{job.label} computed")
+        compute.submit(_named(lambda: runner.unbind(device, task),
+                              lambda: f"unbinding stage {job.label} (job {job.index}) on device {device.index}"))
+        finished = compute.record(f"stage {job.label} (job {job.index}) computed")
         download.wait_event(finished)
 
         def finish() -> None:
@@ -137,8 +146,9 @@ class Worker:
                 task.window.job_finished()
             runner.timeline.add(device.index, job.index, job.label, -1, "release", start)
 
-        download.submit(finish)
-        release = download.record(f"{job.label} released")
+        download.submit(_named(finish, lambda: f"finishing stage {job.label} (job {job.index}) on device "
+                                               f"{device.index} (its gradients and buffers to the host)"))
+        release = download.record(f"stage {job.label} (job {job.index}) released")
         self._releases[sequence] = release
         self._releases.pop(sequence - 3, None)
         download.submit(task.done.set)
@@ -184,8 +194,9 @@ class Worker:
             device.counters.uploaded_bytes += uploaded["nbytes"]
             runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
-        acts.submit(upload)
-        compute.wait_event(acts.record(f"{job.label}.{microbatch} input"))
+        where = f"stage {job.label} (job {job.index}) microbatch {microbatch} on device {device.index}"
+        acts.submit(_named(upload, lambda: f"uploading the inputs of {where}"))
+        compute.wait_event(acts.record(f"the inputs of {where} uploaded"))
         result: dict[str, Any] = {}
 
         def run() -> None:
@@ -212,8 +223,8 @@ class Worker:
             device.residency.allocate(result["nbytes"], f"the outputs of {job.label} microbatch {microbatch}")
             runner.timeline.add(device.index, job.index, job.label, microbatch, kind.name.lower(), start)
 
-        compute.submit(run)
-        download.wait_event(compute.record(f"{job.label}.{microbatch} computed"))
+        compute.submit(_named(run, lambda: f"computing {where}"))
+        download.wait_event(compute.record(f"{where} computed"))
         out_slot = call.outputs[job.index][microbatch]
 
         def store() -> None:
@@ -229,4 +240,18 @@ class Worker:
             result.clear()
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 
-        download.submit(store)
+        download.submit(_named(store, lambda: f"downloading the outputs of {where}"))
+
+
+def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[], None]:
+    """``operation``, whose failure is reported as a :class:`PipelineError` saying ``what`` failed (the
+    original error is its ``__cause__``). Errors that already say where they come from pass through."""
+    def run() -> None:
+        try:
+            operation()
+        except (PipelineError, EngineAborted, TimeoutError):
+            raise
+        except Exception as error:
+            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}") from error
+
+    return run
