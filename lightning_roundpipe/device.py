@@ -1,4 +1,4 @@
-"""The device pool: per-device streams and events, with CPU stand-ins that are truly asynchronous.
+"""The device pool: per-device streams and events, on CUDA GPUs and as CPU stand-ins that are truly asynchronous.
 
 Why the stand-ins are threads and not plain function calls: if a CPU "copy" or "event" completed
 inside the call that enqueued it, a missing wait between two streams would never fail on CPU, and
@@ -8,10 +8,18 @@ missing wait makes a test fail instead of passing by luck.
 
 Every wait takes the engine's :class:`AbortSignal` and a timeout, so an error anywhere wakes every
 waiter and nothing hangs.
+
+On a CUDA device the same host thread per stream issues its operations on a CUDA stream of its own
+(and sets the thread's current device, since CUDA streams, RNG and memory are per thread and device).
+A recorded event then also records a CUDA event, and a stream that waits for it makes its CUDA stream
+wait on the GPU: the host thread learns that the work was *enqueued*, the GPU orders the *execution*,
+and no host thread blocks on the GPU except the transfer threads where a host buffer must be complete
+(see :mod:`lightning_roundpipe.worker`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -65,13 +73,15 @@ class AbortSignal:
 
 
 class HostEvent:
-    """An event on the host: set once, waited on by any thread."""
+    """An event on the host: set once, waited on by any thread. Recorded on a CUDA stream, it also carries
+    that stream's CUDA event (``cuda_event``), which a waiting CUDA stream waits for on the GPU."""
 
-    __slots__ = ("_flag", "name")
+    __slots__ = ("_flag", "name", "cuda_event")
 
     def __init__(self, name: str = "event", done: bool = False) -> None:
         self._flag = threading.Event()
         self.name = name
+        self.cuda_event: torch.cuda.Event | None = None
         if done:
             self._flag.set()
 
@@ -88,14 +98,21 @@ class HostEvent:
 _STOP = object()
 
 
-class CpuStream:
-    """A stand-in for a CUDA stream: operations run in order on the stream's own thread."""
+class Stream:
+    """A device stream: operations run in order on the stream's own host thread.
 
-    def __init__(self, name: str, abort: AbortSignal, jitter: float = 0.0, seed: int = 0) -> None:
+    On a CPU device the thread *is* the stream (a stand-in that is truly asynchronous). On a CUDA device
+    the thread issues each operation on its own CUDA stream, with that device current.
+    """
+
+    def __init__(self, name: str, abort: AbortSignal, jitter: float = 0.0, seed: int = 0,
+                 device: torch.device | None = None) -> None:
         self.name = name
         self._abort = abort
         self._jitter = jitter
         self._random = random.Random(seed)
+        self._device = device if device is not None and device.type == "cuda" else None
+        self.cuda_stream = torch.cuda.Stream(device=self._device) if self._device is not None else None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"roundpipe-{name}", daemon=True)
         self._thread.start()
@@ -105,15 +122,40 @@ class CpuStream:
         self._queue.put(operation)
 
     def record(self, name: str = "event") -> HostEvent:
-        """An event that is set when the stream reaches this point."""
+        """An event that is set when the stream reaches this point (on CUDA: with a CUDA event recorded there)."""
         event = HostEvent(f"{name} (stream {self.name})")
-        self._queue.put(event.set)
+        if self.cuda_stream is None:
+            self._queue.put(event.set)
+            return event
+        stream = self.cuda_stream
+
+        def record_on_gpu() -> None:
+            event.cuda_event = torch.cuda.Event()
+            event.cuda_event.record(stream)
+            event.set()
+
+        self._queue.put(record_on_gpu)
         return event
 
     def wait_event(self, event: HostEvent | None) -> None:
-        """Later operations on this stream wait until ``event`` is set."""
-        if event is not None and not event.is_set():
-            self._queue.put(lambda: event.wait(self._abort))
+        """Later operations on this stream wait until ``event`` is set (on CUDA: and until the GPU work it
+        recorded has run, waited for on the GPU, not on the host)."""
+        if event is None or (event.is_set() and (event.cuda_event is None or self.cuda_stream is None)):
+            return
+        stream = self.cuda_stream
+
+        def wait() -> None:
+            event.wait(self._abort)
+            if stream is not None and event.cuda_event is not None:
+                stream.wait_event(event.cuda_event)
+
+        self._queue.put(wait)
+
+    def synchronize(self) -> None:
+        """Block this stream's host thread until its GPU work has run (no-op on CPU). Called only from
+        operations on this stream, where a host buffer must be complete before others read it."""
+        if self.cuda_stream is not None:
+            self.cuda_stream.synchronize()
 
     def stop(self) -> None:
         """Let the thread end after what is queued (after an abort: after the operation it is running)."""
@@ -126,25 +168,51 @@ class CpuStream:
         return self._thread.name if self._thread.is_alive() else None
 
     def _run(self) -> None:
-        while True:
-            operation = self._queue.get()
-            if operation is _STOP:
-                return
-            if self._abort.aborted:
-                continue  # drain without running: waiters are woken by the abort flag
-            if self._jitter:
-                time.sleep(self._random.uniform(0.0, self._jitter))
-            try:
-                operation()
-            except EngineAborted:
-                pass
-            except BaseException as error:  # noqa: BLE001 - reported to the caller through the abort signal
-                self._abort.fail(error)
-            operation = None  # its closure may hold a call's host activations alive while idle
+        if self._device is not None:
+            torch.cuda.set_device(self._device)  # per thread: the current device of RNG, streams, memory
+        context = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext()
+        with context:
+            while True:
+                operation = self._queue.get()
+                if operation is _STOP:
+                    return
+                if self._abort.aborted:
+                    continue  # drain without running: waiters are woken by the abort flag
+                if self._jitter:
+                    time.sleep(self._random.uniform(0.0, self._jitter))
+                try:
+                    operation()
+                except EngineAborted:
+                    pass
+                except BaseException as error:  # noqa: BLE001 - reported to the caller through the abort signal
+                    self._abort.fail(error)
+                operation = None  # its closure may hold a call's host activations alive while idle
 
 
 class OutOfDeviceMemory(RuntimeError):
     """A device's accounted bytes would exceed its budget."""
+
+
+def out_of_memory_hint(error: BaseException) -> str:
+    """What to change when ``error`` is a device out-of-memory error (empty otherwise)."""
+    if not isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+        return ""
+    return (". The device ran out of memory: lower `device_memory_limit` so that the planner makes smaller "
+            "stages, raise `num_microbatches` (fewer samples per microbatch), use `recompute='layer'`, or a "
+            "shorter sequence")
+
+
+def cuda_memory_budget(device: torch.device, sharing: int) -> int:
+    """What one ring member may use of ``device`` when no ``device_memory_limit`` is given: what this
+    process can still allocate there (free memory plus torch's cached blocks, capped by a per-process
+    memory fraction, which ``mem_get_info`` ignores), less 10% for kernels' workspaces, split between the
+    ``sharing`` ring members on this GPU."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = fraction_of(device) if fraction_of is not None else 1.0
+    usable = min(free + reserved - allocated, int(fraction * total) - allocated)
+    return max(0, int(0.9 * usable)) // max(1, sharing)
 
 
 @dataclass
@@ -198,23 +266,27 @@ class Device:
 
     def __init__(self, index: int, torch_device: torch.device, abort: AbortSignal, *,
                  budget: int | None, jitter: float) -> None:
-        if torch_device.type != "cpu":
+        if torch_device.type not in ("cpu", "cuda"):
             raise ValueError(
-                f"device {torch_device} is not supported by this engine yet; use CPU devices "
-                "(accelerator='cpu'), which run the same schedule"
+                f"device {torch_device} is not supported: RoundPipe drives CUDA GPUs and CPU devices (simulated, "
+                "running the same schedule)"
             )
+        if torch_device.type == "cuda" and torch_device.index is None:
+            torch_device = torch.device("cuda", torch.cuda.current_device())
         self.index = index
         self.torch_device = torch_device
+        self.is_cuda = torch_device.type == "cuda"
         self.residency = Residency(index, budget)
         self.counters = DeviceCounters()
         seed = 1000 * (index + 1)
-        self.param_stream = CpuStream(f"dev{index}-params", abort, jitter, seed)
-        self.act_stream = CpuStream(f"dev{index}-acts", abort, jitter, seed + 1)
-        self.compute_stream = CpuStream(f"dev{index}-compute", abort, jitter, seed + 2)
-        self.download_stream = CpuStream(f"dev{index}-download", abort, jitter, seed + 3)
+        device = torch_device if self.is_cuda else None
+        self.param_stream = Stream(f"dev{index}-params", abort, jitter, seed, device)
+        self.act_stream = Stream(f"dev{index}-acts", abort, jitter, seed + 1, device)
+        self.compute_stream = Stream(f"dev{index}-compute", abort, jitter, seed + 2, device)
+        self.download_stream = Stream(f"dev{index}-download", abort, jitter, seed + 3, device)
 
     def stop(self) -> None:
-        """Let the four stream threads end (see :meth:`CpuStream.stop`)."""
+        """Let the four stream threads end (see :meth:`Stream.stop`)."""
         for stream in self.streams:
             stream.stop()
 
@@ -227,5 +299,5 @@ class Device:
         return self.join(deadline)
 
     @property
-    def streams(self) -> tuple[CpuStream, ...]:
+    def streams(self) -> tuple[Stream, ...]:
         return self.param_stream, self.act_stream, self.compute_stream, self.download_stream

@@ -31,10 +31,11 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.call import Call, CallContext, PipelineError, Slot
 from lightning_roundpipe.config import EngineOptions
-from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent
+from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
 from lightning_roundpipe.layers import Trunk, build_trunk
 from lightning_roundpipe.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
 from lightning_roundpipe.optim import GradWindow, HostOptimizer, PublishedWeights, snapshot_param_groups, step_with_groups
+from lightning_roundpipe.pinned import PinnedStorages
 from lightning_roundpipe.partition import LayerCost, Plan, Planner, costs_from_bytes
 from lightning_roundpipe.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
 from lightning_roundpipe.stage import StageRunner, Task
@@ -76,6 +77,9 @@ class RoundPipeEngine:
         initial = costs_from_bytes([s.param_bytes() for s in self.trunk.states],
                                    [s.grad_bytes() for s in self.trunk.states])
         limit = self.options.device_memory_limit
+        if limit is None and any(device.type == "cuda" for device in self.torch_devices):
+            limit = self._cuda_budget()
+        self.device_budget = limit
         # stages get what remains after a reserve for the microbatch activations in flight
         stage_budget = None if limit is None else int(limit * (1.0 - ACTIVATION_RESERVE))
         self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
@@ -93,12 +97,17 @@ class RoundPipeEngine:
         self._abort = AbortSignal(self.options.wait_timeout)
         self.timeline = Timeline(self.options.record_timeline)
         self.devices = [
-            Device(index, device, self._abort, budget=self.options.device_memory_limit, jitter=self.options.jitter)
+            Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter)
             for index, device in enumerate(self.torch_devices)
         ]
         self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
         published = PublishedWeights(self.trunk.parameters()) if self.options.async_step else None
         self._published = published
+        self._pinned = PinnedStorages()
+        if self.options.pin_memory and any(device.is_cuda for device in self.devices):
+            # what uploads read: the weights (or async's published copy) and the buffers, pinned in place
+            sources = [param if published is None else published.source(param) for param in self.trunk.parameters()]
+            self._pinned.pin([*sources, *(b for state in self.trunk.states for b in state.buffers)])
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, self.timeline,
                                    self.base_seed, published, measure=not self.options.freeze_plan)
         self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
@@ -153,6 +162,8 @@ class RoundPipeEngine:
         for device in self.devices:
             stuck += device.join(deadline)
         stuck = [name for name in stuck if name is not None]
+        if not stuck:  # a thread still inside a copy may read pinned memory: leave it registered then
+            self._pinned.release()
         if stuck:
             warnings.warn(
                 f"RoundPipe closed its engine but {len(stuck)} thread(s) are still inside an operation that has "
@@ -161,6 +172,15 @@ class RoundPipeEngine:
                 "keeps its thread for good).",
                 RuntimeWarning, stacklevel=2,
             )
+
+    def _cuda_budget(self) -> int:
+        """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
+        budgets = []
+        for device in self.torch_devices:
+            if device.type == "cuda":
+                sharing = sum(other == device for other in self.torch_devices)
+                budgets.append(cuda_memory_budget(device, sharing))
+        return min(budgets)
 
     @property
     def unreported_failure(self) -> BaseException | None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_roundpipe import replica as replicas
 from lightning_roundpipe.call import Call, PipelineError
-from lightning_roundpipe.device import Device, EngineAborted, HostEvent
+from lightning_roundpipe.device import Device, EngineAborted, HostEvent, out_of_memory_hint
 from lightning_roundpipe.layers import Trunk
 from lightning_roundpipe.optim import GradWindow, PublishedWeights
 from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
@@ -118,20 +118,25 @@ class StageRunner:
         """Copy the job's parameters and buffers to the device into ``stage`` (made earlier by the worker,
         which hands it to the job before the copy has run)."""
         differentiate = task.needs_grad
+        # on a GPU every copy is enqueued at once and the stream synchronized once, below: the host source
+        # (the published copy in async mode) may be rewritten as soon as this upload reports done
+        asynchronous = device.is_cuda
         for layer in task.job.layers:
             state = self.trunk.states[layer]
             tensors = []
             for param in state.params:
-                copied = copy_tensor(self._source(param), device.torch_device)
+                copied = copy_tensor(self._source(param), device.torch_device, non_blocking=asynchronous)
                 if differentiate and param.requires_grad:
                     copied.requires_grad_(True)
                 tensors.append(copied)
             stage.params[layer] = tensors
-            stage.buffers[layer] = [copy_tensor(buffer, device.torch_device) for buffer in state.buffers]
+            stage.buffers[layer] = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
+                                    for buffer in state.buffers]
             stage.nbytes += sum(t.numel() * t.element_size() for t in tensors)
             stage.nbytes += sum(b.numel() * b.element_size() for b in stage.buffers[layer])
             if differentiate:
                 stage.nbytes += state.grad_bytes()
+        device.param_stream.synchronize()
         device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
         device.counters.uploaded_bytes += sum(
             t.numel() * t.element_size() for tensors in (*stage.params.values(), *stage.buffers.values()) for t in tensors
@@ -205,7 +210,7 @@ class StageRunner:
             raise PipelineError(
                 f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
                 f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
-                f"{_device_mismatch_hint(error)}"
+                f"{_device_mismatch_hint(error)}{out_of_memory_hint(error)}"
             ) from error
         elapsed = self.timeline.now() - start
         stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
@@ -254,7 +259,7 @@ class StageRunner:
             except Exception as error:
                 raise PipelineError(
                     f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
-                    f"microbatch {microbatch}): {error}") from error
+                    f"microbatch {microbatch}): {error}{out_of_memory_hint(error)}") from error
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise PipelineError(
                     f"the loss function must return a scalar tensor (the microbatch mean), got "

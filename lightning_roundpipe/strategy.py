@@ -59,8 +59,14 @@ class RoundPipeStrategy(ParallelStrategy):
         num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
         async_step: ``False`` (exact sync) or ``True`` (the paper's one-step-stale update).
         recompute: ``"stage"`` or ``"layer"``.
-        pin_memory: pin host staging buffers (CUDA devices).
-        device_memory_limit: per-device budget in bytes or as ``"20GiB"``.
+        pin_memory: pin the host weights in place for fast uploads (CUDA devices; falls back to pageable
+            memory with a warning when the system refuses, e.g. a locked-memory limit).
+        device_memory_limit: per-device budget in bytes or as ``"20GiB"``. Default on GPUs: 90% of what the
+            process can still allocate there (free memory, capped by ``torch.cuda.set_per_process_memory_fraction``),
+            split between ring members that share a GPU.
+        ring: the ring's members as indices into the Trainer's devices, e.g. ``[0, 0]`` with ``devices=1``:
+            two ring members on one GPU (Lightning itself refuses duplicate device ids). Default: each device
+            once.
         log_pipeline_metrics: log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded,
             host step time and the part of it the devices waited for) after each optimizer step.
         timeline_dir: a folder: record the pipeline's timeline (every upload, compute, download and host
@@ -94,10 +100,12 @@ class RoundPipeStrategy(ParallelStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None, log_pipeline_metrics: bool = True,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline: bool = False,
-                 timeline_steps: int | None = 3, preflight: str = "refuse", **engine_options: Any) -> None:
+                 timeline_steps: int | None = 3, preflight: str = "refuse", ring: list[int] | None = None,
+                 **engine_options: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.pipeline = pipeline
+        self.ring = ring
         self.log_pipeline_metrics = log_pipeline_metrics
         if timeline_steps is not None and (isinstance(timeline_steps, bool) or not isinstance(timeline_steps, int)
                                            or timeline_steps < 1):
@@ -196,13 +204,29 @@ class RoundPipeStrategy(ParallelStrategy):
                 "process: set sync_batchnorm=False (BatchNorm sees each microbatch, as in gradient accumulation)"
             )
         devices = self.parallel_devices or [torch.device("cpu")]
-        unsupported = sorted({device.type for device in devices} - {"cpu"})
+        unsupported = sorted({device.type for device in devices} - {"cpu", "cuda"})
         if unsupported:
             raise ValueError(
-                f"RoundPipe cannot drive {unsupported[0]!r} devices yet; use accelerator='cpu' (simulated devices "
-                "that run the same schedule)"
+                f"RoundPipe drives CUDA GPUs (accelerator='gpu') and simulated CPU devices (accelerator='cpu'), not "
+                f"{unsupported[0]!r} devices"
             )
-        super().setup_environment()
+        if self.ring is not None:
+            self.parallel_devices = self._ring_devices(devices)
+        # the host stays the root device; the accelerator sets up the first ring device (current device,
+        # its memory statistics), not the root, which a CUDA accelerator would refuse
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.parallel_devices[0] if self.parallel_devices else torch.device("cpu"))
+
+    def _ring_devices(self, devices: list[torch.device]) -> list[torch.device]:
+        """``ring=[0, 0]``: the ring's members by index into the Trainer's devices; a GPU may appear twice."""
+        ring = list(self.ring)
+        bad = [index for index in ring if not isinstance(index, int) or not 0 <= index < len(devices)]
+        if not ring or bad:
+            raise ValueError(
+                f"`ring` lists indices into the Trainer's {len(devices)} device(s), each in 0..{len(devices) - 1}; "
+                f"got {self.ring!r}. For two ring members on one GPU: Trainer(devices=1), ring=[0, 0]"
+            )
+        return [devices[index] for index in ring]
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -132,10 +132,28 @@ class NoGrad:
         return f"NoGrad({', '.join(sorted(self._fields))})"
 
 
-def copy_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A detached copy of ``tensor`` on ``device`` that shares no memory with it."""
-    copied = tensor.detach().to(device, copy=True)
-    return copied
+#: Host-to-GPU copies larger than this are issued in pieces of this size, so that an activation upload
+#: on the device's other upload stream slots in between them instead of waiting behind one long copy.
+UPLOAD_CHUNK_BYTES = 64 * 2**20
+
+
+def copy_tensor(tensor: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    """A detached copy of ``tensor`` on ``device`` that shares no memory with it.
+
+    ``non_blocking`` (host-to-GPU uploads): enqueue on the current CUDA stream and return; the caller
+    synchronizes that stream before anyone may rely on the copy or modify the source."""
+    source = tensor.detach()
+    if device.type != "cuda" or source.device.type != "cpu" or not non_blocking:
+        return source.to(device, copy=True)
+    target = torch.empty_like(source, device=device)
+    nbytes = source.numel() * source.element_size()
+    if nbytes <= UPLOAD_CHUNK_BYTES or not source.is_contiguous():
+        return target.copy_(source, non_blocking=True)
+    flat_source, flat_target = source.view(-1), target.view(-1)
+    step = max(1, UPLOAD_CHUNK_BYTES // source.element_size())
+    for start in range(0, flat_source.numel(), step):
+        flat_target[start:start + step].copy_(flat_source[start:start + step], non_blocking=True)
+    return target
 
 
 def _map_tensors(fn: Any, tree: Any) -> Any:
@@ -147,7 +165,8 @@ def _map_tensors(fn: Any, tree: Any) -> Any:
     return tree_map(apply, tree)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tree_tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor of ``tree``, also those inside a :class:`NoGrad`."""
     found: list[torch.Tensor] = []
     for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):
@@ -168,7 +187,7 @@ def clone_tree(tree: Any) -> Any:
 
 
 def tree_nbytes(tree: Any) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in _tensors(tree))
+    return sum(tensor.numel() * tensor.element_size() for tensor in tree_tensors(tree))
 
 
 def detach_tree(tree: Any) -> Any:

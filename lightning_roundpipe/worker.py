@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.call import PipelineError, Slot
-from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent
+from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent, out_of_memory_hint
 from lightning_roundpipe.schedule import StageKind
 from lightning_roundpipe.stage import Stage, StageRunner, Task
-from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, tree_nbytes
+from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, tree_nbytes, tree_tensors
 
 
 class Worker:
@@ -125,6 +125,9 @@ class Worker:
 
         def finish() -> None:
             start = runner.timeline.now()
+            # the stage's compute has run on the GPU (this stream waited for it there) before its memory is
+            # released below, also for a forward stage that downloads nothing that would wait for it
+            download.synchronize()
             if task.needs_grad:
                 for layer in job.layers:
                     state = runner.trunk.states[layer]
@@ -189,6 +192,11 @@ class Worker:
                                      for layer, slot in snapshot_slots}
             if kind is StageKind.FUSED:
                 uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
+            if compute.cuda_stream is not None:
+                # allocated on this stream, used by compute: the compute thread drops them as soon as it has
+                # enqueued its kernels, so the allocator must not reuse them before those kernels have run
+                for tensor in tree_tensors(list(uploaded.values())):
+                    tensor.record_stream(compute.cuda_stream)
             uploaded["nbytes"] = tree_nbytes([value for key, value in uploaded.items()])
             device.residency.allocate(uploaded["nbytes"], f"the inputs of {job.label} microbatch {microbatch}")
             device.counters.uploaded_bytes += uploaded["nbytes"]
@@ -252,6 +260,6 @@ def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[
         except (PipelineError, EngineAborted, TimeoutError):
             raise
         except Exception as error:
-            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}") from error
+            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}{out_of_memory_hint(error)}") from error
 
     return run

@@ -224,11 +224,11 @@ def test_a_failure_in_a_worker_or_the_optimizer_thread_stops_fit_cleanly(case, t
         callbacks.append(arm)
         real_copy = stage_module.copy_tensor
 
-        def copy_tensor(tensor, device):
+        def copy_tensor(tensor, device, **kwargs):
             if arm.armed:
                 arm.armed = False  # one failure
                 raise OSError("copy failed")
-            return real_copy(tensor, device)
+            return real_copy(tensor, device, **kwargs)
 
         monkeypatch.setattr(stage_module, "copy_tensor", copy_tensor)
     trainer = _trainer(_strategy(), devices=3, callbacks=callbacks)

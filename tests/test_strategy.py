@@ -485,8 +485,22 @@ def test_devices_the_engine_cannot_drive_are_refused():
     from lightning.pytorch.accelerators import CPUAccelerator
 
     strategy = RoundPipeStrategy(accelerator=CPUAccelerator(), parallel_devices=[torch.device("meta")])
-    with pytest.raises(ValueError, match="RoundPipe cannot drive 'meta' devices yet; use accelerator='cpu'"):
+    with pytest.raises(ValueError, match="RoundPipe drives CUDA GPUs .* not 'meta' devices"):
         strategy.setup_environment()
+
+
+def test_a_ring_may_visit_one_device_twice():
+    """``ring=[0, 0]`` on one Trainer device: two ring members, the same results as Lightning's default."""
+    reference = Classifier("sgd")
+    _fit(reference, "auto")
+    module = Classifier("sgd")
+    strategy = RoundPipeStrategy(num_microbatches=1, num_stages=2, ring=[0, 0])
+    _fit(module, strategy, devices=1)
+    assert strategy.parallel_devices == [torch.device("cpu")] * 2 and strategy.engine.num_devices == 2
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match=r"`ring` lists indices into the Trainer's 1 device\(s\)"):
+        _fit(Classifier("sgd"), RoundPipeStrategy(ring=[0, 1]), devices=1)
 
 
 class OverflowsOnce(Classifier):

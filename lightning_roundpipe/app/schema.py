@@ -153,6 +153,7 @@ class RoundPipeConf:
     timeline: bool = False             # write timeline.json (Chrome trace) and timeline.png into the run's folder
     timeline_steps: Optional[int] = 3  # the last this many optimizer steps (null: all)
     preflight: str = "refuse"          # the memory plan at setup: refuse | warn | off
+    ring: Optional[list[int]] = None   # ring members as indices into the Trainer's devices, e.g. [0, 0]
 
 
 @dataclass
