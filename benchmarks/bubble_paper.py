@@ -29,7 +29,6 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_roundpipe.partition import LayerCost, Plan, plan_auto  # noqa: E402
 from lightning_roundpipe.simulate import (  # noqa: E402
-    SimResult,
     simulate_1f1b,
     simulate_gpipe,
     simulate_paper_roundpipe,
@@ -87,7 +86,6 @@ def main() -> int:
     print(f"{'model':<12} {'schedule':<14} {'paper %':>8} {'ours %':>8} {'paper ms':>11} {'ours ms':>11}")
     for name in ref["models"]:
         costs, plan, baseline, hop = model_inputs(ref, name)
-        results: list[tuple[str, str, float, SimResult | None, str]] = []
         g, o = simulate_gpipe(baseline, costs, m, hop), simulate_1f1b(baseline, costs, m, hop)
         r = simulate_paper_roundpipe(plan, costs, n, m, hop)
         for label, row, res, span_key, value in (

@@ -54,17 +54,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import threading
 import time
-import warnings
 import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import quiet  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
@@ -278,14 +278,6 @@ def run(mode: str, args: argparse.Namespace, limit: int) -> dict:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def quiet() -> None:
-    for name in ("lightning", "lightning.pytorch", "lightning_roundpipe"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*validation_step.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 def main() -> int:

@@ -54,16 +54,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import quiet  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
@@ -171,14 +171,6 @@ def plan_shape(plan) -> str:
     """Layers per stage: ``forward | fused | backward`` (backward deep to shallow)."""
     return (f"{','.join(str(len(r)) for r in plan.forward) or '-'} | {len(plan.fused)} | "
             f"{','.join(str(len(r)) for r in plan.backward) or '-'}")
-
-
-def quiet() -> None:
-    for name in ("lightning", "lightning.pytorch", "lightning_roundpipe"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*validation_step.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 def main() -> int:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from torchmetrics import MeanMetric
+
+from lightning_roundpipe.app.model import LanguageModelLogging
 
 FAMILIES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config"}
 BYTES = 256  # the data's token ids; sampling draws from these only, whatever vocab_size is
@@ -32,7 +32,7 @@ def _hf(name: str) -> Any:
                           ) from error
 
 
-class CausalLM(pl.LightningModule):
+class CausalLM(LanguageModelLogging):
     """Next-token training of a Hugging Face causal LM held at ``self.model``.
 
     ``family`` picks the ``transformers`` config class; ``architecture`` holds its fields
@@ -51,8 +51,6 @@ class CausalLM(pl.LightningModule):
         self.lora, self.lr, self.weight_decay, self.context = lora, lr, weight_decay, context
         self.architecture = architecture
         self.model: torch.nn.Module | None = None  # built by configure_model
-        self.val_loss = MeanMetric()  # token-weighted mean over the validation set
-        self.tokens_seen = 0
 
     def hf_config(self) -> Any:
         """The ``transformers`` config: cheap, allocates no weights."""
@@ -84,21 +82,13 @@ class CausalLM(pl.LightningModule):
         ids, _ = batch  # the datamodule's targets are ids shifted by one; HF shifts `labels` itself
         mask = torch.ones_like(ids)
         loss = self.model(input_ids=ids, attention_mask=mask, labels=ids).loss
-        self.tokens_seen += ids.numel()
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=ids.shape[0])
-        self.log("train/perplexity", loss.detach().exp(), batch_size=ids.shape[0])
+        self.log_training_loss(loss, ids.numel(), ids.shape[0])
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         ids, _ = batch
         loss = self.model(input_ids=ids, labels=ids).loss
         self.val_loss.update(loss, weight=ids.shape[0] * (ids.shape[1] - 1))  # the positions HF scores
-
-    def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/perplexity", loss.exp())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA's frozen base gets no state

@@ -92,7 +92,28 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-class ByteLM(pl.LightningModule):
+class LanguageModelLogging(pl.LightningModule):
+    """What the app's language models log: training loss and perplexity per step, and the validation set's
+    token-weighted mean loss per epoch; ``tokens_seen`` feeds the run summary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_loss = MeanMetric()
+        self.tokens_seen = 0
+
+    def log_training_loss(self, loss: torch.Tensor, tokens: int, batch_size: int) -> None:
+        self.tokens_seen += tokens
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
+        self.log("train/perplexity", loss.detach().exp(), batch_size=batch_size)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/perplexity", loss.exp())
+
+
+class ByteLM(LanguageModelLogging):
     """Next-byte language modelling around any byte-level trunk ``net``.
 
     ``fused=True`` (default) computes the loss with :func:`pipeline_loss`, inside the pipeline's last
@@ -105,26 +126,16 @@ class ByteLM(pl.LightningModule):
         super().__init__()
         self.net, self.lr, self.weight_decay, self.fused = net, lr, weight_decay, fused
         self.context = context
-        self.val_loss = MeanMetric()  # token-weighted mean over the validation set
-        self.tokens_seen = 0
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = pipeline_loss(self.net, x, y, lm_loss) if self.fused else lm_loss(self.net(x), y)
-        self.tokens_seen += y.numel()
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=x.shape[0])
-        self.log("train/perplexity", loss.detach().exp(), batch_size=x.shape[0])
+        self.log_training_loss(loss, y.numel(), x.shape[0])
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.val_loss.update(lm_loss(self.net(x), y), weight=y.numel())
-
-    def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/perplexity", loss.exp())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
