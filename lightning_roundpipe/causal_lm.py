@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +37,8 @@ from torch import nn
 
 from lightning_roundpipe.lm_loss import chunked_lm_loss
 from lightning_roundpipe.microbatch import token_count
-from lightning_roundpipe.pipelined import InstancePatch
+from lightning_roundpipe.pipelined import PipelinedForward
 from lightning_roundpipe.transfer import NoGrad
-
-if TYPE_CHECKING:
-    from lightning_roundpipe.runtime import RoundPipeEngine
 
 SUPPORTED_TRANSFORMERS = ("5.0", "5.25")  # [lowest, first unsupported): masks and layer calls change often
 FAMILIES = ("llama", "qwen2", "qwen3")    # model_type values whose forward the preset reproduces
@@ -245,7 +242,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
-class CausalLMForward(InstancePatch):
+class CausalLMForward(PipelinedForward):
     """The ``forward`` of a Hugging Face causal LM driven by an engine.
 
     With ``labels`` and grad mode (a ``training_step``): forward, loss and backward run in the pipeline;
@@ -254,15 +251,6 @@ class CausalLMForward(InstancePatch):
     logits, through the transparent path (differentiable under grad mode). ``logits`` are not returned
     when ``labels`` are given: a whole batch's full-vocabulary logits are what the pipeline avoids.
     """
-
-    method = "forward"
-
-    def __init__(self, model: nn.Module, engine: RoundPipeEngine, backward_scale: Callable[[], float],
-                 on_fused_backward: Callable[[], None]) -> None:
-        super().__init__(model)
-        self.engine = engine
-        self.backward_scale = backward_scale
-        self.on_fused_backward = on_fused_backward
 
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
