@@ -8,6 +8,7 @@ by its device's worker before the producing job's worker has even started.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from lightning_roundpipe.device import HostEvent
 from lightning_roundpipe.layers import Trunk
 from lightning_roundpipe.partition import Plan
 from lightning_roundpipe.recompute import draws_random_numbers
+from lightning_roundpipe.schedule import Job, StageKind
 
 
 class PipelineError(RuntimeError):
@@ -59,13 +61,31 @@ class CallContext:
 
 
 class Slot:
-    """A host value produced by one stream and read by another after ``event``."""
+    """A host value produced by one stream and read by another after ``event``.
 
-    __slots__ = ("value", "event")
+    Jobs that will read the value are counted when they are dispatched (:meth:`expect_reader`); each
+    :meth:`consume` after its copy, and the last one drops the value, so stage boundaries and
+    checkpoints stay in host memory only while a job still needs them. Values nobody counted (what the
+    caller reads: the call's outputs, losses) stay until the call ends.
+    """
+
+    __slots__ = ("value", "event", "_readers", "_lock")
 
     def __init__(self, name: str) -> None:
         self.value: Any = None
         self.event = HostEvent(name)
+        self._readers = 0
+        self._lock = threading.Lock()
+
+    def expect_reader(self) -> None:
+        with self._lock:
+            self._readers += 1
+
+    def consume(self) -> None:
+        with self._lock:
+            self._readers -= 1
+            if self._readers == 0:
+                self.value = None
 
     def put(self, value: Any) -> None:
         self.value = value
@@ -100,6 +120,15 @@ class Call:
     losses: list[Slot] = field(default_factory=list)          # fused path: per microbatch
     first_grads: list[Slot] | None = None                     # transparent backward: from autograd
     merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
+
+    def input_slots(self, job: Job) -> list[Slot]:
+        """What ``job`` reads per microbatch: the previous job's outputs, else the first output gradients
+        (the first backward stage of a transparent call), else the call's inputs."""
+        if job.depends_on:
+            return self.outputs[job.depends_on[-1]]
+        if job.kind is StageKind.BACKWARD:
+            return self.first_grads
+        return self.inputs
 
     @property
     def num_microbatches(self) -> int:

@@ -538,6 +538,8 @@ class RoundPipeEngine:
         if first_output_grads is not None:
             call.first_grads = [Slot.ready(g) for g in first_output_grads]
         for job in jobs:
+            for slot in call.input_slots(job):
+                slot.expect_reader()
             if job.kind is StageKind.FORWARD and call.checkpoint_layers:
                 self._make_checkpoint_slots(call, job)
         for job in jobs:
@@ -573,12 +575,14 @@ class RoundPipeEngine:
             source = call.outputs[job.depends_on[-1]][microbatch] if job.depends_on else call.inputs[microbatch]
             for layer in job.layers:
                 if layer in call.checkpoint_layers:
-                    call.checkpoints[(layer, microbatch)] = (
+                    checkpoint = call.checkpoints[(layer, microbatch)] = (
                         source if layer == job.layers.start
                         else Slot(f"the checkpoint of layer {layer} microbatch {microbatch}"))
+                    checkpoint.expect_reader()  # the backward stage that recomputes from it
                 if self.trunk.states[layer].buffers:
-                    call.snapshots[(layer, microbatch)] = Slot(
+                    snapshot = call.snapshots[(layer, microbatch)] = Slot(
                         f"the buffer snapshot of layer {layer} microbatch {microbatch}")
+                    snapshot.expect_reader()
 
 
 class _PipelineFunction(torch.autograd.Function):

@@ -156,18 +156,10 @@ class Worker:
         self._releases.pop(sequence - 3, None)
         download.submit(task.done.set)
 
-    def _input_slots(self, task: Task) -> list[Slot]:
-        call, job = task.call, task.job
-        if job.depends_on:
-            return call.outputs[job.depends_on[-1]]
-        if job.kind is StageKind.BACKWARD:
-            return call.first_grads
-        return call.inputs
-
     def _enqueue_microbatch(self, task: Task, stage: Stage, microbatch: int) -> None:
         runner, device, job, call = self.runner, self.device, task.job, task.call
         acts, compute, download = device.act_stream, device.compute_stream, device.download_stream
-        source = self._input_slots(task)[microbatch]
+        source = call.input_slots(job)[microbatch]
         uploaded: dict[str, Any] = {}
         kind = job.kind
         checkpoint_slots: list[tuple[int, Slot]] = []
@@ -192,6 +184,8 @@ class Worker:
                                      for layer, slot in snapshot_slots}
             if kind is StageKind.FUSED:
                 uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
+            for slot in (source, *(slot for _, slot in checkpoint_slots + snapshot_slots)):
+                slot.consume()  # copied: the host copy is dropped once its last counted reader has it
             if compute.cuda_stream is not None:
                 # allocated on this stream, used by compute: the compute thread drops them as soon as it has
                 # enqueued its kernels, so the allocator must not reuse them before those kernels have run
