@@ -265,7 +265,7 @@ class Device:
     """
 
     def __init__(self, index: int, torch_device: torch.device, abort: AbortSignal, *,
-                 budget: int | None, jitter: float) -> None:
+                 budget: int | None, jitter: float, pin_memory: bool = True) -> None:
         if torch_device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"device {torch_device} is not supported: RoundPipe drives CUDA GPUs and CPU devices (simulated, "
@@ -276,6 +276,7 @@ class Device:
         self.index = index
         self.torch_device = torch_device
         self.is_cuda = torch_device.type == "cuda"
+        self.pin_downloads = self.is_cuda and pin_memory  # stage boundaries land in pinned host memory
         self.residency = Residency(index, budget)
         self.counters = DeviceCounters()
         seed = 1000 * (index + 1)

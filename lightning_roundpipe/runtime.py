@@ -97,7 +97,8 @@ class RoundPipeEngine:
         self._abort = AbortSignal(self.options.wait_timeout)
         self.timeline = Timeline(self.options.record_timeline)
         self.devices = [
-            Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter)
+            Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter,
+                   pin_memory=self.options.pin_memory)
             for index, device in enumerate(self.torch_devices)
         ]
         self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()

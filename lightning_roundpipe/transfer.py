@@ -137,12 +137,18 @@ class NoGrad:
 UPLOAD_CHUNK_BYTES = 64 * 2**20
 
 
-def copy_tensor(tensor: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+def copy_tensor(tensor: torch.Tensor, device: torch.device, non_blocking: bool = False,
+                pin: bool = False) -> torch.Tensor:
     """A detached copy of ``tensor`` on ``device`` that shares no memory with it.
 
-    ``non_blocking`` (host-to-GPU uploads): enqueue on the current CUDA stream and return; the caller
-    synchronizes that stream before anyone may rely on the copy or modify the source."""
+    ``non_blocking`` (host-to-GPU uploads) and ``pin`` (GPU-to-host downloads, into pinned memory from
+    torch's caching host allocator, so the next upload of it is fast and asynchronous too): enqueue on
+    the current CUDA stream and return; the caller synchronizes that stream before anyone may rely on
+    the copy or modify or free the source."""
     source = tensor.detach()
+    if pin and device.type == "cpu" and source.device.type == "cuda":
+        target = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        return target.copy_(source, non_blocking=True)
     if device.type != "cuda" or source.device.type != "cpu" or not non_blocking:
         return source.to(device, copy=True)
     target = torch.empty_like(source, device=device)
@@ -176,9 +182,10 @@ def tree_tensors(tree: Any) -> list[torch.Tensor]:
     return found
 
 
-def copy_tree(tree: Any, device: torch.device) -> Any:
-    """Copy every tensor of ``tree`` (also inside a :class:`NoGrad`) to ``device``; other leaves are kept."""
-    return _map_tensors(lambda tensor: copy_tensor(tensor, device), tree)
+def copy_tree(tree: Any, device: torch.device, non_blocking: bool = False, pin: bool = False) -> Any:
+    """Copy every tensor of ``tree`` (also inside a :class:`NoGrad`) to ``device``; other leaves are kept.
+    ``non_blocking`` and ``pin``: see :func:`copy_tensor`."""
+    return _map_tensors(lambda tensor: copy_tensor(tensor, device, non_blocking, pin), tree)
 
 
 def clone_tree(tree: Any) -> Any:

@@ -177,13 +177,15 @@ class Worker:
 
         def upload() -> None:
             start = runner.timeline.now()
-            uploaded["input"] = copy_tree(source.value, device.torch_device)
-            uploaded["checkpoints"] = {layer: copy_tree(slot.value, device.torch_device)
+            target_device, asynchronous = device.torch_device, device.is_cuda
+            uploaded["input"] = copy_tree(source.value, target_device, asynchronous)
+            uploaded["checkpoints"] = {layer: copy_tree(slot.value, target_device, asynchronous)
                                        for layer, slot in checkpoint_slots}
-            uploaded["snapshots"] = {layer: copy_tree(slot.value, device.torch_device)
+            uploaded["snapshots"] = {layer: copy_tree(slot.value, target_device, asynchronous)
                                      for layer, slot in snapshot_slots}
             if kind is StageKind.FUSED:
-                uploaded["target"] = copy_tree(call.targets[microbatch], device.torch_device)
+                uploaded["target"] = copy_tree(call.targets[microbatch], target_device, asynchronous)
+            acts.synchronize()  # the host sources may be dropped right below
             for slot in (source, *(slot for _, slot in checkpoint_slots + snapshot_slots)):
                 slot.consume()  # copied: the host copy is dropped once its last counted reader has it
             if compute.cuda_stream is not None:
@@ -231,13 +233,20 @@ class Worker:
 
         def store() -> None:
             start = runner.timeline.now()
-            for layer, value in result.get("checkpoints", {}).items():
-                call.checkpoints[(layer, microbatch)].put(copy_tree(value, HOST))
-            for layer, value in result.get("snapshots", {}).items():
-                call.snapshots[(layer, microbatch)].put([copy_tensor(b, HOST) for b in value])
-            if "loss" in result:
-                call.losses[microbatch].put(copy_tensor(result["loss"], HOST))
-            out_slot.put(copy_tree(result.get("output"), HOST))
+            pin = device.pin_downloads
+            checkpoints = {layer: copy_tree(value, HOST, pin=pin) for layer, value in result.get("checkpoints", {}).items()}
+            snapshots = {layer: [copy_tensor(b, HOST, pin=pin) for b in value]
+                         for layer, value in result.get("snapshots", {}).items()}
+            loss = copy_tensor(result["loss"], HOST) if "loss" in result else None
+            output = copy_tree(result.get("output"), HOST, pin=pin)
+            download.synchronize()  # every host copy complete before another thread reads it
+            for layer, value in checkpoints.items():
+                call.checkpoints[(layer, microbatch)].put(value)
+            for layer, value in snapshots.items():
+                call.snapshots[(layer, microbatch)].put(value)
+            if loss is not None:
+                call.losses[microbatch].put(loss)
+            out_slot.put(output)
             device.residency.release(result["nbytes"])
             result.clear()
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
