@@ -162,10 +162,9 @@ class Stream:
         self._queue.put(_STOP)
 
     def join(self, deadline: float) -> str | None:
-        """Wait for the thread to end until ``deadline`` (``time.monotonic()``); returns its name if it is
-        still running then (inside an operation that has not returned: it ends by itself once it does)."""
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        return self._thread.name if self._thread.is_alive() else None
+        """Wait for the thread to end until ``deadline``; returns its name if it is still running then
+        (inside an operation that has not returned: it ends by itself once it does)."""
+        return join_until(self._thread, deadline)
 
     def _run(self) -> None:
         if self._device is not None:
@@ -193,13 +192,30 @@ class OutOfDeviceMemory(RuntimeError):
     """A device's accounted bytes would exceed its budget."""
 
 
-def out_of_memory_hint(error: BaseException) -> str:
-    """What to change when ``error`` is a device out-of-memory error (empty otherwise)."""
-    if not isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
-        return ""
-    return (". The device ran out of memory: lower `device_memory_limit` so that the planner makes smaller "
-            "stages, raise `num_microbatches` (fewer samples per microbatch), use `recompute='layer'`, or a "
-            "shorter sequence")
+_DEVICE_MISMATCH = ("on the same device", "on different devices")
+"""Phrases of torch's device-mismatch errors ("Expected all tensors to be on the same device, but ...")."""
+
+
+def error_hint(error: BaseException) -> str:
+    """What to change after ``error`` in a pipeline operation, when it is one we can explain (empty otherwise):
+    a device out-of-memory error, or tensors of a layer on different devices."""
+    if isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+        return (". The device ran out of memory: lower `device_memory_limit` so that the planner makes smaller "
+                "stages, raise `num_microbatches` (fewer samples per microbatch), use `recompute='layer'`, or a "
+                "shorter sequence")
+    if isinstance(error, RuntimeError) and any(phrase in str(error) for phrase in _DEVICE_MISMATCH):
+        return (". Trunk layers run on per-device copies: each device computes with its own copy of the layer's "
+                "parameters and buffers, and its inputs arrive on that device. Do not hard-code a device or keep "
+                "tensors in plain attributes: create tensors on the input's device (`torch.zeros(n, "
+                "device=x.device)`) or register them as buffers (`self.register_buffer(...)`) so they travel with "
+                "the layer")
+    return ""
+
+
+def join_until(thread: threading.Thread, deadline: float) -> str | None:
+    """Wait for ``thread`` to end until ``deadline`` (``time.monotonic()``); its name if it is still running."""
+    thread.join(max(0.0, deadline - time.monotonic()))
+    return thread.name if thread.is_alive() else None
 
 
 def cuda_memory_budget(device: torch.device, sharing: int) -> int:
@@ -294,10 +310,6 @@ class Device:
     def join(self, deadline: float) -> list[str]:
         """Wait for the stream threads to end until ``deadline`` at most; returns those still running."""
         return [name for name in (stream.join(deadline) for stream in self.streams) if name is not None]
-
-    def close(self, deadline: float) -> list[str]:
-        self.stop()
-        return self.join(deadline)
 
     @property
     def streams(self) -> tuple[Stream, ...]:

@@ -163,9 +163,9 @@ class RoundPipeEngine:
         for device in self.devices:
             stuck += device.join(deadline)
         stuck = [name for name in stuck if name is not None]
-        if not stuck:  # a thread still inside a copy may read pinned memory: leave it registered then
-            self._pinned.release()
-        if stuck:
+        if not stuck:
+            self._pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
+        else:
             warnings.warn(
                 f"RoundPipe closed its engine but {len(stuck)} thread(s) are still inside an operation that has "
                 f"not returned within `wait_timeout={timeout:g}` s: {', '.join(stuck)}. They run nothing else "

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_roundpipe import replica as replicas
 from lightning_roundpipe.call import Call, PipelineError
-from lightning_roundpipe.device import Device, EngineAborted, HostEvent, out_of_memory_hint
+from lightning_roundpipe.device import Device, EngineAborted, HostEvent, error_hint
 from lightning_roundpipe.layers import Trunk
 from lightning_roundpipe.optim import GradWindow, PublishedWeights
 from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
@@ -28,21 +28,6 @@ from lightning_roundpipe.transfer import clone_tree, copy_tensor, differentiable
 
 class ReplicaWriteWarning(UserWarning):
     """A trunk layer writes state in its forward that stays on its per-device copy (see ``replica.py``)."""
-
-
-_DEVICE_MISMATCH = ("on the same device", "on different devices")
-"""Phrases of torch's device-mismatch errors ("Expected all tensors to be on the same device, but ...")."""
-
-
-def _device_mismatch_hint(error: Exception) -> str:
-    if not isinstance(error, RuntimeError) or not any(phrase in str(error) for phrase in _DEVICE_MISMATCH):
-        return ""
-    return (
-        ". Trunk layers run on per-device copies: each device computes with its own copy of the layer's "
-        "parameters and buffers, and its inputs arrive on that device. Do not hard-code a device or keep "
-        "tensors in plain attributes: create tensors on the input's device (`torch.zeros(n, device=x.device)`) "
-        "or register them as buffers (`self.register_buffer(...)`) so they travel with the layer"
-    )
 
 
 @dataclass
@@ -210,7 +195,7 @@ class StageRunner:
             raise PipelineError(
                 f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
                 f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
-                f"{_device_mismatch_hint(error)}{out_of_memory_hint(error)}"
+                f"{error_hint(error)}"
             ) from error
         elapsed = self.timeline.now() - start
         stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
@@ -259,7 +244,7 @@ class StageRunner:
             except Exception as error:
                 raise PipelineError(
                     f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
-                    f"microbatch {microbatch}): {error}{out_of_memory_hint(error)}") from error
+                    f"microbatch {microbatch}): {error}{error_hint(error)}") from error
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise PipelineError(
                     f"the loss function must return a scalar tensor (the microbatch mean), got "

@@ -10,7 +10,6 @@ the host module, memory released). Streams run the operations and events order t
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.call import PipelineError, Slot
-from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent, out_of_memory_hint
+from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent, error_hint, join_until
 from lightning_roundpipe.schedule import StageKind
 from lightning_roundpipe.stage import Stage, StageRunner, Task
 from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, tree_nbytes, tree_tensors
@@ -47,8 +46,7 @@ class Worker:
         """End the thread (it never blocks on device work, only enqueues it); wait until ``deadline`` at
         most and return its name if it is still running then."""
         self.put(None)
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        return self._thread.name if self._thread.is_alive() else None
+        return join_until(self._thread, deadline)
 
     def _take(self) -> Task | None:
         with self._ready:
@@ -263,6 +261,6 @@ def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[
         except (PipelineError, EngineAborted, TimeoutError):
             raise
         except Exception as error:
-            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}{out_of_memory_hint(error)}") from error
+            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}{error_hint(error)}") from error
 
     return run
