@@ -49,7 +49,7 @@ from torch import nn
 
 from lightning_roundpipe.layers import Trunk
 from lightning_roundpipe.partition import Plan
-from lightning_roundpipe.runtime import ACTIVATION_RESERVE
+from lightning_roundpipe.runtime import ACTIVATION_RESERVE, stage_memory_budget
 
 __all__ = [
     "CgroupMemory", "DeviceMemoryError", "HostLimits", "HostMemoryError", "MemoryPlan", "PREFLIGHT_MODES",
@@ -354,11 +354,6 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
 
 
 # ---------------------------------------------------------------------------------------------- device side
-def _stage_budget(limit: int | None) -> int | None:
-    """Bytes the planner lets two stages use: what ``device_memory_limit`` leaves after the activation reserve."""
-    return None if limit is None else int(limit * (1.0 - ACTIVATION_RESERVE))
-
-
 def _layer_need(trunk: Trunk, index: int) -> tuple[int, int]:
     state = trunk.states[index]
     return state.param_bytes(), state.grad_bytes()
@@ -367,7 +362,7 @@ def _layer_need(trunk: Trunk, index: int) -> tuple[int, int]:
 def _smallest_limit_for(need: int) -> int:
     """The smallest ``device_memory_limit`` whose stage budget holds ``need`` bytes in half of it."""
     limit = max(1, math.ceil(2 * need / (1.0 - ACTIVATION_RESERVE)))
-    while (_stage_budget(limit) or 0) / 2 < need:
+    while (stage_memory_budget(limit) or 0) / 2 < need:
         limit += 1
     return limit
 
@@ -379,7 +374,7 @@ def check_layers(trunk: Trunk, device_memory_limit: int | None) -> str | None:
     ``parameters + buffers + gradients`` of one layer must fit in half the planner's stage budget (the
     other half holds the prefetched stage). Run before the planner, which would fail on the same layer
     with a terser message."""
-    budget = _stage_budget(device_memory_limit)
+    budget = stage_memory_budget(device_memory_limit)
     if budget is None:
         return None
     cap = budget / 2
@@ -652,7 +647,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         optimizer_notes=notes, optimizer_state_assumed=assumed, published_bytes=published,
         device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
         checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
-        stage_budget=_stage_budget(device_memory_limit), largest_stages=largest,
+        stage_budget=stage_memory_budget(device_memory_limit), largest_stages=largest,
         device_stage_bytes=2 * largest_stage, largest_layer=(worst_layer, layer_sizes[worst_layer]),
     )
     _judge(memory_plan, trunk)

@@ -43,12 +43,18 @@ from lightning_roundpipe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.transfer import differentiable_leaves
 from lightning_roundpipe.worker import Worker
 
-__all__ = ["ACTIVATION_RESERVE", "PipelineError", "RoundPipeEngine"]
+__all__ = ["ACTIVATION_RESERVE", "PipelineError", "RoundPipeEngine", "stage_memory_budget"]
 
 
 ACTIVATION_RESERVE = 0.25
 """Share of ``device_memory_limit`` kept for stage-boundary activations; the planner fits two stages
 (the running one and the prefetched one) in the rest."""
+
+
+def stage_memory_budget(device_memory_limit: int | None) -> int | None:
+    """Bytes the planner lets two stages (running and prefetched) use: what the device budget leaves after
+    the reserve for the activations in flight."""
+    return None if device_memory_limit is None else int(device_memory_limit * (1.0 - ACTIVATION_RESERVE))
 
 
 class RoundPipeEngine:
@@ -81,7 +87,7 @@ class RoundPipeEngine:
             limit = self._cuda_budget()
         self.device_budget = limit
         # stages get what remains after a reserve for the microbatch activations in flight
-        stage_budget = None if limit is None else int(limit * (1.0 - ACTIVATION_RESERVE))
+        stage_budget = stage_memory_budget(limit)
         self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
                                memory_budget=stage_budget,
                                hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)

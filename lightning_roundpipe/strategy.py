@@ -254,7 +254,7 @@ class RoundPipeStrategy(ParallelStrategy):
             self.memory_plan = preflight.plan_memory(
                 module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
                 async_step=options.async_step, recompute=options.recompute,
-                device_memory_limit=options.device_memory_limit, pin_memory=options.pin_memory, training=fitting,
+                device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
                 trainer_fn=str(trainer.state.fn.value))
             preflight.enforce(self.memory_plan, self.preflight, log)
         self.engine = engine.start()
