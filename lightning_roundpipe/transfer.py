@@ -117,10 +117,7 @@ class NoGrad:
             raise AttributeError(f"this NoGrad has no field {name!r} (it has {sorted(self._fields)})") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("NoGrad is immutable: make a new one with replace(...)")
-
-    def replace(self, **fields: Any) -> NoGrad:
-        return NoGrad(**{**self._fields, **fields})
+        raise AttributeError("NoGrad is immutable: make a new one")
 
     def map_tensors(self, fn: Any) -> NoGrad:
         return NoGrad(**tree_map(lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf, self._fields))
@@ -195,10 +192,6 @@ def clone_tree(tree: Any) -> Any:
 
 def tree_nbytes(tree: Any) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tree_tensors(tree))
-
-
-def detach_tree(tree: Any) -> Any:
-    return tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
 def differentiable_leaves(tree: Any) -> list[torch.Tensor]:
