@@ -3,8 +3,8 @@
 Run: ``python benchmarks/bubble.py [--plot bubble.png] [--adam-ns-per-param 0.5]``. Not a test: it
 prints tables (and draws a picture with ``--plot``, which needs matplotlib).
 
-Inputs are the paper's measured per-layer costs (RTX 4090, ``benchmarks/roundpipe_paper.json``); every
-schedule is simulated with the same costs and per-hop time (``lightning_roundpipe.simulate``):
+Inputs are the paper's measured per-layer costs (RTX 4090, ``lightning_roundpipe/observe/paper_profiles.json``); every
+schedule is simulated with the same costs and per-hop time (``lightning_roundpipe.planning.simulate``):
 
 1. 8 devices, 16 microbatches: GPipe and 1F1B on the paper's one-stage-per-device baselines, our
    runtime's sync and async schedules on our planner's partition (``plan_auto``), beside the paper's
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bubble_paper import DEFAULT_JSON, model_inputs  # noqa: E402
 
-from lightning_roundpipe.partition import plan_auto  # noqa: E402
-from lightning_roundpipe.simulate import simulate_1f1b, simulate_gpipe, simulate_roundpipe  # noqa: E402
+from lightning_roundpipe.planning.partition import plan_auto  # noqa: E402
+from lightning_roundpipe.planning.simulate import simulate_1f1b, simulate_gpipe, simulate_roundpipe  # noqa: E402
 
 
 def parameters(name: str) -> float:

@@ -27,15 +27,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_roundpipe.partition import LayerCost, Plan, plan_auto  # noqa: E402
-from lightning_roundpipe.simulate import (  # noqa: E402
+from lightning_roundpipe.planning.partition import LayerCost, Plan, plan_auto  # noqa: E402
+from lightning_roundpipe.planning.simulate import (  # noqa: E402
     simulate_1f1b,
     simulate_gpipe,
     simulate_paper_roundpipe,
     simulate_roundpipe,
 )
 
-DEFAULT_JSON = ROOT / "benchmarks" / "roundpipe_paper.json"
+DEFAULT_JSON = ROOT / "lightning_roundpipe" / "observe" / "paper_profiles.json"
 
 
 def sizes(text: str) -> list[int]:

@@ -64,16 +64,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import quiet  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from common import quiet  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.app.data import stdlib_bytes  # noqa: E402
 from lightning_roundpipe.app.model import ByteLM, gpt  # noqa: E402
-from lightning_roundpipe.transfer import NoGrad  # noqa: E402
+from lightning_roundpipe.engine.transfer import NoGrad  # noqa: E402
 
 CATEGORIES = ("parameters", "published weights", "optimizer state", "gradients", "staging buffers", "checkpoints",
               "other activations")
@@ -92,7 +92,7 @@ def tensors_of(value: object) -> list[torch.Tensor]:
 
 
 def call_values(call: object) -> tuple[list[object], list[object]]:
-    """The host values a trunk call (``lightning_roundpipe.call.Call``) holds: checkpoints, and the rest."""
+    """The host values a trunk call (``lightning_roundpipe.engine.call.Call``) holds: checkpoints, and the rest."""
     checkpoints = list(call.checkpoints.values()) + list(call.snapshots.values())
     others = list(call.inputs) + list(call.losses) + list(call.first_grads or [])
     for column in list(call.outputs.values()):

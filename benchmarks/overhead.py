@@ -63,9 +63,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import quiet  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from common import quiet  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402

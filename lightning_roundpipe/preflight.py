@@ -47,9 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_roundpipe.layers import Trunk
-from lightning_roundpipe.partition import Plan
-from lightning_roundpipe.runtime import ACTIVATION_RESERVE, stage_memory_budget
+from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.planning.partition import ACTIVATION_RESERVE, Plan, stage_memory_budget
 
 __all__ = [
     "CgroupMemory", "DeviceMemoryError", "HostLimits", "HostMemoryError", "MemoryPlan", "PREFLIGHT_MODES",

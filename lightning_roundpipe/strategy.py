@@ -33,13 +33,13 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe import preflight
-from lightning_roundpipe.causal_lm import FAMILIES, CausalLMForward, causal_lm_preset, find_causal_lm
-from lightning_roundpipe.config import EngineOptions
-from lightning_roundpipe.layers import Trunk, build_trunk
-from lightning_roundpipe.partition import Plan
-from lightning_roundpipe.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.engine.engine import RoundPipeEngine
+from lightning_roundpipe.engine.layers import Trunk, build_trunk
+from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.hf.causal_lm import FAMILIES, CausalLMForward, causal_lm_preset, find_causal_lm
+from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import PREFLIGHT_MODES, MemoryPlan
-from lightning_roundpipe.runtime import RoundPipeEngine
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class RoundPipeStrategy(ParallelStrategy):
             :class:`~lightning_roundpipe.preflight.DeviceMemoryError` (``MemoryError`` subclasses) naming what
             does not fit, by how much, and what to change. ``"warn"``: warn and train anyway. ``"off"``: no
             plan, no log.
-        **engine_options: further :class:`~lightning_roundpipe.config.EngineOptions` fields.
+        **engine_options: further :class:`~lightning_roundpipe.engine.options.EngineOptions` fields.
     """
 
     strategy_name = "roundpipe"
@@ -363,7 +363,7 @@ class RoundPipeStrategy(ParallelStrategy):
             return
         self._timeline_pending = False
         try:
-            from lightning_roundpipe.trace import to_chrome_trace
+            from lightning_roundpipe.observe.trace import to_chrome_trace
 
             folder = self.timeline_dir
             if folder is None:
@@ -375,7 +375,7 @@ class RoundPipeStrategy(ParallelStrategy):
             written = [os.path.join(folder, "timeline.json")]
             to_chrome_trace(events, written[0], num_devices=devices)
             try:
-                from lightning_roundpipe.gantt import draw_timeline
+                from lightning_roundpipe.observe.gantt import draw_timeline
 
                 draw_timeline(events, os.path.join(folder, "timeline.png"), num_devices=devices)
                 written.append(os.path.join(folder, "timeline.png"))

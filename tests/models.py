@@ -14,7 +14,7 @@ VOCAB, WIDTH, CONTEXT = 17, 16, 8
 class SharedLog(list):
     """A list that layer replicas share with the host layer (deepcopy returns the same object)."""
 
-    def __deepcopy__(self, memo: dict) -> "SharedLog":
+    def __deepcopy__(self, memo: dict) -> SharedLog:
         return self
 
 

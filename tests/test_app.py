@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_roundpipe.app.causal_lm import CausalLM
+from lightning_roundpipe.app.hf_model import CausalLM
 from lightning_roundpipe.app.schema import ConfigError, validate
 from lightning_roundpipe.app.train import CONFIG_DIR, run
 

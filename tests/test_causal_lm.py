@@ -260,7 +260,7 @@ def test_unsupported_calls_and_models_are_refused_with_a_clear_message():
 
 
 def test_an_unsupported_transformers_version_is_refused(monkeypatch):
-    from lightning_roundpipe.causal_lm import SUPPORTED_TRANSFORMERS, find_causal_lm
+    from lightning_roundpipe.hf.causal_lm import SUPPORTED_TRANSFORMERS, find_causal_lm
 
     model = tiny_llama()
     assert find_causal_lm(model) is model
@@ -293,7 +293,7 @@ def test_lora_dropout_does_not_depend_on_the_device_count():
 
 
 def test_hugging_face_gradient_checkpointing_is_flagged_as_redundant():
-    from lightning_roundpipe.causal_lm import causal_lm_preset
+    from lightning_roundpipe.hf.causal_lm import causal_lm_preset
 
     model = tiny_llama()
     assert len(causal_lm_preset(model)) == 3 + 2  # embedding, three blocks, head

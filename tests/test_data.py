@@ -20,16 +20,21 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_roundpipe import (
-    EngineOptions, PipelineError, RoundPipeEngine, RoundPipeStrategy, is_recomputing, pipeline_loss,
+    EngineOptions,
+    PipelineError,
+    RoundPipeEngine,
+    RoundPipeStrategy,
+    is_recomputing,
+    pipeline_loss,
 )
-from lightning_roundpipe.microbatch import sample_count, token_count
-from lightning_roundpipe.stage import ReplicaWriteWarning
+from lightning_roundpipe.engine.microbatch import sample_count, token_count
+from lightning_roundpipe.engine.stage import ReplicaWriteWarning
 from tests.models import SharedLog, clone, gpt_batch, gpt_loss, tiny_gpt
 
 TOL = dict(rtol=1e-4, atol=1e-6)
 
 # a trunk layer writing state in its forward is a bug these tests must not hide
-pytestmark = pytest.mark.filterwarnings("error::lightning_roundpipe.stage.ReplicaWriteWarning")
+pytestmark = pytest.mark.filterwarnings("error::lightning_roundpipe.engine.stage.ReplicaWriteWarning")
 
 
 def _roundpipe_threads() -> list[str]:
@@ -464,8 +469,8 @@ def test_safe_layers_raise_no_warning_and_host_attribute_changes_reach_the_devic
 
 def test_hugging_face_decoder_layers_write_no_state():
     transformers = pytest.importorskip("transformers")
-    from lightning_roundpipe.causal_lm import causal_lm_preset, summed_token_loss
-    from lightning_roundpipe.layers import build_trunk
+    from lightning_roundpipe.engine.layers import build_trunk
+    from lightning_roundpipe.hf.causal_lm import causal_lm_preset, summed_token_loss
 
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,

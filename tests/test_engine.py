@@ -13,10 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_roundpipe import EngineOptions, PipelineError, Plan, RoundPipeEngine, is_recomputing
-from lightning_roundpipe.microbatch import microbatch_sizes
-from lightning_roundpipe.transfer import NoGrad
+from lightning_roundpipe.engine.microbatch import microbatch_sizes
+from lightning_roundpipe.engine.transfer import NoGrad
 from tests.models import (
-    SharedLog, bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, reference_microbatch_step, tiny_gpt,
+    SharedLog,
+    bn_batch,
+    bn_model,
+    clone,
+    gpt_batch,
+    gpt_loss,
+    make_optimizer,
+    reference_microbatch_step,
+    tiny_gpt,
 )
 
 

@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine, RoundPipeStrategy, is_recomputing
-from lightning_roundpipe import stage as stage_module
-from lightning_roundpipe.device import AbortSignal
+from lightning_roundpipe.engine import stage as stage_module
+from lightning_roundpipe.engine.device import AbortSignal
 from tests.test_strategy import Classifier, _data
 
 pytestmark = [
@@ -255,7 +255,7 @@ class _CtrlCWhileDispatching(pl.Callback):
     third job is counted in the gradient window but never queued."""
 
     def __init__(self, monkeypatch) -> None:
-        from lightning_roundpipe.worker import Worker
+        from lightning_roundpipe.engine.worker import Worker
 
         self.puts = None
         real_put = Worker.put

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_roundpipe.lm_loss import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_lm_loss
+from lightning_roundpipe.hf.lm_loss import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_lm_loss
 
 IGNORE = -100
 MiB = 2**20

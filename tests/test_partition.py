@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_roundpipe.partition import (
+from lightning_roundpipe.planning.partition import (
     LayerCost,
     Plan,
     Planner,
@@ -19,7 +19,7 @@ from lightning_roundpipe.partition import (
     predicted_cost,
 )
 
-PAPER = Path(__file__).resolve().parents[1] / "benchmarks" / "roundpipe_paper.json"
+PAPER = Path(__file__).resolve().parents[1] / "lightning_roundpipe" / "observe" / "paper_profiles.json"
 
 
 def sizes(plan: Plan) -> tuple[list[int], int, list[int]]:

@@ -15,13 +15,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy, preflight
-from lightning_roundpipe.layers import build_trunk
-from lightning_roundpipe.partition import Plan
+from lightning_roundpipe.engine.engine import RoundPipeEngine
+from lightning_roundpipe.engine.layers import build_trunk
+from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import (
-    CgroupMemory, DeviceMemoryError, HostLimits, HostMemoryError, format_bytes, plan_memory, read_cgroup_memory,
-    read_cgroup_v1, read_cgroup_v2, read_mem_available,
+    CgroupMemory,
+    DeviceMemoryError,
+    HostLimits,
+    HostMemoryError,
+    format_bytes,
+    plan_memory,
+    read_cgroup_memory,
+    read_cgroup_v1,
+    read_cgroup_v2,
+    read_mem_available,
 )
-from lightning_roundpipe.runtime import RoundPipeEngine
 
 PLENTY = HostLimits(mem_available=2**40)
 

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from lightning_roundpipe.partition import Plan
-from lightning_roundpipe.schedule import (
+from lightning_roundpipe.planning.cli import main
+from lightning_roundpipe.planning.partition import Plan
+from lightning_roundpipe.planning.schedule import (
     Job,
     StageKind,
     backward_jobs,
     format_grid,
     forward_jobs,
-    main,
     training_jobs,
     validate,
 )
@@ -162,9 +162,9 @@ def test_cli_help(capsys):
 
 
 def test_cli_runs_as_module():
-    # One real `python -m` run (about 2 s: the package's __init__ imports torch).
+    # One real `python -m` run; the package and the pure planning modules import no torch.
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_roundpipe.schedule", "--layers", "6", "--devices", "2", "--microbatches", "2"],
+        [sys.executable, "-m", "lightning_roundpipe.planning", "--layers", "6", "--devices", "2", "--microbatches", "2"],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr

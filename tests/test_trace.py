@@ -15,14 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_roundpipe import schedule
-from lightning_roundpipe.config import EngineOptions
-from lightning_roundpipe.gantt import draw_schedule, draw_timeline, main as gantt_main
-from lightning_roundpipe.partition import LayerCost, Plan
-from lightning_roundpipe.runtime import RoundPipeEngine
-from lightning_roundpipe.simulate import simulate_roundpipe
+from lightning_roundpipe.engine.engine import RoundPipeEngine
+from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.observe.gantt import draw_schedule, draw_timeline
+from lightning_roundpipe.observe.gantt import main as gantt_main
+from lightning_roundpipe.observe.trace import STREAMS, Timeline, chrome_trace, load_chrome_trace, to_chrome_trace
+from lightning_roundpipe.planning import cli as planning_cli
+from lightning_roundpipe.planning.partition import LayerCost, Plan
+from lightning_roundpipe.planning.simulate import simulate_roundpipe
 from lightning_roundpipe.strategy import RoundPipeStrategy
-from lightning_roundpipe.trace import STREAMS, Timeline, chrome_trace, load_chrome_trace, to_chrome_trace
 from tests.models import gpt_batch, gpt_loss, tiny_gpt
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -163,7 +164,7 @@ def test_gantt_schedule_command_writes_a_png(tmp_path):
     # One real `python -m` run; it imports neither torch nor matplotlib until it draws.
     out = tmp_path / "schedule.png"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_roundpipe.gantt", "schedule", "--layers", "8", "--devices", "3",
+        [sys.executable, "-m", "lightning_roundpipe.observe.gantt", "schedule", "--layers", "8", "--devices", "3",
          "--microbatches", "4", "--png", str(out)],
         capture_output=True, text=True, timeout=120, check=False,
     )
@@ -187,9 +188,9 @@ def test_gantt_draws_the_papers_schedule_and_a_trace_file(recorded, tmp_path, ca
 
 def test_the_schedule_command_points_to_the_drawing_command(capsys):
     with pytest.raises(SystemExit) as error:
-        schedule.main(["--layers", "6", "--devices", "2", "--png", "out.png"])
+        planning_cli.main(["--layers", "6", "--devices", "2", "--png", "out.png"])
     assert error.value.code == 2
-    assert "python -m lightning_roundpipe.gantt schedule" in capsys.readouterr().err
+    assert "python -m lightning_roundpipe.observe.gantt schedule" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- strategy

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine, token_count
 from tests.models import (
-    bn_batch, bn_model, clone, gpt_batch, gpt_loss, make_optimizer, reference_microbatch_step, split_sizes,
+    bn_batch,
+    bn_model,
+    clone,
+    gpt_batch,
+    gpt_loss,
+    make_optimizer,
+    reference_microbatch_step,
+    split_sizes,
     tiny_gpt,
 )
 

@@ -2,7 +2,7 @@
 
 Each model keeps its layers in one ``nn.Sequential`` at ``self.net`` (embedding, blocks, head): that is
 the trunk RoundPipe pipelines, one child per layer. Hugging Face models (Llama, Qwen3) are the other
-LightningModule, :class:`lightning_roundpipe.app.causal_lm.CausalLM`.
+LightningModule, :class:`lightning_roundpipe.app.hf_model.CausalLM`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_roundpipe.pipelined import pipeline_loss
+from lightning_roundpipe.engine.pipelined import pipeline_loss
 
 VOCAB = 256  # bytes
 

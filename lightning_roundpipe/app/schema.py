@@ -81,7 +81,7 @@ class CausalLMConf:
     The architecture keys are the ``transformers`` config's own (``LlamaConfig`` / ``Qwen3Config``).
     """
 
-    _target_: str = "lightning_roundpipe.app.causal_lm.CausalLM"
+    _target_: str = "lightning_roundpipe.app.hf_model.CausalLM"
     _convert_: str = "all"  # `lora` arrives as a plain dict and its list as a list (peft saves them as JSON)
     family: str = "llama"
     vocab_size: int = 256
@@ -196,7 +196,7 @@ def _fail(key: str, message: str) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Reject values that type-check but cannot work, naming the Hydra key, before anything is built."""
-    from lightning_roundpipe.config import parse_bytes
+    from lightning_roundpipe.engine.options import parse_bytes
 
     strategy = cfg.strategy
     if "num_microbatches" in strategy:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from lightning_roundpipe.app.schema import ConfigError, register, validate
 
-CONFIG_DIR = str(pathlib.Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
+CONFIG_DIR = str(pathlib.Path(__file__).resolve().with_name("conf"))  # shipped inside the package
 register()
 
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.device import HostEvent
-from lightning_roundpipe.layers import Trunk
-from lightning_roundpipe.partition import Plan
-from lightning_roundpipe.recompute import draws_random_numbers
-from lightning_roundpipe.schedule import Job, StageKind
+from lightning_roundpipe.engine.device import HostEvent
+from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.recompute import draws_random_numbers
+from lightning_roundpipe.planning.partition import Plan
+from lightning_roundpipe.planning.schedule import Job, StageKind
 
 
 class PipelineError(RuntimeError):

@@ -14,7 +14,7 @@ Job kinds (see ``schedule.py``)::
     backward  recompute the stage's layers from their checkpoint, then back-propagate
 
 Gradients of parameters accumulate on the device over the job's microbatches, then are added on
-the host into the optimizer step's :class:`~lightning_roundpipe.optim.GradWindow`.
+the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`.
 """
 
 from __future__ import annotations
@@ -29,32 +29,27 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.call import Call, CallContext, PipelineError, Slot
-from lightning_roundpipe.config import EngineOptions
-from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
-from lightning_roundpipe.layers import Trunk, build_trunk
-from lightning_roundpipe.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
-from lightning_roundpipe.optim import GradWindow, HostOptimizer, PublishedWeights, snapshot_param_groups, step_with_groups
-from lightning_roundpipe.pinned import PinnedStorages
-from lightning_roundpipe.partition import LayerCost, Plan, Planner, costs_from_bytes
-from lightning_roundpipe.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
-from lightning_roundpipe.stage import StageRunner, Task
-from lightning_roundpipe.trace import Timeline, TimelineEvent
-from lightning_roundpipe.transfer import differentiable_leaves
-from lightning_roundpipe.worker import Worker
+from lightning_roundpipe.engine.call import Call, CallContext, PipelineError, Slot
+from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
+from lightning_roundpipe.engine.layers import Trunk, build_trunk
+from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
+from lightning_roundpipe.engine.optim import (
+    GradWindow,
+    HostOptimizer,
+    PublishedWeights,
+    snapshot_param_groups,
+    step_with_groups,
+)
+from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.pinned import PinnedStorages
+from lightning_roundpipe.engine.stage import StageRunner, Task
+from lightning_roundpipe.engine.transfer import differentiable_leaves
+from lightning_roundpipe.engine.worker import Worker
+from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
+from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, costs_from_bytes, stage_memory_budget
+from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
 
-__all__ = ["ACTIVATION_RESERVE", "PipelineError", "RoundPipeEngine", "stage_memory_budget"]
-
-
-ACTIVATION_RESERVE = 0.25
-"""Share of ``device_memory_limit`` kept for stage-boundary activations; the planner fits two stages
-(the running one and the prefetched one) in the rest."""
-
-
-def stage_memory_budget(device_memory_limit: int | None) -> int | None:
-    """Bytes the planner lets two stages (running and prefetched) use: what the device budget leaves after
-    the reserve for the activations in flight."""
-    return None if device_memory_limit is None else int(device_memory_limit * (1.0 - ACTIVATION_RESERVE))
+__all__ = ["PipelineError", "RoundPipeEngine"]
 
 
 class RoundPipeEngine:

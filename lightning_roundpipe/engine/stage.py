@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_roundpipe import replica as replicas
-from lightning_roundpipe.call import Call, PipelineError
-from lightning_roundpipe.device import Device, EngineAborted, HostEvent, error_hint
-from lightning_roundpipe.layers import Trunk
-from lightning_roundpipe.optim import GradWindow, PublishedWeights
-from lightning_roundpipe.recompute import layer_seed, recomputing, seeded
-from lightning_roundpipe.schedule import Job, StageKind
-from lightning_roundpipe.trace import Timeline
-from lightning_roundpipe.transfer import clone_tree, copy_tensor, differentiable_leaves, tree_map
+from lightning_roundpipe.engine import replica as replicas
+from lightning_roundpipe.engine.call import Call, PipelineError
+from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
+from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.optim import GradWindow, PublishedWeights
+from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
+from lightning_roundpipe.engine.transfer import clone_tree, copy_tensor, differentiable_leaves, tree_map
+from lightning_roundpipe.observe.trace import Timeline
+from lightning_roundpipe.planning.schedule import Job, StageKind
 
 
 class ReplicaWriteWarning(UserWarning):

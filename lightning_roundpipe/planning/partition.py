@@ -506,3 +506,15 @@ class Planner:
             self._plan = candidate
             return True
         return False
+
+
+# ---------------------------------------------------------------------------- device memory budget
+ACTIVATION_RESERVE = 0.25
+"""Share of ``device_memory_limit`` kept for stage-boundary activations; the planner fits two stages
+(the running one and the prefetched one) in the rest."""
+
+
+def stage_memory_budget(device_memory_limit: int | None) -> int | None:
+    """Bytes the planner lets two stages (running and prefetched) use: what the device budget leaves after
+    the reserve for the activations in flight."""
+    return None if device_memory_limit is None else int(device_memory_limit * (1.0 - ACTIVATION_RESERVE))

@@ -1,6 +1,6 @@
 """Pictures of pipelines: Gantt charts (PNG) of recorded timelines and of simulated schedules.
 
-:func:`draw_timeline` draws what the engine recorded (:class:`~lightning_roundpipe.trace.TimelineEvent`,
+:func:`draw_timeline` draws what the engine recorded (:class:`~lightning_roundpipe.observe.trace.TimelineEvent`,
 ``record_timeline=True`` or the strategy's ``timeline_dir``); :func:`draw_schedule` draws what
 :mod:`.simulate` planned. One row per device (and one for the host optimizer), bars coloured by
 kind, time on the x axis. Needs matplotlib (``pip install 'lightning_roundpipe[plot]'``), imported
@@ -9,9 +9,9 @@ only when something is drawn, with the Agg backend (no display).
 Command line (the pure :mod:`.schedule` module cannot draw: it imports nothing outside the standard
 library, so the drawing command lives here and takes the same schedule options)::
 
-    python -m lightning_roundpipe.gantt schedule --layers 12 --devices 4 --png schedule.png
-    python -m lightning_roundpipe.gantt schedule --paper Llama3-8B --png llama.png
-    python -m lightning_roundpipe.gantt trace outputs/.../timeline.json --png timeline.png
+    python -m lightning_roundpipe.observe.gantt schedule --layers 12 --devices 4 --png schedule.png
+    python -m lightning_roundpipe.observe.gantt schedule --paper Llama3-8B --png llama.png
+    python -m lightning_roundpipe.observe.gantt trace outputs/.../timeline.json --png timeline.png
 """
 
 from __future__ import annotations
@@ -24,10 +24,17 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from lightning_roundpipe.partition import LayerCost, Plan
-from lightning_roundpipe.schedule import CALLS, add_cli_arguments, format_plan, plan_from_cli, validate
-from lightning_roundpipe.simulate import Event, SimResult, simulate_jobs, simulate_paper_roundpipe, simulate_roundpipe
-from lightning_roundpipe.trace import COMPUTE_KINDS, HOST_OPTIMIZER, TimelineEvent, load_chrome_trace
+from lightning_roundpipe.observe.trace import COMPUTE_KINDS, HOST_OPTIMIZER, TimelineEvent, load_chrome_trace
+from lightning_roundpipe.planning.cli import CALLS, add_cli_arguments, plan_from_cli
+from lightning_roundpipe.planning.partition import LayerCost, Plan
+from lightning_roundpipe.planning.schedule import format_plan, validate
+from lightning_roundpipe.planning.simulate import (
+    Event,
+    SimResult,
+    simulate_jobs,
+    simulate_paper_roundpipe,
+    simulate_roundpipe,
+)
 
 INSTALL_HINT = "pip install 'lightning_roundpipe[plot]'"
 
@@ -151,7 +158,7 @@ def _schedule_kind(event: Event) -> str:
 
 def draw_schedule(result: SimResult | Sequence[Event], path: str | os.PathLike[str], *, title: str | None = None,
                   unit: str = "cost units", num_devices: int | None = None) -> None:
-    """Draw a simulated schedule (a :class:`~lightning_roundpipe.simulate.SimResult`, or its events) as
+    """Draw a simulated schedule (a :class:`~lightning_roundpipe.planning.simulate.SimResult`, or its events) as
     a PNG at ``path``: one row per device, a bar per phase of each job's microbatch (forward, fused,
     recompute, backward), in the costs' ``unit``. Iteration ends of a multi-iteration result are dashed
     lines."""
@@ -172,16 +179,16 @@ def draw_schedule(result: SimResult | Sequence[Event], path: str | os.PathLike[s
 
 
 # ---------------------------------------------------------------------------- command line
-_PAPER_JSON = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "roundpipe_paper.json"
+_PAPER_JSON = pathlib.Path(__file__).resolve().with_name("paper_profiles.json")  # shipped with the package
 
 
 def _paper_model(path: str | None, name: str) -> tuple[list[LayerCost], Plan, int, int, float]:
     """Costs (the LM head as the last layer), the paper's plan, devices, microbatches and hop of ``name``
-    from the paper's figures (``benchmarks/roundpipe_paper.json`` of a source checkout)."""
+    from the paper's figures (``paper_profiles.json`` beside this module, or ``--paper-json``)."""
     source = pathlib.Path(path) if path else _PAPER_JSON
     if not source.is_file():
         raise ValueError(f"--paper needs the paper's figures: {source} does not exist; pass --paper-json PATH "
-                         "(benchmarks/roundpipe_paper.json in a source checkout)")
+                         "in the format of lightning_roundpipe/observe/paper_profiles.json")
     sim = json.loads(source.read_text())["simulation"]
     models = sim["models"]
     if name not in models:
@@ -256,16 +263,16 @@ def _trace_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lightning_roundpipe.gantt {schedule,trace} ... --png FILE``."""
+    """``python -m lightning_roundpipe.observe.gantt {schedule,trace} ... --png FILE``."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_roundpipe.gantt",
+        prog="python -m lightning_roundpipe.observe.gantt",
         description=f"Draw RoundPipe pipelines as Gantt charts (PNG; needs matplotlib: {INSTALL_HINT}).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     schedule = commands.add_parser(
         "schedule", help="simulate and draw a planned schedule",
-        description="Simulate a RoundPipe schedule (the runtime's ring order; lightning_roundpipe.simulate) "
-        "and draw it. Options as `python -m lightning_roundpipe.schedule`, plus per-layer costs, or a model "
+        description="Simulate a RoundPipe schedule (the runtime's ring order; lightning_roundpipe.planning.simulate) "
+        "and draw it. Options as `python -m lightning_roundpipe.planning.schedule`, plus per-layer costs, or a model "
         "of the paper (its costs, partition, 8 devices and 16 microbatches).")
     add_cli_arguments(schedule, required=False)
     schedule.add_argument("--forward-cost", type=float, default=1.0, help="forward time per layer and microbatch")
@@ -277,14 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="with --iterations: may an iteration start before the previous one ended")
     schedule.add_argument("--paper", metavar="MODEL", help="a model of the paper's figures, e.g. Llama3-8B")
     schedule.add_argument("--paper-json", metavar="PATH", help="the paper's figures (default: "
-                          "benchmarks/roundpipe_paper.json of the source checkout)")
+                          "lightning_roundpipe/observe/paper_profiles.json)")
     schedule.add_argument("--simulator", choices=("runtime", "paper"), default="runtime",
                           help="our runtime's order, or the paper's simulator (rounds of N microbatches)")
     schedule.add_argument("--unit", default=None, help="name of the time unit on the axis (--paper: ms)")
     schedule.add_argument("--png", required=True, help="the picture to write")
     trace = commands.add_parser("trace", help="draw a Chrome trace written by the engine",
                                 description="Draw a timeline.json written by RoundPipeStrategy(timeline_dir=...) "
-                                "or lightning_roundpipe.trace.to_chrome_trace.")
+                                "or lightning_roundpipe.observe.trace.to_chrome_trace.")
     trace.add_argument("trace", help="the Chrome trace JSON")
     trace.add_argument("--png", required=True, help="the picture to write")
     args = parser.parse_args(argv)

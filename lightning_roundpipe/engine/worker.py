@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.call import PipelineError, Slot
-from lightning_roundpipe.device import AbortSignal, Device, EngineAborted, HostEvent, error_hint, join_until
-from lightning_roundpipe.schedule import StageKind
-from lightning_roundpipe.stage import Stage, StageRunner, Task
-from lightning_roundpipe.transfer import HOST, copy_tensor, copy_tree, tree_nbytes, tree_tensors
+from lightning_roundpipe.engine.call import PipelineError, Slot
+from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, error_hint, join_until
+from lightning_roundpipe.engine.stage import Stage, StageRunner, Task
+from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tree_nbytes, tree_tensors
+from lightning_roundpipe.planning.schedule import StageKind
 
 
 class Worker:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
-from lightning_roundpipe.partition import Plan
+from lightning_roundpipe.planning.partition import Plan
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -37,10 +37,10 @@ class EngineOptions:
     """Microbatches per trunk call (M). ``None``: number of devices + 1, which keeps every device busy
     in the steady state. Set it explicitly for results that do not depend on the device count."""
 
-    num_stages: Union[Literal["auto"], int, Plan] = "auto"
+    num_stages: Literal["auto"] | int | Plan = "auto"
     """The chunk count: the number of *forward* stages. ``"auto"`` sizes stages from per-layer costs
     (bytes first, measured times later); an ``int`` splits the non-fused layers into that many forward
-    stages and derives the (smaller) backward stages; a :class:`~lightning_roundpipe.partition.Plan`
+    stages and derives the (smaller) backward stages; a :class:`~lightning_roundpipe.planning.partition.Plan`
     fixes the partition exactly."""
 
     async_step: bool = False

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_roundpipe.microbatch import LossWeight, sample_count
+from lightning_roundpipe.engine.microbatch import LossWeight, sample_count
 
 if TYPE_CHECKING:
-    from lightning_roundpipe.runtime import RoundPipeEngine
+    from lightning_roundpipe.engine.engine import RoundPipeEngine
 
 
 class InstancePatch:

@@ -27,8 +27,7 @@ import copy
 import torch
 from torch import nn
 
-from lightning_roundpipe.layers import LayerState, TensorSlot
-
+from lightning_roundpipe.engine.layers import LayerState, TensorSlot
 
 _OWN = frozenset({"_parameters", "_buffers", "_modules", "training"})
 """Instance attributes a replica keeps its own: its tensor and child tables, and its training flag."""

@@ -3,7 +3,7 @@
 :class:`Timeline` collects :class:`TimelineEvent` s from the engine's threads (``record_timeline``);
 :func:`to_chrome_trace` writes them in the Chrome trace event format, which https://ui.perfetto.dev
 and ``chrome://tracing`` open; :func:`load_chrome_trace` reads such a file back (to draw it later
-with :func:`lightning_roundpipe.gantt.draw_timeline`). Standard library only.
+with :func:`lightning_roundpipe.observe.gantt.draw_timeline`). Standard library only.
 
 Kinds of events, and the stream of their device that runs them (each stream runs one operation at
 a time, so events of one track never overlap)::

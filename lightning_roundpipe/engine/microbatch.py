@@ -10,7 +10,7 @@ What is a container and what is a value:
 
 * Containers are walked, and every microbatch gets a container of the same type and structure:
   tuples, lists, dicts, namedtuples (anything ``torch.utils._pytree`` knows) and dataclass instances
-  (their ``init`` fields, rebuilt by calling the class; see :mod:`lightning_roundpipe.transfer`).
+  (their ``init`` fields, rebuilt by calling the class; see :mod:`lightning_roundpipe.engine.transfer`).
 * Every leaf that is not a tensor with a dim 0 is a value, replicated whole to every microbatch:
   strings, numbers, ``None``, 0-dim tensors, any other object. The trunk's first layer sees the same
   values it would see without microbatches.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.transfer import spec_has_dataclass, tree_flatten, tree_leaves, tree_unflatten
+from lightning_roundpipe.engine.transfer import spec_has_dataclass, tree_flatten, tree_leaves, tree_unflatten
 
 
 def microbatch_sizes(num_samples: int, num_microbatches: int) -> list[int]:

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_roundpipe.device import AbortSignal, EngineAborted, HostEvent
-from lightning_roundpipe.trace import Timeline
+from lightning_roundpipe.engine.device import AbortSignal, EngineAborted, HostEvent
+from lightning_roundpipe.observe.trace import Timeline
 
 
 class GradWindow:

@@ -4,11 +4,11 @@ The model is cut into its natural layers without changing it:
 
 - an *embedding* layer: token embeddings, plus what every decoder layer reads and nothing
   differentiates (the attention masks, the rotary cos/sin tables, the position ids and the labels),
-  computed once per microbatch and carried in a :class:`~lightning_roundpipe.transfer.NoGrad`, so
+  computed once per microbatch and carried in a :class:`~lightning_roundpipe.engine.transfer.NoGrad`, so
   backward stages reuse them when they recompute;
 - one layer per decoder block;
 - a *head*: the final norm and either the logits (no labels) or, with labels, each sample's summed
-  token loss and token count from :func:`~lightning_roundpipe.lm_loss.chunked_lm_loss`, which never
+  token loss and token count from :func:`~lightning_roundpipe.hf.lm_loss.chunked_lm_loss`, which never
   holds a whole microbatch's full-vocabulary logits.
 
 The layers are wrappers that hold the model's own modules, outside the model's module tree: its
@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_roundpipe.lm_loss import chunked_lm_loss
-from lightning_roundpipe.microbatch import token_count
-from lightning_roundpipe.pipelined import PipelinedForward
-from lightning_roundpipe.transfer import NoGrad
+from lightning_roundpipe.engine.microbatch import token_count
+from lightning_roundpipe.engine.pipelined import PipelinedForward
+from lightning_roundpipe.engine.transfer import NoGrad
+from lightning_roundpipe.hf.lm_loss import chunked_lm_loss
 
 SUPPORTED_TRANSFORMERS = ("5.0", "5.25")  # [lowest, first unsupported): masks and layer calls change often
 FAMILIES = ("llama", "qwen2", "qwen3")    # model_type values whose forward the preset reproduces

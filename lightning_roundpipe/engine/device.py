@@ -14,7 +14,7 @@ On a CUDA device the same host thread per stream issues its operations on a CUDA
 A recorded event then also records a CUDA event, and a stream that waits for it makes its CUDA stream
 wait on the GPU: the host thread learns that the work was *enqueued*, the GPU orders the *execution*,
 and no host thread blocks on the GPU except the transfer threads where a host buffer must be complete
-(see :mod:`lightning_roundpipe.worker`).
+(see :mod:`lightning_roundpipe.engine.worker`).
 """
 
 from __future__ import annotations

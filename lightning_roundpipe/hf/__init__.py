@@ -1,0 +1,4 @@
+"""Hugging Face integration: the causal-LM preset (Llama, Qwen2, Qwen3, with LoRA) and the chunked LM-head loss.
+
+``transformers`` and ``peft`` are optional (the ``[hf]`` extra) and imported only when a model of theirs is found.
+"""

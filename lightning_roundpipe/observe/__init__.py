@@ -1,0 +1,1 @@
+"""Observability: the timeline the engine records, Chrome-trace export and Gantt pictures (``gantt``)."""
