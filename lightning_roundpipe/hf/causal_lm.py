@@ -116,10 +116,10 @@ def check_transformers_version() -> None:
 
 def causal_lm_preset(module: nn.Module, chunk_bytes: int | None = None) -> list[nn.Module] | None:
     """The layers of a Hugging Face causal LM (see the module docstring), or ``None`` if it is not one."""
-    model = find_causal_lm(module)
+    model: Any = find_causal_lm(module)
     if model is None:
         return None
-    base = model.model
+    base: Any = model.model  # a transformers *Model: typed loosely, transformers is optional
     if any(getattr(layer, "gradient_checkpointing", False) for layer in base.layers):
         warnings.warn(
             f"{type(model).__name__} has gradient checkpointing enabled; RoundPipe's backward stages already "
@@ -140,10 +140,10 @@ def causal_lm_preset(module: nn.Module, chunk_bytes: int | None = None) -> list[
 class CausalLMEmbedding(nn.Module):
     """Token embeddings, and the per-microbatch values every later layer reads (in a ``NoGrad``)."""
 
-    def __init__(self, base: nn.Module, attention_types: list[str]) -> None:
+    def __init__(self, base: Any, attention_types: list[str]) -> None:
         super().__init__()
-        self.embed_tokens = base.embed_tokens
-        self.rotary_emb = base.rotary_emb
+        self.embed_tokens: nn.Module = base.embed_tokens
+        self.rotary_emb: nn.Module = base.rotary_emb
         self.config = base.config
         self.mask_builders = {kind: _mask_builder(kind) for kind in attention_types}
 
@@ -255,7 +255,7 @@ class CausalLMForward(PipelinedForward):
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                  return_dict: bool | None = None, use_cache: bool | None = None, **unsupported: Any) -> Any:
-        _refuse_unsupported(input_ids, use_cache, unsupported)
+        input_ids = _refuse_unsupported(input_ids, use_cache, unsupported)
         if position_ids is not None and position_ids.shape[0] == 1 and input_ids.shape[0] > 1:
             position_ids = position_ids.expand(input_ids.shape[0], -1)  # split into microbatches on dim 0
         loss = logits = None
@@ -282,7 +282,9 @@ _IGNORED_WHEN_EMPTY = ("inputs_embeds", "past_key_values", "cache", "cache_posit
                        "output_hidden_states", "logits_to_keep", "token_type_ids")
 
 
-def _refuse_unsupported(input_ids: torch.Tensor | None, use_cache: bool | None, unsupported: dict[str, Any]) -> None:
+def _refuse_unsupported(input_ids: torch.Tensor | None, use_cache: bool | None, unsupported: dict[str, Any]
+                        ) -> torch.Tensor:
+    """``input_ids``, once the call is one the pipeline supports; else a ValueError saying what to change."""
     if input_ids is None:
         raise ValueError("under RoundPipe, call the model with `input_ids` (inputs_embeds are not supported)")
     if use_cache:
@@ -298,6 +300,7 @@ def _refuse_unsupported(input_ids: torch.Tensor | None, use_cache: bool | None, 
             f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} not supported. Compute that outside the "
             "model call, or train under another strategy"
         )
+    return input_ids
 
 
 def _is_empty(value: Any) -> bool:

@@ -106,13 +106,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 # upstream gradient there is inf/NaN.
                 scale = torch.where(valid, grad_loss[s:e].to(mdt), 0.0)
                 g.mul_(scale.unsqueeze(1))
-                if need_b:
+                if grad_b is not None:
                     grad_b.add_(g.sum(0))
                 gc = g.to(cdt)
                 del g
-                if need_h:
+                if grad_h is not None:
                     grad_h[s:e] = gc @ w
-                if need_w:
+                if grad_w is not None:
                     if grad_w.dtype == gc.dtype:
                         grad_w.addmm_(gc.T, h)  # no (V, H) temporary
                     else:
@@ -120,16 +120,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
                         # in the compute dtype per chunk: CPU has no mixed-dtype addmm.
                         grad_w.add_(gc.T @ h)
                 del gc
-        if need_w:
+        if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        if need_b:
+        if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def chunked_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
                     ignore_index: int = -100, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tensor:
-    """Per-token cross entropy of logits = hidden @ weight.T (+ bias) against labels, computed a chunk of tokens at a time.
+    """Per-token cross entropy of logits = hidden @ weight.T (+ bias) against labels, a chunk of tokens at a time.
     hidden: (..., H) ; weight: (V, H) ; labels: (...) int64 with the same leading shape as hidden.
     Returns per-token losses (same leading shape as labels, float32), 0.0 where labels == ignore_index.
 

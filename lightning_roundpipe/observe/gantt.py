@@ -195,7 +195,8 @@ def _paper_model(path: str | None, name: str) -> tuple[list[LayerCost], Plan, in
         raise ValueError(f"--paper {name!r} is not one of {', '.join(models)}")
     m = models[name]
     costs = [LayerCost(m["fwd"], m["bwd"])] * m["layers"] + [LayerCost(m["lm_head_fwd"], m["lm_head_bwd"])]
-    fwd, bwd = ([int(x) for x in part.split(",")] for part in sim["paper_partitions_fwd_bwd_layers_per_stage"][name].split("|"))
+    partition = sim["paper_partitions_fwd_bwd_layers_per_stage"][name]
+    fwd, bwd = ([int(x) for x in part.split(",")] for part in partition.split("|"))
     plan = Plan.from_sizes(fwd, 1, bwd[1:])  # bwd[0] = 0: the fused stage is the LM head alone
     return costs, plan, sim["num_devices"], sim["num_microbatches"], float(m["comm"])
 
@@ -206,7 +207,8 @@ def _schedule_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
         if args.paper is not None:
             costs, paper_plan, devices, micro, hop = _paper_model(args.paper_json, args.paper)
             if args.layers is not None and args.layers != len(costs):
-                raise ValueError(f"--layers {args.layers} does not fit {args.paper}: {len(costs)} layers with the LM head")
+                raise ValueError(f"--layers {args.layers} does not fit {args.paper}: {len(costs)} layers with the "
+                                 "LM head")
             args.layers = len(costs)
             args.devices = args.devices if args.devices is not None else devices
             micro = args.microbatches if args.microbatches is not None else micro

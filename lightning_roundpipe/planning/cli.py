@@ -47,7 +47,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser, *, required: bool = True)
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per call (default: devices + 1)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stages", type=int, help="number of forward stages (plan_chunks); default: plan_auto")
-    group.add_argument("--plan", help="explicit plan 'fwd sizes|fused size|bwd sizes', bwd deep to shallow, e.g. '3,3,3,2|1|1,1,1'")
+    group.add_argument("--plan", help="explicit plan 'fwd sizes|fused size|bwd sizes', bwd deep to shallow, "
+                       "e.g. '3,3,3,2|1|1,1,1'")
     parser.add_argument("--path", choices=tuple(CALLS), default="training", help="which call to show")
     parser.add_argument("--first-index", type=int, default=0, help="ring counter at the start of the call")
 

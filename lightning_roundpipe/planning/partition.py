@@ -195,7 +195,7 @@ def costs_from_bytes(
     mean = sum(param_bytes) / len(param_bytes) if param_bytes else 0.0
     floor = 0.01 * mean if mean > 0 else 1.0
     out = []
-    for p, g in zip(param_bytes, grad_bytes):
+    for p, g in zip(param_bytes, grad_bytes, strict=True):
         forward = float(p) if p > 0 else floor
         out.append(LayerCost(forward, backward_ratio * forward, int(p), int(g)))
     return out
@@ -480,7 +480,8 @@ class Planner:
         a = self.smoothing
         if not self._ema:
             self._ema = [(0.0, 0.0)] * self.num_layers
-        self._ema = [(a * f + (1 - a) * m.forward, a * b + (1 - a) * m.backward) for (f, b), m in zip(self._ema, measured)]
+        self._ema = [(a * f + (1 - a) * m.forward, a * b + (1 - a) * m.backward)
+                     for (f, b), m in zip(self._ema, measured, strict=True)]
 
     @property
     def estimate(self) -> list[LayerCost] | None:
@@ -488,7 +489,7 @@ class Planner:
         if not self._ema or self._bytes is None:
             return None
         norm = 1 - self.smoothing ** (self._seen - 1)
-        return [LayerCost(f / norm, b / norm, p, g) for (f, b), (p, g) in zip(self._ema, self._bytes)]
+        return [LayerCost(f / norm, b / norm, p, g) for (f, b), (p, g) in zip(self._ema, self._bytes, strict=True)]
 
     def replan(self) -> bool:
         """Between iterations only: adopt a plan built from the smoothed costs if its

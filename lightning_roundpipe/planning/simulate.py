@@ -249,7 +249,8 @@ def _run(
 
 
 def simulate_jobs(
-    jobs: Sequence[Job], costs: Sequence[LayerCost], num_devices: int, hop: float = 0.0, *, recompute_ahead: bool = False
+    jobs: Sequence[Job], costs: Sequence[LayerCost], num_devices: int, hop: float = 0.0, *,
+    recompute_ahead: bool = False,
 ) -> SimResult:
     """Time any job list of :mod:`.schedule` (one call, or several back to back with indices
     continuing) the way our runtime runs it: each device takes its jobs in list order, microbatches
@@ -375,7 +376,8 @@ def _simulate_bound(
     return _breakdown(tl, warmup_phase=True)
 
 
-def simulate_gpipe(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int, hop: float = 0.0) -> SimResult:
+def simulate_gpipe(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int,
+                   hop: float = 0.0) -> SimResult:
     """GPipe with ``len(stages)`` devices, device ``s`` holding ``stages[s]`` consecutive layers
     (sizes cover every layer of ``costs``; the loss head is the last). All forwards, then all
     backwards, microbatches in order."""
@@ -384,7 +386,8 @@ def simulate_gpipe(stages: Sequence[int], costs: Sequence[LayerCost], num_microb
     return _simulate_bound(prog, ranges, costs, hop)
 
 
-def simulate_1f1b(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int, hop: float = 0.0) -> SimResult:
+def simulate_1f1b(stages: Sequence[int], costs: Sequence[LayerCost], num_microbatches: int,
+                  hop: float = 0.0) -> SimResult:
     """1F1B (PipeDream-flush, as PyTorch's ``Schedule1F1B``): device ``s`` runs ``min(M, N - s)``
     warm-up forwards, then alternates one backward and one forward, then the remaining backwards."""
     ranges = _bound(stages, costs, num_microbatches)
