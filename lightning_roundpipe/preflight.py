@@ -17,12 +17,12 @@ the engine's plan and the optimizers (before their first step), what the host wi
 * **stage-boundary activations** are *not* estimated: they depend on the batch, which setup has not seen.
   The plan says how many layer inputs a training batch keeps on the host and reports the headroom left
   for them;
-* **checkpoint saves** add nothing: the strategy streams ``torch.save`` into the file.
+* **checkpoint saves** add nothing: ``StreamingCheckpointIO`` streams ``torch.save`` into the file.
 
-What the machine allows (:func:`read_host_limits`): ``MemAvailable`` from ``/proc/meminfo`` and the cgroup
+What the machine allows (:func:`lightning_roundpipe.hostmem.read_host_limits`): ``MemAvailable`` and the cgroup
 limit of this process (v2 ``memory.max`` minus ``memory.current``, v1 ``memory.limit_in_bytes`` minus
 ``memory.usage_in_bytes``; reclaimable inactive file cache is not counted as used), whichever is smaller,
-and the locked-memory limit (``RLIMIT_MEMLOCK``, for pinned staging on CUDA devices; pinning is not
+and the locked-memory limit (``RLIMIT_MEMLOCK``, for the weights pinned on CUDA devices; pinning is not
 used on CPU devices). The new allocations must fit in what is available now. (When resuming with
 ``ckpt_path``, Lightning has loaded the checkpoint before the strategy sets up, so the figure is lower than
 it will be once the checkpoint is restored and freed: the check is pessimistic then.)
@@ -38,29 +38,25 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
+from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
 from lightning_roundpipe.planning.partition import ACTIVATION_RESERVE, Plan, stage_memory_budget
 
 __all__ = [
-    "CgroupMemory", "DeviceMemoryError", "HostLimits", "HostMemoryError", "MemoryPlan", "PREFLIGHT_MODES",
-    "PreflightError", "check_layers", "enforce", "format_bytes", "optimizer_state_bytes", "plan_memory",
-    "read_cgroup_memory", "read_cgroup_v1", "read_cgroup_v2", "read_host_limits", "read_mem_available",
+    "DeviceMemoryError", "HostMemoryError", "MemoryPlan", "PreflightError", "Problem", "check_layers", "enforce",
+    "enforce_layers", "optimizer_state_bytes", "plan_memory",
 ]
 
 log = logging.getLogger(__name__)
-
-PREFLIGHT_MODES = ("refuse", "warn", "off")
-
-_UNLIMITED = 2**60  # cgroup v1 writes "unlimited" as a page-aligned LONG_MAX (9223372036854771712)
 
 
 class PreflightError(MemoryError):
@@ -75,203 +71,6 @@ class DeviceMemoryError(PreflightError):
     """A layer or stage cannot fit in ``device_memory_limit``."""
 
 
-def format_bytes(nbytes: int | float | None) -> str:
-    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'unlimited'``."""
-    if nbytes is None:
-        return "unlimited"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if unit == "B" and abs(value) < 1024:
-            return f"{int(value)} B"
-        if unit != "B" and abs(round(value, 1)) < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-# ---------------------------------------------------------------------------------------------- machine
-@dataclass(frozen=True)
-class CgroupMemory:
-    """A cgroup's memory limit and usage, in bytes. ``limit=None``: no limit (``max``)."""
-
-    version: int
-    limit: int | None
-    usage: int
-    reclaimable: int = 0  # inactive file cache: counted in usage, dropped by the kernel before an OOM
-    path: str = ""
-
-    @property
-    def available(self) -> int | None:
-        if self.limit is None:
-            return None
-        return max(0, self.limit - max(0, self.usage - self.reclaimable))
-
-    def describe(self) -> str:
-        name = "memory.max" if self.version == 2 else "memory.limit_in_bytes"
-        if self.limit is None:
-            return f"cgroup v{self.version}: no limit"
-        return (f"cgroup v{self.version} {name} {format_bytes(self.limit)} - used "
-                f"{format_bytes(max(0, self.usage - self.reclaimable))}")
-
-
-@dataclass(frozen=True)
-class HostLimits:
-    """What the machine allows now. ``None`` fields are unknown or unlimited."""
-
-    mem_available: int | None = None  # /proc/meminfo MemAvailable
-    cgroup: CgroupMemory | None = None
-    memlock: int | None = None        # RLIMIT_MEMLOCK soft limit; None: unlimited or unknown
-
-    @property
-    def available(self) -> int | None:
-        """The smaller of ``MemAvailable`` and the cgroup's room; ``None`` if neither is known."""
-        known = [v for v in (self.mem_available, self.cgroup.available if self.cgroup else None) if v is not None]
-        return min(known) if known else None
-
-    @property
-    def cgroup_binds(self) -> bool:
-        room = self.cgroup.available if self.cgroup is not None else None
-        return room is not None and (self.mem_available is None or room < self.mem_available)
-
-    def describe(self) -> str:
-        parts = [f"MemAvailable {format_bytes(self.mem_available)}" if self.mem_available is not None
-                 else "MemAvailable unknown"]
-        parts.append(self.cgroup.describe() if self.cgroup is not None else "no cgroup memory limit found")
-        return "; ".join(parts)
-
-
-def _read_int(path: str) -> int | None:
-    """An integer file (``max``/absent/unreadable: ``None``)."""
-    try:
-        with open(path) as file:
-            text = file.read().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _read_stat(path: str) -> dict[str, int]:
-    stats: dict[str, int] = {}
-    try:
-        with open(path) as file:
-            for line in file:
-                key, _, value = line.partition(" ")
-                if value.strip().isdigit():
-                    stats[key] = int(value)
-    except OSError:
-        pass
-    return stats
-
-
-def read_mem_available(path: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or ``None`` when the file or the line is missing."""
-    try:
-        with open(path) as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    fields = line.split()
-                    scale = 1024 if len(fields) > 2 and fields[2].lower() == "kb" else 1
-                    return int(fields[1]) * scale
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def read_cgroup_v2(directory: str) -> CgroupMemory | None:
-    """One cgroup v2 directory: ``memory.max`` (``max``: no limit), ``memory.current``, and
-    ``inactive_file`` from ``memory.stat``. ``None`` if ``memory.current`` is missing."""
-    usage = _read_int(os.path.join(directory, "memory.current"))
-    if usage is None:
-        return None
-    limit = _read_int(os.path.join(directory, "memory.max"))
-    reclaimable = _read_stat(os.path.join(directory, "memory.stat")).get("inactive_file", 0)
-    return CgroupMemory(2, limit, usage, reclaimable, directory)
-
-
-def read_cgroup_v1(directory: str) -> CgroupMemory | None:
-    """One cgroup v1 memory directory: ``memory.limit_in_bytes`` (or the smaller
-    ``hierarchical_memory_limit`` of ``memory.stat``; about ``2**63`` means no limit),
-    ``memory.usage_in_bytes`` and ``total_inactive_file``. ``None`` if the usage file is missing."""
-    usage = _read_int(os.path.join(directory, "memory.usage_in_bytes"))
-    if usage is None:
-        return None
-    stats = _read_stat(os.path.join(directory, "memory.stat"))
-    limits = [v for v in (_read_int(os.path.join(directory, "memory.limit_in_bytes")),
-                          stats.get("hierarchical_memory_limit")) if v is not None and v < _UNLIMITED]
-    reclaimable = stats.get("total_inactive_file", stats.get("inactive_file", 0))
-    return CgroupMemory(1, min(limits) if limits else None, usage, reclaimable, directory)
-
-
-def _own_cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
-    """This process's (v2 path, v1 memory path) from ``/proc/self/cgroup``."""
-    v2 = v1 = None
-    try:
-        with open(proc_cgroup) as file:
-            for line in file:
-                parts = line.strip().split(":", 2)
-                if len(parts) != 3:
-                    continue
-                if parts[0] == "0" and parts[1] == "":
-                    v2 = parts[2]
-                elif "memory" in parts[1].split(","):
-                    v1 = parts[2]
-    except OSError:
-        pass
-    return v2, v1
-
-
-def read_cgroup_memory(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> CgroupMemory | None:
-    """The tightest cgroup memory limit of this process, or ``None`` when no cgroup files are found.
-
-    v2 (``root/cgroup.controllers`` or ``root/memory.current`` exists): this process's cgroup (from
-    ``proc_cgroup``) and each ancestor up to ``root``; the limited one with the least room wins. v1:
-    ``root/memory/<own path>``, or ``root/memory`` when that does not exist (a container's namespace
-    root). A cgroup without a limit comes back with ``limit=None``."""
-    v2_path, v1_path = _own_cgroup_paths(proc_cgroup)
-    top = os.path.normpath(root)
-    if os.path.exists(os.path.join(top, "cgroup.controllers")) or os.path.exists(os.path.join(top, "memory.current")):
-        directory = os.path.normpath(os.path.join(top, (v2_path or "/").lstrip("/")))
-        if not directory.startswith(top + os.sep) or not os.path.isdir(directory):
-            directory = top
-        entries = []
-        while True:
-            entry = read_cgroup_v2(directory)
-            if entry is not None:
-                entries.append(entry)
-            if directory == top:
-                break
-            directory = os.path.dirname(directory)
-        limited = [entry for entry in entries if entry.limit is not None]
-        if limited:
-            return min(limited, key=lambda entry: entry.available or 0)
-        return entries[0] if entries else None
-    base = os.path.join(top, "memory")
-    directory = os.path.normpath(os.path.join(base, (v1_path or "/").lstrip("/")))
-    if not os.path.exists(os.path.join(directory, "memory.usage_in_bytes")):
-        directory = base
-    return read_cgroup_v1(directory)
-
-
-def read_memlock() -> int | None:
-    """The soft ``RLIMIT_MEMLOCK`` in bytes; ``None`` if unlimited or unknown (no ``resource`` module)."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
-
-
-def read_host_limits() -> HostLimits:
-    """What this machine allows now. The strategy calls this at setup; tests replace it."""
-    return HostLimits(read_mem_available(), read_cgroup_memory(), read_memlock())
-
-
 # ---------------------------------------------------------------------------------------------- optimizers
 def _scalar_bytes() -> int:
     # torch keeps per-parameter scalars (``step``) as 0-dim tensors of _get_scalar_dtype()
@@ -280,13 +79,12 @@ def _scalar_bytes() -> int:
 
 def _factored_bytes(param: torch.Tensor) -> int:
     """Adafactor's second moment: a row and a column factor for 2+-dim parameters, else full."""
-    size = param.element_size()
     if param.dim() < 2:
-        return param.numel() * size
+        return nbytes_of(param)
     shape = list(param.shape)
     rows = math.prod(shape[:-1])
     cols = math.prod(shape[:-2] + shape[-1:])
-    return (rows + cols) * size
+    return (rows + cols) * param.element_size()
 
 
 # Per torch.optim class: (buffers the size of the parameter, per-parameter scalars, description). The
@@ -346,7 +144,7 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
             if buffers < 0:
                 total += _factored_bytes(param)
             else:
-                total += int(buffers * param.numel() * param.element_size())
+                total += int(buffers * nbytes_of(param))
             total += scalars * scalar
     shown = label if name is None or name == label else f"{label} (as {name})"
     return total, f"{shown}: {'; '.join(descriptions) or 'no parameters'}", name is not None
@@ -416,6 +214,14 @@ def _heaviest_window(sizes: Sequence[int], width: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Problem:
+    """Something that does not fit: ``kind`` says where, ``message`` what, by how much, and what to change."""
+
+    kind: Literal["device", "host", "memlock"]
+    message: str
+
+
 @dataclass
 class MemoryPlan:
     """The pre-flight figures, in bytes. ``new_bytes`` must fit in ``host_available``."""
@@ -442,15 +248,14 @@ class MemoryPlan:
     checkpoint_save_bytes: int        # 0: saves stream into the file
     # the machine
     limits: HostLimits
-    pinned_bytes: int                 # CUDA devices with pin_memory: staging to pin (0 on CPU devices)
+    pinned_bytes: int                 # CUDA devices with pin_memory: host weights to pin (0 on CPU devices)
     # device side (per device)
     device_memory_limit: int | None
     stage_budget: int | None          # what the planner lets two stages use
     largest_stages: dict[str, tuple[range, int]]  # stage kind -> (its layers, its bytes), the largest
     device_stage_bytes: int           # two stages: the running one and the prefetched one (2 x largest)
     largest_layer: tuple[int, int]    # (layer index, parameters + buffers + gradients)
-    problems: list[str] = field(default_factory=list)       # each a full message; any refuses
-    problem_kinds: list[str] = field(default_factory=list)  # per problem: "device", "host" or "memlock"
+    problems: list[Problem] = field(default_factory=list)  # any refuses
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -490,7 +295,9 @@ class MemoryPlan:
 
     def new_items(self) -> list[tuple[str, int]]:
         """The host allocations still to come, largest first."""
-        optimizer = f"optimizer state ({'; '.join(self.optimizer_notes)})" if self.optimizer_notes else "optimizer state"
+        optimizer = "optimizer state"
+        if self.optimizer_notes:
+            optimizer += f" ({'; '.join(self.optimizer_notes)})"
         items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
                  (optimizer, self.optimizer_state_bytes), ("published weights (async)", self.published_bytes),
                  ("simulated device copies", self.device_copy_bytes)]
@@ -589,16 +396,16 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     by_dtype: dict[str, int] = {}
     for param in params:
         name = str(param.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + param.numel() * param.element_size()
-    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        by_dtype[name] = by_dtype.get(name, 0) + nbytes_of(param)
+    buffer_bytes = tensors_nbytes(module.buffers())
     trunk_trainable = trunk.trainable_parameters()
-    trunk_trainable_bytes = sum(p.numel() * p.element_size() for p in trunk_trainable)
+    trunk_trainable_bytes = tensors_nbytes(trunk_trainable)
 
     gradient_bytes = next_gradient_bytes = optimizer_bytes = 0
     notes: list[str] = []
     assumed = False
     if training:
-        gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        gradient_bytes = tensors_nbytes(p for p in params if p.requires_grad)
         if async_step:  # the step reads window k in param.grad while iteration k+1 fills the next window
             next_gradient_bytes = trunk_trainable_bytes
         for optimizer in optimizers:
@@ -609,23 +416,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     published = trunk_trainable_bytes if async_step else 0
 
     device_type = devices[0].type if devices else "cpu"
-    forward_sizes = _stage_sizes(trunk, plan.forward, with_grads=False)
-    fused_size = _stage_sizes(trunk, [plan.fused], with_grads=training)[0]
-    backward_sizes = _stage_sizes(trunk, plan.backward, with_grads=True) if training else []
-    largest: dict[str, tuple[range, int]] = {}
-    for kind, stages, sizes in (("forward", plan.forward, forward_sizes), ("fused", (plan.fused,), [fused_size]),
-                                ("backward", plan.backward, backward_sizes)):
-        if sizes:
-            best = max(range(len(sizes)), key=lambda i: sizes[i])
-            largest[kind] = (stages[best], sizes[best])
-    largest_stage = max(size for _, size in largest.values())
-    # on CPU devices the stage copies are host memory: each device holds at most its running and its
-    # prefetched stage, consecutive jobs of the ring, so the heaviest 2N consecutive jobs bound them all
-    schedules = [forward_sizes + [fused_size] + backward_sizes]
-    if training:  # the transparent path runs the fused layers forward, then as the first backward stage
-        schedules.append(forward_sizes + _stage_sizes(trunk, [plan.fused], with_grads=False) + [fused_size]
-                         + backward_sizes)
-    resident_copies = max(_heaviest_window(sizes, 2 * len(devices)) for sizes in schedules)
+    stages = _stage_footprint(trunk, plan, training, len(devices))
+    resident_copies = stages.resident_copies
     device_copies = resident_copies if device_type == "cpu" else 0
     pinned = resident_copies if device_type == "cuda" and pin_memory else 0
 
@@ -646,33 +438,59 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         optimizer_notes=notes, optimizer_state_assumed=assumed, published_bytes=published,
         device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
         checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
-        stage_budget=stage_memory_budget(device_memory_limit), largest_stages=largest,
-        device_stage_bytes=2 * largest_stage, largest_layer=(worst_layer, layer_sizes[worst_layer]),
+        stage_budget=stage_memory_budget(device_memory_limit), largest_stages=stages.largest,
+        device_stage_bytes=2 * max(size for _, size in stages.largest.values()),
+        largest_layer=(worst_layer, layer_sizes[worst_layer]),
     )
     _judge(memory_plan, trunk)
     return memory_plan
+
+
+class _StageFootprint(NamedTuple):
+    largest: dict[str, tuple[range, int]]  # stage kind -> (its layers, its bytes), the largest of the kind
+    resident_copies: int                   # the most bytes of stage copies the devices hold at once
+
+
+def _stage_footprint(trunk: Trunk, plan: Plan, training: bool, num_devices: int) -> _StageFootprint:
+    """Stage sizes on a device (training stages with their gradients): the largest of each kind, and what
+    all devices hold at once."""
+    forward_sizes = _stage_sizes(trunk, plan.forward, with_grads=False)
+    fused_size = _stage_sizes(trunk, [plan.fused], with_grads=training)[0]
+    backward_sizes = _stage_sizes(trunk, plan.backward, with_grads=True) if training else []
+    largest: dict[str, tuple[range, int]] = {}
+    for kind, stages, sizes in (("forward", plan.forward, forward_sizes), ("fused", (plan.fused,), [fused_size]),
+                                ("backward", plan.backward, backward_sizes)):
+        if sizes:
+            best = max(range(len(sizes)), key=lambda i: sizes[i])
+            largest[kind] = (stages[best], sizes[best])
+    # each device holds at most its running and its prefetched stage, consecutive jobs of the ring, so the
+    # heaviest 2N consecutive jobs bound them all
+    schedules = [forward_sizes + [fused_size] + backward_sizes]
+    if training:  # the transparent path runs the fused layers forward, then as the first backward stage
+        schedules.append(forward_sizes + _stage_sizes(trunk, [plan.fused], with_grads=False) + [fused_size]
+                         + backward_sizes)
+    return _StageFootprint(largest, max(_heaviest_window(sizes, 2 * num_devices) for sizes in schedules))
 
 
 def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
     """Fill ``plan.problems`` (refused) and ``plan.warnings`` (logged)."""
     layer_problem = check_layers(trunk, plan.device_memory_limit)
     if layer_problem is not None:
-        plan.problems.append(layer_problem)
-        plan.problem_kinds.append("device")
+        plan.problems.append(Problem("device", layer_problem))
     elif plan.device_memory_limit is not None and plan.device_stage_bytes > plan.device_memory_limit:
         kind, (layers, nbytes) = max(plan.largest_stages.items(), key=lambda item: item[1][1])
-        plan.problems.append(
+        plan.problems.append(Problem(
+            "device",
             f"RoundPipe pre-flight: the largest stage ({kind}, layers {_span(layers)}) needs {format_bytes(nbytes)} "
             f"on a device, and a device holds two stages (the running one and the prefetched one): "
             f"{format_bytes(plan.device_stage_bytes)}, over device_memory_limit="
-            f"{format_bytes(plan.device_memory_limit)} by {format_bytes(plan.device_stage_bytes - plan.device_memory_limit)}. "
+            f"{format_bytes(plan.device_memory_limit)} by "
+            f"{format_bytes(plan.device_stage_bytes - plan.device_memory_limit)}. "
             "Use smaller stages (`num_stages='auto'` or a larger chunk count instead of an explicit Plan) or "
-            "raise `device_memory_limit`."
-        )
-        plan.problem_kinds.append("device")
+            "raise `device_memory_limit`.",
+        ))
     if plan.shortfall > 0:
-        plan.problems.append(_host_message(plan))
-        plan.problem_kinds.append("host")
+        plan.problems.append(Problem("host", _host_message(plan)))
     if plan.optimizer_state_assumed:
         plan.warnings.append(
             "RoundPipe pre-flight: the optimizer state of " + ", ".join(
@@ -680,12 +498,12 @@ def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
             + " is unknown; the plan assumes two buffers the size of each trainable parameter")
     memlock = plan.limits.memlock
     if plan.pinned_bytes and memlock is not None and plan.pinned_bytes > memlock:
-        plan.problems.append(
+        plan.problems.append(Problem(
+            "memlock",
             f"RoundPipe pre-flight: pin_memory=True would pin about {format_bytes(plan.pinned_bytes)} of host "
-            f"staging, over the locked-memory limit (RLIMIT_MEMLOCK) of {format_bytes(memlock)}. Raise it "
-            "(`ulimit -l unlimited`, or the container's memlock ulimit) or pass pin_memory=False."
-        )
-        plan.problem_kinds.append("memlock")
+            f"weights in place, over the locked-memory limit (RLIMIT_MEMLOCK) of {format_bytes(memlock)}. Raise "
+            "it (`ulimit -l unlimited`, or the container's memlock ulimit) or pass pin_memory=False.",
+        ))
 
 
 def _host_message(plan: MemoryPlan) -> str:
@@ -722,6 +540,15 @@ def _host_message(plan: MemoryPlan) -> str:
     )
 
 
+def enforce_layers(trunk: Trunk, device_memory_limit: int | None, mode: str) -> None:
+    """Act on :func:`check_layers` as ``mode`` says (the ``preflight`` option): run before the planner."""
+    if mode == "off":
+        return
+    problem = check_layers(trunk, device_memory_limit)
+    if problem is not None:
+        _refuse_or_warn(problem, mode, DeviceMemoryError)
+
+
 def enforce(plan: MemoryPlan, mode: str, logger: logging.Logger | None = None) -> None:
     """Log the plan (INFO) and act on its problems: ``"refuse"`` raises, ``"warn"`` warns, ``"off"`` does
     nothing at all (not even the log)."""
@@ -733,8 +560,13 @@ def enforce(plan: MemoryPlan, mode: str, logger: logging.Logger | None = None) -
         logger.warning(message)
     if not plan.problems:
         return
-    message = "\n".join(plan.problems)
+    error = DeviceMemoryError if {problem.kind for problem in plan.problems} == {"device"} else HostMemoryError
+    _refuse_or_warn("\n".join(problem.message for problem in plan.problems), mode, error, details=plan.table())
+
+
+def _refuse_or_warn(message: str, mode: str, error: type[PreflightError], details: str = "") -> None:
+    """The ``preflight`` policy for a problem: ``"refuse"`` raises ``error``, ``"warn"`` warns."""
     if mode == "refuse":
-        error = DeviceMemoryError if set(plan.problem_kinds) == {"device"} else HostMemoryError
-        raise error(message + "\n" + plan.table())
-    warnings.warn(message + " (preflight='warn': continuing)", UserWarning, stacklevel=2)
+        raise error(message + ("\n" + details if details else ""))
+    # stacklevel 3: the line that called enforce or enforce_layers (the strategy's setup)
+    warnings.warn(message + " (preflight='warn': continuing)", UserWarning, stacklevel=3)

@@ -9,125 +9,106 @@ thread. Lightning's ``zero_grad`` is a no-op on the strategy's optimizers (the e
 after each step, so a main-thread ``zero_grad`` cannot wipe gradients the pipeline produced or race a
 step). Anything that must see final gradients (``on_before_optimizer_step``, clipping) runs on the main
 thread before the step is queued, so ``self.log`` works there.
+
+The rest lives beside it, along Lightning's own seams: options in :mod:`~lightning_roundpipe.options`,
+trunk discovery in :mod:`~lightning_roundpipe.trunk`, the precision plugin's part of a step in
+:mod:`~lightning_roundpipe.precision`, checkpoint writing in :mod:`~lightning_roundpipe.checkpoint_io`,
+the metrics callback in :mod:`~lightning_roundpipe.metrics`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import secrets
-import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
-from lightning_roundpipe import preflight
+from lightning_roundpipe import metrics, precision, preflight
+from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
 from lightning_roundpipe.engine.engine import RoundPipeEngine
-from lightning_roundpipe.engine.layers import Trunk, build_trunk
-from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.options import Recompute
 from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
-from lightning_roundpipe.hf.causal_lm import FAMILIES, CausalLMForward, causal_lm_preset, find_causal_lm
+from lightning_roundpipe.hf.causal_lm import CausalLMForward
+from lightning_roundpipe.observe.trace import write_timeline
+from lightning_roundpipe.options import TIMELINE_MAX_EVENTS, PreflightMode, build_options
 from lightning_roundpipe.planning.partition import Plan
-from lightning_roundpipe.preflight import PREFLIGHT_MODES, MemoryPlan
+from lightning_roundpipe.preflight import MemoryPlan
+from lightning_roundpipe.trunk import build_module_trunk
 
 log = logging.getLogger(__name__)
-
-TIMELINE_MAX_EVENTS = 200_000
-"""The most timeline events a strategy keeps (about 40 MB), whatever ``timeline_steps`` says."""
-
-_MOSTLY_INSIDE = 0.5  # warn when the trunk holds less than this share of the module's parameters
 
 
 class RoundPipeStrategy(ParallelStrategy):
     """Train a LightningModule with RoundPipe: ``Trainer(strategy="roundpipe", accelerator=..., devices=N)``.
 
+    Each option is summed up here and documented in full where it is declared, in
+    :class:`~lightning_roundpipe.options.StrategyOptions` or :class:`~lightning_roundpipe.engine.options.EngineOptions`.
+
     Args:
-        pipeline: dotted attribute path of the trunk (an ``nn.Sequential``) in the LightningModule. Default:
-            the ``nn.Sequential`` holding the most parameters; the choice is logged.
-        num_microbatches: microbatches per batch (default: devices + 1).
+        pipeline: dotted attribute path of the trunk, e.g. ``"net"``. Default: the Hugging Face causal LM if
+            any, else the ``nn.Sequential`` holding the most parameters.
+        num_microbatches: microbatches per batch. Default: devices + 1.
         num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
-        async_step: ``False`` (exact sync) or ``True`` (the paper's one-step-stale update).
-        recompute: ``"stage"`` or ``"layer"``.
-        pin_memory: pin the host weights in place for fast uploads (CUDA devices; falls back to pageable
-            memory with a warning when the system refuses, e.g. a locked-memory limit).
-        device_memory_limit: per-device budget in bytes or as ``"20GiB"``. Default on GPUs: 90% of what the
-            process can still allocate there (free memory, capped by ``torch.cuda.set_per_process_memory_fraction``),
-            split between ring members that share a GPU.
-        ring: the ring's members as indices into the Trainer's devices, e.g. ``[0, 0]`` with ``devices=1``:
-            two ring members on one GPU (Lightning itself refuses duplicate device ids). Default: each device
-            once.
-        log_pipeline_metrics: log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded,
-            host step time and the part of it the devices waited for) after each optimizer step.
-        timeline_dir: a folder: record the pipeline's timeline (every upload, compute, download and host
-            optimizer step, with its device, job and microbatch) and, when the strategy tears down (after
-            an exception too, without masking it), write ``timeline.json``, a Chrome trace to open at
-            https://ui.perfetto.dev, and ``timeline.png``, a Gantt chart (needs matplotlib:
-            ``pip install 'lightning_roundpipe[plot]'``; without it a warning is logged and only the
-            trace is written). ``None`` (default): nothing is recorded, at no cost.
-        timeline: ``True`` records and writes those files like ``timeline_dir``, into
-            ``timeline_dir`` if given, else the Trainer's ``default_root_dir``.
-        timeline_steps: keep only the events of the last this many optimizer steps (and of what ran since
-            the last one, e.g. a final validation), so a long run's timeline stays small; at most
-            ``TIMELINE_MAX_EVENTS`` events are kept whatever happens. ``None``: keep everything.
-        preflight: the memory plan made at setup, before any thread starts or training state is allocated
-            (:mod:`lightning_roundpipe.preflight`): host bytes for parameters, gradients, optimizer state
-            (estimated per optimizer class), async's published weights and simulated device copies against
-            ``MemAvailable`` and the cgroup limit, and the largest layer and stages against
-            ``device_memory_limit``. It is logged (INFO) and kept as ``strategy.memory_plan``. ``"refuse"``
-            (default): raise :class:`~lightning_roundpipe.preflight.HostMemoryError` or
-            :class:`~lightning_roundpipe.preflight.DeviceMemoryError` (``MemoryError`` subclasses) naming what
-            does not fit, by how much, and what to change. ``"warn"``: warn and train anyway. ``"off"``: no
-            plan, no log.
-        **engine_options: further :class:`~lightning_roundpipe.engine.options.EngineOptions` fields.
+        async_step: ``False``: exact sync step. ``True``: the paper's one-step-stale update.
+        recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
+        pin_memory: CUDA: pin the host weights in place for fast uploads.
+        device_memory_limit: per-device budget, bytes or ``"20GiB"``. Default on GPUs: 90% of what the
+            process can still allocate, split between ring members that share a GPU.
+        ring: the ring's members as indices into the Trainer's devices, e.g. ``[0, 0]`` with ``devices=1``.
+        log_pipeline_metrics: log ``roundpipe/*`` figures after each optimizer step.
+        timeline: record the pipeline's timeline and write ``timeline.json`` and ``timeline.png`` at teardown.
+        timeline_dir: where the timeline goes (default: ``default_root_dir``); giving it switches ``timeline`` on.
+        timeline_steps: the timeline keeps the last this many optimizer steps (``None``: all).
+        preflight: the memory plan at setup: ``"refuse"`` what does not fit, ``"warn"``, or ``"off"``.
+        freeze_plan: never replan from measured times.
+        replan_hysteresis: adopt a new plan only when predicted this fraction faster.
+        seed: base seed of per-microbatch randomness (default: ``torch.initial_seed()``).
+        jitter: test mode: random delays of up to this many seconds in CPU stand-in streams.
+        wait_timeout: seconds any internal wait may block before the engine fails instead of hanging.
+        accelerator: Lightning's, as for any strategy.
+        parallel_devices: Lightning's: the devices the ring is made of.
+        checkpoint_io: Default: :class:`~lightning_roundpipe.checkpoint_io.StreamingCheckpointIO`, unless the
+            Trainer has a plugin of the user's.
+        precision_plugin: Lightning's, as for any strategy.
     """
 
     strategy_name = "roundpipe"
 
     def __init__(self, pipeline: str | None = None, num_microbatches: int | None = None,
-                 num_stages: str | int | Plan = "auto", async_step: bool = False, recompute: str = "stage",
-                 pin_memory: bool = True, device_memory_limit: int | str | None = None, *,
-                 accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
-                 checkpoint_io: Any = None, precision_plugin: Any = None, log_pipeline_metrics: bool = True,
-                 timeline_dir: str | os.PathLike[str] | None = None, timeline: bool = False,
-                 timeline_steps: int | None = 3, preflight: str = "refuse", ring: list[int] | None = None,
-                 **engine_options: Any) -> None:
+                 num_stages: Literal["auto"] | int | Plan = "auto", async_step: bool = False,
+                 recompute: Recompute = "stage", pin_memory: bool = True,
+                 device_memory_limit: int | str | None = None, *, ring: list[int] | None = None,
+                 log_pipeline_metrics: bool = True, timeline: bool = False,
+                 timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
+                 preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
+                 seed: int | None = None, jitter: float = 0.0, wait_timeout: float = 600.0,
+                 accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.pipeline = pipeline
-        self.ring = ring
-        self.log_pipeline_metrics = log_pipeline_metrics
-        if timeline_steps is not None and (isinstance(timeline_steps, bool) or not isinstance(timeline_steps, int)
-                                           or timeline_steps < 1):
-            raise ValueError(f"`timeline_steps` must be a positive int or None, got {timeline_steps!r}")
-        self.timeline_dir = None if timeline_dir is None else os.fspath(timeline_dir)
-        self.timeline = bool(timeline) or self.timeline_dir is not None
-        self.timeline_steps = timeline_steps
-        if preflight not in PREFLIGHT_MODES:
-            raise ValueError(f"`preflight` must be one of {', '.join(map(repr, PREFLIGHT_MODES))}, got {preflight!r}")
-        self.preflight = preflight
+        self.options, self.engine_options = build_options(dict(
+            pipeline=pipeline, ring=ring, log_pipeline_metrics=log_pipeline_metrics, timeline=timeline,
+            timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
+            num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
+            pin_memory=pin_memory, device_memory_limit=device_memory_limit, freeze_plan=freeze_plan,
+            replan_hysteresis=replan_hysteresis, seed=seed, jitter=jitter, wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
         self.timeline_files: list[str] = []  #: what the last teardown wrote
         self._timeline_pending = False
-        if self.timeline:
-            engine_options["record_timeline"] = True
-        self.engine_options = EngineOptions(
-            num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
-            pin_memory=pin_memory, device_memory_limit=device_memory_limit, **engine_options)
         self.engine: RoundPipeEngine | None = None
         self._patches: list[InstancePatch] = []
         self._fused_backward_done = False
-        self._silenced_zero_grad: list[torch.optim.Optimizer] = []
+        self._silenced_zero_grad: list[Any] = []  # optimizers and their LightningOptimizer wrappers
         self._layer_sync: Any = None  # Lightning sets this for sync_batchnorm=True; refused in setup
         self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...); refused above 1
 
@@ -136,10 +117,6 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         return torch.device("cpu")
-
-    @property
-    def is_distributed(self) -> bool:
-        return False
 
     @property
     @override
@@ -163,8 +140,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> None:
-        return None
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -190,6 +167,19 @@ class RoundPipeStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         pass  # the module is the host copy; devices get stages from the engine
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # the streaming writer unless the user gave a CheckpointIO (here, or as a Trainer plugin, which
+        # Lightning assigns after __init__); Lightning completes a wrapper such as AsyncCheckpointIO
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
     # ------------------------------------------------------------------ setup and teardown
     @override
     def setup_environment(self) -> None:
@@ -210,23 +200,12 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"RoundPipe drives CUDA GPUs (accelerator='gpu') and simulated CPU devices (accelerator='cpu'), not "
                 f"{unsupported[0]!r} devices"
             )
-        if self.ring is not None:
-            self.parallel_devices = self._ring_devices(devices)
+        if self.options.ring is not None:
+            self.parallel_devices = [devices[index] for index in self.options.ring_members(len(devices))]
         # the host stays the root device; the accelerator sets up the first ring device (current device,
         # its memory statistics), not the root, which a CUDA accelerator would refuse
         assert self.accelerator is not None
         self.accelerator.setup_device(self.parallel_devices[0] if self.parallel_devices else torch.device("cpu"))
-
-    def _ring_devices(self, devices: list[torch.device]) -> list[torch.device]:
-        """``ring=[0, 0]``: the ring's members by index into the Trainer's devices; a GPU may appear twice."""
-        ring = list(self.ring)
-        bad = [index for index in ring if not isinstance(index, int) or not 0 <= index < len(devices)]
-        if not ring or bad:
-            raise ValueError(
-                f"`ring` lists indices into the Trainer's {len(devices)} device(s), each in 0..{len(devices) - 1}; "
-                f"got {self.ring!r}. For two ring members on one GPU: Trainer(devices=1), ring=[0, 0]"
-            )
-        return [devices[index] for index in ring]
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -234,32 +213,28 @@ class RoundPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
-        trunk, driven = self._build_trunk(module)
+        assert module is not None
+        trunk, driven = build_module_trunk(module, self.options.pipeline)
         devices = self.parallel_devices or [torch.device("cpu")]
         fitting = trainer.state.fn == TrainerFn.FITTING
+        options, mode = self.engine_options, self.options.preflight
         # pre-flight, before any thread starts: a layer too large for the device budget first (the planner
         # would refuse it tersely), then, with the plan and the optimizers known, the whole memory plan
         self.memory_plan = None
-        options = self.engine_options
-        if self.preflight != "off":
-            problem = preflight.check_layers(trunk, options.device_memory_limit)
-            if problem is not None and self.preflight == "refuse":
-                raise preflight.DeviceMemoryError(problem)
-            if problem is not None:
-                warnings.warn(problem + " (preflight='warn': continuing)", UserWarning, stacklevel=2)
+        preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode)
         engine = RoundPipeEngine(trunk, devices, options)  # plans; threads start below
         if fitting:
             self.setup_optimizers(trainer)
-        if self.preflight != "off":
+        if mode != "off":
             self.memory_plan = preflight.plan_memory(
                 module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
                 async_step=options.async_step, recompute=options.recompute,
                 device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
                 trainer_fn=str(trainer.state.fn.value))
-            preflight.enforce(self.memory_plan, self.preflight, log)
+            preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
-        if self.timeline:
-            self.engine.timeline.bound(keep_steps=self.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
+        if self.options.timeline:
+            self.engine.timeline.bound(keep_steps=self.options.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
             self._timeline_pending = True
         forward_patch = PipelinedForward if isinstance(driven, nn.Sequential) else CausalLMForward
         self._patches = [forward_patch(driven, self.engine, self._backward_scale, self._mark_fused_backward),
@@ -267,74 +242,20 @@ class RoundPipeStrategy(ParallelStrategy):
         for patch in self._patches:
             patch.install()
         self.setup_precision_plugin()  # may replace the optimizers and their LightningOptimizer wrappers
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self._silence_zero_grad()
-            self._attach_metrics(trainer)
-
-    def _find_trunk(self, module: LightningModule) -> tuple[str, nn.Module]:
-        """The module to pipeline: ``pipeline=``'s, else the first Hugging Face causal LM (a preset), else
-        the ``nn.Sequential`` holding the most parameters."""
-        sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
-        if self.pipeline is not None:
-            try:
-                trunk = module.get_submodule(self.pipeline)
-            except AttributeError:
-                raise ValueError(
-                    f"`pipeline={self.pipeline!r}` names no submodule of {type(module).__name__}; "
-                    f"its nn.Sequential submodules are {sorted(sequentials) or 'none'}"
-                ) from None
-            _refuse_compiled(self.pipeline, trunk)
-            if find_causal_lm(trunk) is None and not isinstance(trunk, nn.Sequential):
-                raise TypeError(
-                    f"`pipeline={self.pipeline!r}` is a {type(trunk).__name__}, not an nn.Sequential: the trunk "
-                    "must be an nn.Sequential whose children are the layers, or a Hugging Face causal LM "
-                    f"({', '.join(FAMILIES)})"
-                )
-            return self.pipeline, trunk
-        for name, candidate in module.named_modules():
-            if name and find_causal_lm(candidate) is not None:
-                _refuse_compiled(name, candidate)
-                return name, candidate
-        if not sequentials:
-            raise ValueError(
-                f"{type(module).__name__} has no nn.Sequential submodule or Hugging Face causal LM to pipeline. Put "
-                "the model's blocks in an nn.Sequential attribute (e.g. self.net = nn.Sequential(embed, *blocks, "
-                "head)) and pass `pipeline='net'` to RoundPipeStrategy if there are several"
-            )
-        name = max(sequentials, key=lambda n: (_parameter_count(sequentials[n]), -n.count(".")))
-        _refuse_compiled(name, sequentials[name])
-        return name, sequentials[name]
-
-    def _build_trunk(self, module: LightningModule) -> tuple[Trunk, nn.Module]:
-        """The trunk, and the module whose ``forward`` the engine takes over."""
-        name, target = self._find_trunk(module)
-        trunk = build_trunk(target, presets=(causal_lm_preset,))
-        total = _parameter_count(module) or 1
-        share = _parameter_count(target) / total
-        log.info(f"RoundPipe pipelines `{name}` ({trunk.source}: {len(trunk)} layers, {share:.0%} of the "
-                 f"parameters; on the host: {trunk.describe_parameters()})")
-        if share < _MOSTLY_INSIDE:
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(
-                f"RoundPipe pipelines `{name}`, which holds only {share:.0%} of the parameters; the rest stays on "
-                "the host and runs on the main thread. Pass `pipeline=` to choose another trunk."
-            )
-        model = find_causal_lm(target)
-        return trunk, target if model is None else model
-
-    def _attach_metrics(self, trainer: Any) -> None:
-        if self.log_pipeline_metrics and not any(isinstance(c, _PipelineMetrics) for c in trainer.callbacks):
-            trainer.callbacks.insert(0, _PipelineMetrics(self))  # first, so other callbacks see fresh figures
+            if self.options.log_pipeline_metrics:
+                metrics.attach(trainer, lambda: self.engine)
 
     def _silence_zero_grad(self) -> None:
         # The engine clears gradients after each step; Lightning's zero_grad on the main thread would
         # otherwise race a step in flight (which reads param.grad on the optimizer thread) or wipe
         # gradients the pipeline produced. Lightning calls it through its LightningOptimizer wrappers,
         # whose class inherits the optimizer's own zero_grad, so both get the no-op.
-        for optimizer in [*self.optimizers, *self._lightning_optimizers]:
+        optimizers: list[Any] = [*self.optimizers, *self._lightning_optimizers]
+        for optimizer in optimizers:
             if optimizer.__dict__.get("zero_grad") is not _no_zero_grad:
-                optimizer.zero_grad = _no_zero_grad  # type: ignore[method-assign]
+                optimizer.zero_grad = _no_zero_grad
                 self._silenced_zero_grad.append(optimizer)
 
     @override
@@ -351,7 +272,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._patches = []
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
-            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, _PipelineMetrics)]
+            metrics.detach(trainer)
         for optimizer in self._silenced_zero_grad:
             optimizer.__dict__.pop("zero_grad", None)
         self._silenced_zero_grad.clear()
@@ -363,26 +284,13 @@ class RoundPipeStrategy(ParallelStrategy):
             return
         self._timeline_pending = False
         try:
-            from lightning_roundpipe.observe.trace import to_chrome_trace
-
-            folder = self.timeline_dir
+            folder = self.options.timeline_dir
             if folder is None:
                 trainer = self.lightning_module.trainer if self.lightning_module is not None else None
                 folder = trainer.default_root_dir if trainer is not None else os.getcwd()
-            os.makedirs(folder, exist_ok=True)
             events = self.engine.events()
-            devices = self.engine.num_devices
-            written = [os.path.join(folder, "timeline.json")]
-            to_chrome_trace(events, written[0], num_devices=devices)
-            try:
-                from lightning_roundpipe.observe.gantt import draw_timeline
-
-                draw_timeline(events, os.path.join(folder, "timeline.png"), num_devices=devices)
-                written.append(os.path.join(folder, "timeline.png"))
-            except ImportError as error:
-                log.warning(f"RoundPipe wrote {written[0]} but no timeline.png: {error}")
-            self.timeline_files = written
-            log.info(f"RoundPipe timeline ({len(events)} events): {', '.join(written)}")
+            self.timeline_files = write_timeline(events, folder, self.engine.num_devices)
+            log.info(f"RoundPipe timeline ({len(events)} events): {', '.join(self.timeline_files)}")
         except Exception as error:  # noqa: BLE001 - a picture is never worth masking the run's own outcome
             log.warning(f"RoundPipe could not write its timeline: {type(error).__name__}: {error}")
 
@@ -414,32 +322,23 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ training
     def _backward_scale(self) -> float:
-        """What Lightning would multiply a returned loss by before its backward: the 16-bit loss scale, and
-        ``1 / accumulate_grad_batches`` in automatic optimization."""
-        module = self.lightning_module
-        scale = 1.0
-        scaler = self._scaler()
-        if scaler is not None:
-            scale *= scaler.get_scale()
-        if module is not None and module.automatic_optimization:
-            scale /= module.trainer.accumulate_grad_batches
-        return scale
+        return precision.backward_scale(self.precision_plugin, self.lightning_module)
 
     def _mark_fused_backward(self) -> None:
         self._fused_backward_done = True
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        assert module is not None
         if self._fused_backward_done and not closure_loss.requires_grad:
             # pipeline_loss already ran the backward inside training_step: fire the hooks only
             self._fused_backward_done = False
-            module = self.lightning_module
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             return self.precision_plugin.post_backward(closure_loss, module)
         self._fused_backward_done = False
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization and self.engine is not None:
+        if not module.automatic_optimization and self.engine is not None:
             # manual optimization may read or clip param.grad right after manual_backward
             self.engine.collect_gradients()
         return closure_loss
@@ -451,49 +350,11 @@ class RoundPipeStrategy(ParallelStrategy):
                 "RoundPipe steps the optimizer once per batch on its own thread and cannot re-evaluate a closure; "
                 "LBFGS needs that. Use a first-order optimizer (SGD, Adam, AdamW, ...)."
             )
-        assert self.engine is not None
-        model = model or self.lightning_module
+        module = model or self.lightning_module
+        assert self.engine is not None and module is not None
         result = closure()
-        scaler = self._scaler()
-        if scaler is None:
-            before_step = None
-            if self._needs_final_gradients(model):
-                before_step = lambda: self.precision_plugin._after_closure(model, optimizer)  # noqa: E731
-            self.engine.step(optimizer, before_step=before_step)
-            self.engine.timeline.mark_step()  # one branch unless a timeline window is kept
-            return result
-        # 16-bit loss scaling, as Lightning's MixedPrecision does it, around the engine's step: unscale the
-        # final gradients and check them for inf/NaN on the main thread, skip the update if any, then let
-        # the scaler adjust its scale
-        nothing_to_step = result is None and model.automatic_optimization
-
-        def unscale_and_check() -> bool:
-            if not nothing_to_step:
-                scaler.unscale_(optimizer)
-            self.precision_plugin._after_closure(model, optimizer)
-            if nothing_to_step:
-                return False
-            found_inf = scaler._found_inf_per_device(optimizer)
-            return not any(value.item() for value in found_inf.values())
-
-        self.engine.step(optimizer, before_step=unscale_and_check)
-        self.engine.timeline.mark_step()
-        if not nothing_to_step:
-            scaler.update()
+        precision.step(self.precision_plugin, self.engine, optimizer, module, result)
         return result
-
-    def _scaler(self) -> torch.amp.GradScaler | None:
-        return getattr(self.precision_plugin, "scaler", None)
-
-    def _needs_final_gradients(self, model: LightningModule) -> bool:
-        """Whether anything must see this step's gradients before the update (clipping, hooks)."""
-        trainer = model.trainer
-        return bool(
-            trainer.gradient_clip_val
-            or is_overridden("configure_gradient_clipping", model, LightningModule)
-            or is_overridden("on_before_optimizer_step", model, LightningModule)
-            or any(is_overridden("on_before_optimizer_step", callback, Callback) for callback in trainer.callbacks)
-        )
 
     # ------------------------------------------------------------------ checkpoints
     def _quiesce(self) -> None:
@@ -522,38 +383,6 @@ class RoundPipeStrategy(ParallelStrategy):
         self._quiesce()
         return super().optimizer_state(optimizer)
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write a local checkpoint atomically, streaming it to disk.
-
-        Lightning's default ``TorchCheckpointIO`` serializes the whole checkpoint into memory first (a
-        second, then a third copy of a host-sized state); here ``torch.save`` streams into a temporary file
-        beside the target, which is flushed to disk and then renamed over the target. A crash mid-write
-        leaves the previous checkpoint intact, and an exception removes the temporary file. Remote paths,
-        ``storage_options`` and a ``CheckpointIO`` plugin of the user's own go through that plugin.
-        """
-        path = os.fspath(filepath)
-        if storage_options is not None or "://" in path or type(self.checkpoint_io) is not TorchCheckpointIO:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        temporary = os.path.join(directory, f".roundpipe-{os.getpid()}-{secrets.token_hex(6)}.ckpt.tmp")
-        # "x": a new file, never someone else's; its mode is open()'s (0o666 less the umask), which a
-        # checkpoint should keep (tempfile.mkstemp would make it owner-only)
-        file = open(temporary, "xb")
-        try:
-            with file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())  # on disk before it replaces the previous checkpoint
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
-            raise
-        _fsync_directory(directory)  # the rename itself survives a power loss
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -564,54 +393,8 @@ class RoundPipeStrategy(ParallelStrategy):
                                        async_step=True)
 
 
-class _PipelineMetrics(Callback):
-    """Logs the engine's figures from the main thread at the end of each batch that stepped the optimizer."""
-
-    def __init__(self, strategy: RoundPipeStrategy) -> None:
-        self._strategy = strategy
-        self._logged_step = 0  # nothing to report before the first step
-
-    @override
-    def on_train_batch_end(self, trainer: Any, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        engine = self._strategy.engine
-        if engine is None or engine.closed or trainer.global_step == self._logged_step:
-            return
-        self._logged_step = trainer.global_step
-        for name, value in engine.pipeline_metrics().items():
-            pl_module.log(f"roundpipe/{name}", value, on_step=True, on_epoch=False, batch_size=1)
-
-
-def _refuse_compiled(name: str, trunk: nn.Module) -> None:
-    # torch.compile wraps a module in an OptimizedModule whose original sits at `_orig_mod`
-    compiled = "_orig_mod" in name.split(".") or any(
-        type(module).__name__ == "OptimizedModule" for module in trunk.modules())
-    if compiled:
-        raise TypeError(
-            f"the trunk `{name}` is (or contains) a torch.compile'd module, which RoundPipe does not support: it "
-            "runs every layer on per-device copies of it. Pass the trunk uncompiled."
-        )
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the file itself is synced
-    finally:
-        os.close(handle)
-
-
 def _no_zero_grad(set_to_none: bool = True) -> None:
     """The strategy's optimizers leave clearing gradients to the engine."""
-
-
-def _parameter_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def register() -> None:

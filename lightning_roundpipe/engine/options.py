@@ -1,22 +1,42 @@
-"""Typed engine options, validated when constructed so that a bad value fails before any thread starts."""
+"""Typed engine options, validated when constructed so that a bad value fails before any thread starts.
+
+:class:`EngineOptions` is the one declaration of the engine's options. The strategy's keyword arguments,
+the Hydra schema, ``conf/strategy/roundpipe.yaml`` and the README's options table are built from it or
+checked against it (``tests/test_options.py``). A bad value raises :class:`OptionError`, whose message
+starts with the bare option name; the Hydra app swaps in its own key (``strategy.<option>``), so both
+read the same text.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from lightning_roundpipe.planning.partition import Plan
 
+Recompute = Literal["stage", "layer"]
+RECOMPUTE_GRAINS: tuple[str, ...] = get_args(Recompute)
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class OptionError(ValueError):
+    """An option value that cannot work: ``"`option` problem"``. ``option`` is the bare field name and
+    ``problem`` the rest, so a config front end can name its own key with the same text."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"`{option}` {problem}")
+        self.option = option
+        self.problem = problem
 
 
 def parse_bytes(value: int | str | None, option: str = "device_memory_limit") -> int | None:
     """``20GiB``, ``"512 MB"`` or an int number of bytes; ``None`` means no limit."""
     if value is None or isinstance(value, int) and not isinstance(value, bool):
         if value is not None and value <= 0:
-            raise ValueError(f"`{option}` must be positive, got {value}")
+            raise OptionError(option, f"must be positive, got {value}")
         return value
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
@@ -24,9 +44,25 @@ def parse_bytes(value: int | str | None, option: str = "device_memory_limit") ->
             parsed = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
             if parsed > 0:
                 return parsed
-    raise ValueError(
-        f"`{option}` must be a positive number of bytes or a string such as '20GiB' or '512MB', got {value!r}"
-    )
+    raise OptionError(option, f"must be a positive number of bytes or a string such as '20GiB' or '512MB', "
+                              f"got {value!r}")
+
+
+def check_flag(option: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise OptionError(option, f"must be True or False, got {value!r}")
+
+
+def check_count(option: str, value: Any, none_means: str) -> None:
+    """A positive int, or None (which means ``none_means``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise OptionError(option, f"must be a positive int (or None for {none_means}), got {value!r}")
+
+
+def check_seconds(option: str, value: Any, *, allow_zero: bool) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < 0 or (value == 0 and not allow_zero):
+        raise OptionError(option, f"must be a number of seconds {'>=' if allow_zero else '>'} 0, got {value!r}")
 
 
 @dataclass
@@ -47,30 +83,37 @@ class EngineOptions:
     """``False`` (sync): exact, identical to plain training. ``True``: the paper's one-step-stale update,
     iteration k runs on W(k-2) and W(k) = step(W(k-1), g(k)), so the host step overlaps device work."""
 
-    recompute: Literal["stage", "layer"] = "stage"
+    recompute: Recompute = "stage"
     """Recomputation grain of backward stages: ``"stage"`` keeps one input per backward stage, ``"layer"``
     keeps every layer's input (less device memory, more host traffic)."""
 
     pin_memory: bool = True
-    """Pin host staging buffers (CUDA only; ignored on CPU devices)."""
+    """CUDA devices: pin the host weights in place (``cudaHostRegister``) so that uploads are fast
+    asynchronous copies; when the system refuses (e.g. a locked-memory limit) they stay pageable, with a
+    warning. Ignored on CPU devices."""
 
     device_memory_limit: int | str | None = None
-    """Per-device memory budget in bytes or as ``"20GiB"``: stage parameters, gradients and buffers,
-    plus the stage-boundary activations in flight. The planner fits two stages (running and prefetched)
-    in three quarters of it and leaves the rest to activations. On CPU devices this is the simulated
-    budget that the residency accounting enforces. ``None``: unlimited on CPU."""
+    """Per-device memory budget in bytes or as ``"20GiB"`` (a string is parsed to bytes when the options
+    are made): stage parameters, gradients and buffers, plus the stage-boundary activations in flight.
+    The planner fits two stages (running and prefetched) in three quarters of it and leaves the rest to
+    activations. ``None``: on GPUs 90% of what the process can still allocate there (free memory, capped
+    by ``torch.cuda.set_per_process_memory_fraction``), split between ring members that share a GPU;
+    unlimited on CPU devices, where a set limit is the simulated budget the residency accounting
+    enforces."""
 
     freeze_plan: bool = False
     """Keep the first plan: never replan from measured times (deterministic timelines)."""
 
     replan_hysteresis: float = 0.1
-    """Adopt a new plan only when its predicted iteration time is this fraction better."""
+    """Adopt a new plan only when its predicted iteration time is this fraction better; replanning
+    happens only between steps."""
 
     seed: int | None = None
     """Base seed for per-(step, call, layer, microbatch) randomness. ``None``: ``torch.initial_seed()``."""
 
     record_timeline: bool = False
-    """Record (device, job, microbatch, kind, start, end) events; read them with ``engine.timeline``."""
+    """Record (device, job, microbatch, kind, start, end) events; read them with ``engine.events()``.
+    The strategy sets this itself from its ``timeline`` option."""
 
     jitter: float = 0.0
     """Test mode: CPU stand-in streams sleep up to this many seconds before each operation, so an
@@ -80,26 +123,32 @@ class EngineOptions:
     """Seconds any internal wait may block before the engine gives up with an error instead of hanging."""
 
     def __post_init__(self) -> None:
-        if self.num_microbatches is not None and (
-            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
-        ):
-            raise ValueError(f"`num_microbatches` must be a positive int or None, got {self.num_microbatches!r}")
+        check_count("num_microbatches", self.num_microbatches, "devices + 1")
         if not (self.num_stages == "auto" or isinstance(self.num_stages, Plan) or (
             isinstance(self.num_stages, int) and not isinstance(self.num_stages, bool) and self.num_stages >= 1
         )):
-            raise ValueError(
-                f"`num_stages` must be 'auto', a positive int (the number of forward stages) or a Plan, "
-                f"got {self.num_stages!r}"
-            )
-        if self.recompute not in ("stage", "layer"):
-            raise ValueError(f"`recompute` must be 'stage' or 'layer', got {self.recompute!r}")
+            raise OptionError("num_stages", f"must be 'auto', a positive int (the number of forward stages) or a "
+                                            f"Plan, got {self.num_stages!r}")
+        if self.recompute not in RECOMPUTE_GRAINS:
+            raise OptionError("recompute", f"must be {' or '.join(map(repr, RECOMPUTE_GRAINS))}, "
+                                           f"got {self.recompute!r}")
+        for flag in ("async_step", "pin_memory", "freeze_plan", "record_timeline"):
+            check_flag(flag, getattr(self, flag))
         self.device_memory_limit = parse_bytes(self.device_memory_limit)
-        if self.replan_hysteresis < 0:
-            raise ValueError(f"`replan_hysteresis` must be >= 0, got {self.replan_hysteresis}")
-        if self.jitter < 0:
-            raise ValueError(f"`jitter` must be >= 0 seconds, got {self.jitter}")
-        if self.wait_timeout <= 0:
-            raise ValueError(f"`wait_timeout` must be > 0 seconds, got {self.wait_timeout}")
+        if isinstance(self.replan_hysteresis, bool) or not isinstance(self.replan_hysteresis, (int, float)) or (
+                self.replan_hysteresis < 0):
+            raise OptionError("replan_hysteresis", f"must be a fraction >= 0, got {self.replan_hysteresis!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise OptionError("seed", f"must be an int or None, got {self.seed!r}")
+        check_seconds("jitter", self.jitter, allow_zero=True)
+        check_seconds("wait_timeout", self.wait_timeout, allow_zero=False)
+
+    @property
+    def device_memory_limit_bytes(self) -> int | None:
+        """``device_memory_limit`` in bytes: validation has parsed a string such as ``"20GiB"``."""
+        limit = self.device_memory_limit
+        assert not isinstance(limit, str), "parsed in __post_init__"
+        return limit
 
     def microbatches_for(self, num_devices: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else num_devices + 1

@@ -1,0 +1,63 @@
+"""``StreamingCheckpointIO``: the strategy's default way of writing checkpoints, atomic and streamed.
+
+Lightning's ``TorchCheckpointIO`` serializes the whole checkpoint into memory before writing it: a
+second, then a third copy of a host-sized training state, on the host that RoundPipe already fills.
+Here ``torch.save`` streams into a temporary file beside the target, which is synced to disk and then
+renamed over the target. A crash mid-write leaves the previous checkpoint intact, and an exception
+removes the temporary file. Remote paths (``s3://...``) and ``storage_options`` go to the parent's
+implementation. :class:`~lightning_roundpipe.strategy.RoundPipeStrategy` installs this plugin only when
+the user gave none, in the strategy or as a Trainer plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+
+class StreamingCheckpointIO(TorchCheckpointIO):
+    """Writes local checkpoints atomically and without an in-memory copy; loads them as its parent does."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        target = os.fspath(path)
+        if storage_options is not None or "://" in target:
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        directory = os.path.dirname(os.path.abspath(target))
+        os.makedirs(directory, exist_ok=True)
+        temporary = os.path.join(directory, f".roundpipe-{os.getpid()}-{secrets.token_hex(6)}.ckpt.tmp")
+        # "x": a new file, never someone else's; its mode is open()'s (0o666 less the umask), which a
+        # checkpoint should keep (tempfile.mkstemp would make it owner-only)
+        file = open(temporary, "xb")
+        try:
+            with file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())  # on disk before it replaces the previous checkpoint
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+        _fsync_directory(directory)  # the rename itself survives a power loss
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the file itself is synced
+    finally:
+        os.close(handle)
