@@ -49,7 +49,7 @@ from torch import nn
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
-from lightning_roundpipe.planning.partition import ACTIVATION_RESERVE, Plan, stage_memory_budget
+from lightning_roundpipe.planning.partition import ACTIVATION_RESERVE, Plan, format_layers, stage_memory_budget
 
 __all__ = [
     "DeviceMemoryError", "HostMemoryError", "MemoryPlan", "PreflightError", "Problem", "check_layers", "enforce",
@@ -355,7 +355,7 @@ class MemoryPlan:
         rows.append((f"device (each of {self.num_devices})", "", ""))
         for kind, (layers, nbytes) in self.largest_stages.items():
             rows.append((f"largest {kind} stage" if kind != "fused" else "fused stage", format_bytes(nbytes),
-                         f"layers {_span(layers)}"))
+                         f"layers {format_layers(layers)}"))
         if self.device_memory_limit is None:
             limit_note = "device_memory_limit: none, not checked"
         else:
@@ -378,10 +378,6 @@ class MemoryPlan:
             else:
                 lines.append(f"    {item:<{width}}  {value:>{amount}}  {note}".rstrip())
         return "\n".join(lines)
-
-
-def _span(layers: range) -> str:
-    return f"[{layers.start}]" if len(layers) == 1 else f"[{layers.start}-{layers.stop - 1}]"
 
 
 def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequence[Any], *,
@@ -481,7 +477,8 @@ def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
         kind, (layers, nbytes) = max(plan.largest_stages.items(), key=lambda item: item[1][1])
         plan.problems.append(Problem(
             "device",
-            f"RoundPipe pre-flight: the largest stage ({kind}, layers {_span(layers)}) needs {format_bytes(nbytes)} "
+            f"RoundPipe pre-flight: the largest stage ({kind}, layers {format_layers(layers)}) needs "
+            f"{format_bytes(nbytes)} "
             f"on a device, and a device holds two stages (the running one and the prefetched one): "
             f"{format_bytes(plan.device_stage_bytes)}, over device_memory_limit="
             f"{format_bytes(plan.device_memory_limit)} by "

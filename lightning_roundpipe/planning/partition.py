@@ -94,6 +94,13 @@ class Plan:
         return plan
 
 
+def format_layers(layers: range) -> str:
+    """A run of layers as people read it, inclusive: ``[3-5]``, ``[7]``, or ``[]`` when empty."""
+    if len(layers) == 0:
+        return "[]"
+    return f"[{layers.start}]" if len(layers) == 1 else f"[{layers.start}-{layers.stop - 1}]"
+
+
 def _check_cover(stages: tuple[range, ...], end: int, what: str) -> None:
     position = 0
     for stage in stages:

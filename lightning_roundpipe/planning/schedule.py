@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .partition import Plan
+from lightning_roundpipe.planning.partition import Plan, format_layers
 
 
 class StageKind(str, enum.Enum):
@@ -168,7 +168,7 @@ def _check_forward(jobs: Sequence[Job], num_layers: int) -> None:
         r = job.layers
         if len(r) == 0 or r.step != 1 or r.start != pos:
             raise ValueError(
-                f"forward job {job.label} holds layers {_fmt(r)}, expected a run starting at layer {pos}: "
+                f"forward job {job.label} holds layers {format_layers(r)}, expected a run starting at layer {pos}: "
                 f"forward stages (and the fused stage) cover the layers shallow to deep from layer 0"
             )
         pos = r.stop
@@ -182,7 +182,7 @@ def _check_backward(jobs: Sequence[Job], top: int) -> None:
         r = job.layers
         if len(r) == 0 or r.step != 1 or r.stop != pos:
             raise ValueError(
-                f"backward job {job.label} holds layers {_fmt(r)}, expected a run ending at layer {pos - 1}: "
+                f"backward job {job.label} holds layers {format_layers(r)}, expected a run ending at layer {pos - 1}: "
                 f"backward stages cover the layers deep to shallow from layer {top - 1}"
             )
         pos = r.start
@@ -190,19 +190,14 @@ def _check_backward(jobs: Sequence[Job], top: int) -> None:
         raise ValueError(f"backward jobs cover layers [{pos}, {top}), expected [0, {top})")
 
 
-def _fmt(r: range) -> str:
-    if len(r) == 0:
-        return "[]"
-    return f"[{r.start}]" if len(r) == 1 else f"[{r.start}-{r.stop - 1}]"
-
 
 def format_plan(plan: Plan) -> str:
     """One line per kind, e.g. ``forward  [0-2] [3-5]`` (layer ranges are inclusive)."""
     return "\n".join(
         (
-            f"forward  ({len(plan.forward)}): " + " ".join(_fmt(r) for r in plan.forward),
-            f"fused    (1): {_fmt(plan.fused)}",
-            f"backward ({len(plan.backward)}): " + " ".join(_fmt(r) for r in plan.backward),
+            f"forward  ({len(plan.forward)}): " + " ".join(format_layers(r) for r in plan.forward),
+            f"fused    (1): {format_layers(plan.fused)}",
+            f"backward ({len(plan.backward)}): " + " ".join(format_layers(r) for r in plan.backward),
         )
     )
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .partition import LayerCost, Plan
-from .schedule import Job, StageKind, training_jobs
+from lightning_roundpipe.planning.partition import LayerCost, Plan
+from lightning_roundpipe.planning.schedule import Job, StageKind, training_jobs
 
 
 class Event(NamedTuple):
