@@ -1,4 +1,6 @@
-"""Train a byte-level GPT with RoundPipe, configured by Hydra (configs in ``conf/``).
+"""Train a byte-level GPT with RoundPipe, configured by Hydra: the same job as the ``roundpipe-train`` command.
+
+The configs ship inside the package, in ``lightning_roundpipe/app/conf/`` (``--help`` lists them):
 
     python examples/train.py                          # the default: ~3 min on 2 CPU cores
     python examples/train.py experiment=quick         # ~30 s

@@ -3,28 +3,40 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 import pathlib
 import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
+import torch
+import yaml
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_roundpipe.app.hf_model import CausalLM
 from lightning_roundpipe.app.schema import ConfigError, validate
-from lightning_roundpipe.app.train import CONFIG_DIR, run
+from lightning_roundpipe.app.train import CONFIG_DIR, CONFIG_MODULE, run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-GROUPS = ("model", "data", "trainer", "strategy", "experiment")
+GROUPS = ("model", "data", "trainer", "strategy", "logger", "callbacks", "experiment")
 TINY = ["data.limit_bytes=200000", "data.val_windows=4"]
+TENSORBOARD = any(importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX"))
 
 
 def _options(group: str) -> list[str]:
     return sorted(path.stem for path in (pathlib.Path(CONFIG_DIR) / group).glob("*.yaml"))
+
+
+def _app(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """The command line, as ``python -m lightning_roundpipe.app`` (the same job as ``roundpipe-train``)."""
+    return subprocess.run([sys.executable, "-m", "lightning_roundpipe.app", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
 
 
 def _compose(*overrides: str):
@@ -34,7 +46,7 @@ def _compose(*overrides: str):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_every_config_composes_and_instantiates(group, option, tmp_path):
-    overrides = [f"{group}={option}", *TINY]
+    overrides = [f"{group}={option}", f"output_dir={tmp_path}", *TINY]
     if option == "text_path":
         (tmp_path / "corpus.txt").write_text("hello roundpipe\n" * 2000)
         overrides.append(f"data.path={tmp_path / 'corpus.txt'}")
@@ -48,6 +60,21 @@ def test_every_config_composes_and_instantiates(group, option, tmp_path):
     instantiate(cfg.data).setup("fit")
     instantiate(cfg.strategy)
     assert cfg.trainer.accelerator in {"cpu", "cuda"}
+    for name, entry in [*cfg.logger.items(), *cfg.callbacks.items()]:
+        if name == "tensorboard" and not TENSORBOARD:
+            continue  # test_a_logger_whose_package_is_missing_is_a_config_error
+        built = instantiate(entry)
+        folder = built.dirpath if isinstance(built, ModelCheckpoint) else getattr(built, "save_dir", None)
+        if folder is not None:  # everything a run writes stays in its folder
+            assert pathlib.Path(folder).is_relative_to(tmp_path), (name, folder)
+
+
+@pytest.mark.parametrize("group", [*GROUPS, "model/lora"])
+def test_a_group_offers_its_option_files_only_not_the_schemas(group):
+    """Hydra lists ConfigStore entries of a group as options: the schemas live under schema/ instead."""
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        offered = sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+    assert offered == _options(group)
 
 
 @pytest.mark.parametrize("override,key", [
@@ -72,6 +99,7 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     (["strategy.device_memory_limit=lots"], "strategy.device_memory_limit"),
     (["data=text_path", "data.path=/no/such/corpus"], "data.path"),
     (["data=text_path"], "data.path"),  # not given at all
+    (["ckpt_path=/no/such/last.ckpt"], "ckpt_path"),
     (["model=llama_tiny", "model.family=gpt2"], "model.family"),
     (["model=llama_tiny", "model.dtype=float8"], "model.dtype"),
     (["model=llama_tiny", "model.attn_implementation=flash"], "model.attn_implementation"),
@@ -125,13 +153,91 @@ def test_an_unknown_key_in_a_config_file_fails_at_compose_time(tmp_path):
     assert "learning_rate" in str(error.value) + str(error.value.__cause__)
 
 
-def test_the_command_line_reports_a_bad_value_without_a_traceback():
+def test_the_command_line_reports_a_bad_value_without_a_traceback(tmp_path):
     script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train.py"
     result = subprocess.run([sys.executable, str(script), "strategy.num_microbatches=0"], capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=120, cwd=tmp_path)  # Hydra makes the run folder under cwd
     assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()  # one line: no traceback
+    assert line.startswith("config error: `strategy.num_microbatches` ") and line.endswith("got 0"), line
+
+
+def test_text_data_without_a_path_says_which_key_to_set(tmp_path):
+    result = _app("data=text_path", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == (
-        "config error: `strategy.num_microbatches` must be at least 1 (or null for devices + 1), got 0")
+        "config error: `data.path` is required with data=text_path: add data.path=/your/corpus.txt (a file, or a "
+        "folder whose files are read in sorted order)")
+
+
+@pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
+def test_a_folder_of_your_own_adds_a_model_option(how, tmp_path):
+    own = tmp_path / "my_conf"
+    (own / "model").mkdir(parents=True)
+    (own / "model" / "wide_gpt.yaml").write_text(
+        "defaults:\n  - gpt_small   # the shipped option, found on the search path\n  - _self_\n\nnet:\n  width: 96\n")
+    where = ["--config-dir", str(own)] if how == "--config-dir" else [f"hydra.searchpath=[file://{own}]"]
+    result = _app(*where, "model=wide_gpt", "output_dir=unused", "--cfg", "job", "--resolve", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    composed = yaml.safe_load(result.stdout)
+    assert composed["model"]["net"]["width"] == 96  # ours
+    assert composed["model"]["net"]["depth"] == 6 and composed["model"]["fused"] is True  # gpt_small's
+    assert composed["data"]["context"] == 64 and composed["strategy"]["_target_"].endswith("RoundPipeStrategy")
+
+
+def test_an_option_of_your_own_is_checked_against_the_schema(tmp_path):
+    """It extends a shipped option, so the schema still rejects an unknown key."""
+    own = tmp_path / "my_conf"
+    (own / "model").mkdir(parents=True)
+    (own / "model" / "typo.yaml").write_text("defaults:\n  - gpt_small\n  - _self_\n\nlearning_rate: 0.1\n")
+    result = _app("--config-dir", str(own), "model=typo", "--cfg", "job", cwd=tmp_path)
+    assert result.returncode != 0 and "learning_rate" in result.stderr
+
+
+# ---------------------------------------------------------------------------- loggers, callbacks, resuming
+FEW_STEPS = ["experiment=quick", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+             "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "sample_tokens=0", *TINY]
+
+
+def _optimizer_steps(checkpoint: pathlib.Path) -> tuple[int, set[int]]:
+    """The trainer's global step and the AdamW step counts a checkpoint holds."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    steps = {int(entry["step"]) for optimizer in state["optimizer_states"] for entry in optimizer["state"].values()}
+    return state["global_step"], steps
+
+
+# expected here: the second run checkpoints into its own folder, and resumes mid-epoch
+@pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:.*your dataloader is not resumable")
+def test_ckpt_path_resumes_from_the_checkpoint_of_an_earlier_run(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(_compose(*FEW_STEPS, "trainer.max_steps=4"), first)
+    last = first / "checkpoints" / "last.ckpt"
+    assert _optimizer_steps(last) == (4, {4})
+    assert len(list((first / "checkpoints").glob("step=*-val_loss=*.ckpt"))) == 1  # the best, by val/loss
+
+    run(_compose(*FEW_STEPS, "trainer.max_steps=6", f"ckpt_path={last}"), second)
+    # resumed: two more steps, and AdamW's moments carried over (a fresh start would count 2)
+    assert _optimizer_steps(second / "checkpoints" / "last.ckpt") == (6, {6})
+    with open(second / "logs" / "metrics.csv") as file:
+        logged = [int(row["step"]) for row in csv.DictReader(file) if row.get("train/loss")]
+    assert logged == [4, 5]
+
+
+def test_no_logger_writes_no_logs(tmp_path):
+    run(_compose(*FEW_STEPS, "trainer.max_steps=2", "~logger"), tmp_path)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "tensorboard").exists()
+    assert not (tmp_path / "lightning_logs").exists()  # not Lightning's default logger either
+
+
+def test_a_logger_whose_package_is_missing_is_a_config_error(tmp_path):
+    cfg = _compose(*FEW_STEPS, "trainer.max_steps=2", "logger=many")
+    if TENSORBOARD:
+        run(cfg, tmp_path)
+        assert (tmp_path / "logs" / "metrics.csv").is_file()
+        assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    else:
+        with pytest.raises(ConfigError, match=r"^`logger\.tensorboard` needs a package that is not installed"):
+            run(cfg, tmp_path)
 
 
 # ---------------------------------------------------------------------------- Hugging Face causal LMs

@@ -78,16 +78,22 @@ class CausalLM(LanguageModelLogging):
                 model = peft.get_peft_model(model, config)
         self.model = model
 
+    def _built(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("CausalLM.model is built by configure_model(), which Lightning calls before fit and "
+                               "validate; call it first when using the module outside a Trainer")
+        return self.model
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids, _ = batch  # the datamodule's targets are ids shifted by one; HF shifts `labels` itself
         mask = torch.ones_like(ids)
-        loss = self.model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss = self._built()(input_ids=ids, attention_mask=mask, labels=ids).loss
         self.log_training_loss(loss, ids.numel(), ids.shape[0])
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         ids, _ = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
+        loss = self._built()(input_ids=ids, labels=ids).loss
         self.val_loss.update(loss, weight=ids.shape[0] * (ids.shape[1] - 1))  # the positions HF scores
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -1,21 +1,26 @@
 """Typed schemas for the Hydra configs, and the checks that need more than a type.
 
-The dataclasses are registered in Hydra's ConfigStore and each yaml file extends one (its defaults
-list names ``base_*``), so an unknown key or a wrong type fails when the config is composed, naming
-the key. :func:`validate` then rejects impossible values before anything is built.
+The dataclasses are registered in Hydra's ConfigStore under ``schema/<group>`` and each yaml option
+extends one (its defaults list names e.g. ``/schema/model@_here_: gpt``), so an unknown key or a wrong
+type fails when the config is composed, naming the key. They live outside the user-facing groups so
+that Hydra does not offer them as options (``model=gpt`` would be an empty shell). :func:`validate`
+then rejects impossible values before anything is built.
 """
 
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-RECOMPUTE_GRAINS = ("stage", "layer")
-PREFLIGHT_MODES = ("refuse", "warn", "off")
+from lightning_roundpipe.engine.options import OptionError
+from lightning_roundpipe.options import OptionSpec, build_options, option_specs
+
 CAUSAL_LM_FAMILIES = ("llama", "qwen3")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,7 +81,7 @@ class LoRAConf:
 
 @dataclass
 class CausalLMConf:
-    """A Hugging Face causal LM built from a config (random init, no download) by ``app.causal_lm.CausalLM``.
+    """A Hugging Face causal LM built from a config (random init, no download) by ``app.hf_model.CausalLM``.
 
     The architecture keys are the ``transformers`` config's own (``LlamaConfig`` / ``Qwen3Config``).
     """
@@ -140,20 +145,42 @@ class TrainerConf:
 
 
 # ---------------------------------------------------------------------------- strategy
-@dataclass
-class RoundPipeConf:
-    _target_: str = "lightning_roundpipe.strategy.RoundPipeStrategy"
-    pipeline: Optional[str] = None     # null: the Hugging Face causal LM, else the largest nn.Sequential
-    num_stages: Any = "auto"           # "auto" or the chunk count (number of forward stages)
-    num_microbatches: Optional[int] = None
-    async_step: bool = False
-    recompute: str = "stage"
-    pin_memory: bool = True
-    device_memory_limit: Any = None    # bytes or "20GiB"
-    timeline: bool = False             # write timeline.json (Chrome trace) and timeline.png into the run's folder
-    timeline_steps: Optional[int] = 3  # the last this many optimizer steps (null: all)
-    preflight: str = "refuse"          # the memory plan at setup: refuse | warn | off
-    ring: Optional[list[int]] = None   # ring members as indices into the Trainer's devices, e.g. [0, 0]
+ROUNDPIPE_TARGET = "lightning_roundpipe.strategy.RoundPipeStrategy"
+_PLAIN_TYPES = (bool, int, float, str)
+
+
+def hydra_type(hint: Any) -> Any:
+    """The type OmegaConf checks for an option annotated ``hint``: a plain type, ``list`` of one, a choice of
+    strings as ``str``, ``Optional`` of those; ``Any`` for the rest (``int | str``, a ``Plan``), which
+    :func:`validate` checks when it builds the options."""
+    if hint in _PLAIN_TYPES:
+        return hint
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal and all(isinstance(arg, str) for arg in args):
+        return str
+    if origin is list and len(args) == 1 and args[0] in _PLAIN_TYPES:
+        return types.GenericAlias(list, args)
+    if origin in (Union, types.UnionType) and type(None) in args:
+        rest = [arg for arg in args if arg is not type(None)]
+        inner = hydra_type(rest[0]) if len(rest) == 1 else Any
+        return Any if inner is Any else Optional[inner]
+    return Any
+
+
+def roundpipe_conf(specs: Sequence[OptionSpec] | None = None) -> type:
+    """The schema of ``strategy=roundpipe``: ``_target_`` and one field per strategy option (default:
+    :func:`~lightning_roundpipe.options.option_specs`), with the option's default and :func:`hydra_type`."""
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, field(default=ROUNDPIPE_TARGET))]
+    for spec in option_specs() if specs is None else specs:
+        fields.append((spec.name, hydra_type(spec.type), field(default=spec.default)))
+    conf = make_dataclass("RoundPipeConf", fields)
+    conf.__module__ = __name__
+    conf.__doc__ = ("RoundPipeStrategy's options, made from StrategyOptions and EngineOptions "
+                    "(lightning_roundpipe/options.py documents each)")
+    return conf
+
+
+RoundPipeConf = roundpipe_conf()
 
 
 @dataclass
@@ -169,6 +196,11 @@ class Config:
     data: Any = MISSING
     trainer: TrainerConf = field(default_factory=TrainerConf)
     strategy: Any = MISSING
+    # name -> {_target_: ..., ...}: each is instantiated; the logger and callbacks groups fill them
+    logger: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    output_dir: str = MISSING          # the run's folder; config.yaml sets it to Hydra's
+    ckpt_path: Optional[str] = None    # a checkpoint to resume from (Trainer.fit's ckpt_path)
     seed: int = 0
     sample_tokens: int = 200
     sample_prompt: str = "def "
@@ -179,15 +211,15 @@ def register() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent)."""
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
-    store.store(group="model", name="base_gpt", node=GPTModelConf)
-    store.store(group="model", name="base_mlp", node=MLPModelConf)
-    store.store(group="model", name="base_causal_lm", node=CausalLMConf)
-    store.store(group="model/lora", name="base_lora", node=LoRAConf)
-    store.store(group="data", name="base_stdlib", node=StdlibDataConf)
-    store.store(group="data", name="base_text_path", node=TextPathDataConf)
-    store.store(group="trainer", name="base_trainer", node=TrainerConf)
-    store.store(group="strategy", name="base_roundpipe", node=RoundPipeConf)
-    store.store(group="strategy", name="base_single_device", node=SingleDeviceConf)
+    store.store(group="schema/model", name="gpt", node=GPTModelConf)
+    store.store(group="schema/model", name="mlp", node=MLPModelConf)
+    store.store(group="schema/model", name="causal_lm", node=CausalLMConf)
+    store.store(group="schema/model/lora", name="lora", node=LoRAConf)
+    store.store(group="schema/data", name="stdlib", node=StdlibDataConf)
+    store.store(group="schema/data", name="text_path", node=TextPathDataConf)
+    store.store(group="schema/trainer", name="trainer", node=TrainerConf)
+    store.store(group="schema/strategy", name="roundpipe", node=RoundPipeConf)
+    store.store(group="schema/strategy", name="single_device", node=SingleDeviceConf)
 
 
 def _fail(key: str, message: str) -> None:
@@ -196,27 +228,9 @@ def _fail(key: str, message: str) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Reject values that type-check but cannot work, naming the Hydra key, before anything is built."""
-    from lightning_roundpipe.engine.options import parse_bytes
-
     strategy = cfg.strategy
-    if "num_microbatches" in strategy:
-        m = strategy.num_microbatches
-        if m is not None and m < 1:
-            _fail("strategy.num_microbatches", f"must be at least 1 (or null for devices + 1), got {m}")
-        if strategy.recompute not in RECOMPUTE_GRAINS:
-            _fail("strategy.recompute", f"must be one of {RECOMPUTE_GRAINS}, got {strategy.recompute!r}")
-        k = strategy.num_stages
-        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            _fail("strategy.num_stages", f"must be 'auto' or a chunk count of at least 1, got {k!r}")
-        if strategy.get("preflight", "refuse") not in PREFLIGHT_MODES:
-            _fail("strategy.preflight", f"must be one of {PREFLIGHT_MODES}, got {strategy.preflight!r}")
-        steps = strategy.get("timeline_steps")
-        if steps is not None and steps < 1:
-            _fail("strategy.timeline_steps", f"must be at least 1 (or null for every step), got {steps}")
-        try:
-            parse_bytes(strategy.device_memory_limit)
-        except ValueError as error:
-            _fail("strategy.device_memory_limit", f"is invalid: {error}")
+    if str(strategy.get("_target_", "")).rsplit(".", 1)[-1] == "RoundPipeStrategy":
+        _validate_roundpipe(strategy)
     if "family" in cfg.model:
         _validate_causal_lm(cfg.model, cfg.data.context)
         if strategy.get("pipeline") not in (None, "model"):
@@ -228,12 +242,33 @@ def validate(cfg: DictConfig) -> None:
             _fail(f"data.{key}", f"must be at least 1, got {data[key]}")
     if not 0 < data.val_fraction < 1:
         _fail("data.val_fraction", f"must be between 0 and 1, got {data.val_fraction}")
-    if "path" in data:
-        path = pathlib.Path(data.path).expanduser()  # a missing value raises here, naming `data.path`
+    if "path" in data.keys():  # `in data` alone is False while the value is missing (???)
+        if OmegaConf.is_missing(data, "path"):
+            _fail("data.path", "is required with data=text_path: add data.path=/your/corpus.txt (a file, or a "
+                  "folder whose files are read in sorted order)")
+        path = pathlib.Path(data.path).expanduser()
         if not path.exists():
             _fail("data.path", f"names no file or folder: {str(path)!r}")
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and "://" not in ckpt_path and not pathlib.Path(ckpt_path).expanduser().is_file():
+        _fail("ckpt_path", f"names no checkpoint file: {ckpt_path!r}; give a .ckpt a run wrote, e.g. "
+              "ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt, or null to start afresh")
     if cfg.sample_tokens < 0:
         _fail("sample_tokens", f"must be at least 0, got {cfg.sample_tokens}")
+
+
+def _validate_roundpipe(strategy: DictConfig) -> None:
+    """Build the strategy's options as the strategy will: the same checks and messages, named by Hydra key."""
+    values = OmegaConf.to_container(strategy, resolve=True)
+    assert isinstance(values, dict)
+    options = {str(key): value for key, value in values.items()
+               if not (str(key).startswith("_") and str(key).endswith("_"))}  # _target_ and the like
+    try:
+        build_options(options)
+    except OptionError as error:
+        raise ConfigError(f"`strategy.{error.option}` {error.problem}") from error
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"`strategy` {error}") from error
 
 
 def _validate_causal_lm(model: DictConfig, context: int) -> None:

@@ -1,4 +1,9 @@
-"""The main job: ``python examples/train.py`` (Hydra) trains a byte-level model and prints a summary.
+"""The main job: ``roundpipe-train`` (Hydra) trains a byte-level model and prints a summary.
+
+The same entry point runs as ``python -m lightning_roundpipe.app`` and, in a clone, as
+``python examples/train.py``. The configs ship inside the package (``lightning_roundpipe/app/conf``) and
+Hydra finds them as package resources, so an installed copy works from any folder; ``--config-dir`` or
+``hydra.searchpath`` add a folder of your own options.
 
 :func:`run` does the work from a composed config, so tests and notebooks can call it in-process with
 Hydra's compose API; :func:`main` is the ``hydra.main`` wrapper that adds the command line, run and
@@ -7,25 +12,28 @@ sweep folders and multirun.
 
 from __future__ import annotations
 
+import copy
 import math
 import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import lightning.pytorch as pl
 import torch
-from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
 
 from lightning_roundpipe.app.schema import ConfigError, register, validate
 
-CONFIG_DIR = str(pathlib.Path(__file__).resolve().with_name("conf"))  # shipped inside the package
+CONFIG_MODULE = "lightning_roundpipe.app.conf"  #: the shipped configs, as Hydra's package reference
+CONFIG_DIR = str(pathlib.Path(__file__).resolve().with_name("conf"))  #: the same folder on disk (compose API)
 register()
 
 
@@ -57,7 +65,7 @@ class Summary:
             f"outputs         {self.output_dir}",
             *([f"timeline        {', '.join(self.timeline_files)} (open the .json at ui.perfetto.dev)"]
               if self.timeline_files else []),
-            "sample (host-side, bypassing the pipeline):",
+            *(["sample (host-side, bypassing the pipeline):"] if self.sample else []),
             *("  | " + line for line in self.sample.splitlines()[:8]),
             "=" * 57,
         ]
@@ -80,44 +88,56 @@ class _Throughput(Callback):
             self.peak = list(engine.peak_resident_bytes())
 
 
-def _tensorboard_available() -> bool:
-    try:
-        import tensorboard  # noqa: F401
-        return True
-    except ImportError:
+def _instantiate_each(cfg: DictConfig, group: str) -> list[Any]:
+    """Build every entry of the ``logger`` or ``callbacks`` node (name -> config with ``_target_``)."""
+    built = []
+    for name, entry in cfg[group].items():
+        if entry is None:  # e.g. logger=many logger.tensorboard=null: drops one entry
+            continue
+        if "_target_" not in entry:
+            raise ConfigError(f"`{group}.{name}` has no `_target_`: name the class to build, e.g. "
+                              f"{group}.{name}._target_=lightning.pytorch.loggers.CSVLogger")
         try:
-            import tensorboardX  # noqa: F401
-            return True
-        except ImportError:
-            return False
+            built.append(instantiate(entry))
+        except InstantiationException as error:
+            cause = error.__cause__
+            if isinstance(cause, ImportError):  # e.g. logger=tensorboard without the tensorboard package
+                reason = str(cause).splitlines()[0]
+                raise ConfigError(f"`{group}.{name}` needs a package that is not installed ({reason}): install "
+                                  f"it, or leave the entry out with {group}.{name}=null") from None
+            raise
+    return built
 
 
-def run(cfg: DictConfig, output_dir: str | pathlib.Path) -> Summary:
-    """Validate ``cfg``, build everything with ``instantiate``, train, sample, and return the summary."""
+def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summary:
+    """Validate ``cfg``, build everything with ``instantiate``, train, sample, and return the summary.
+
+    ``output_dir`` is the run's folder (logs, checkpoints, timelines); ``None`` keeps ``cfg.output_dir``,
+    which the command line sets to Hydra's run folder. Compose-API callers pass a folder.
+    """
+    if output_dir is not None:
+        cfg = copy.deepcopy(cfg)  # a deep copy: interpolations such as ${output_dir} resolve in the copy
+        cfg.output_dir = str(output_dir)
     validate(cfg)
-    output_dir = pathlib.Path(output_dir)
+    output_dir = pathlib.Path(cfg.output_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.torch_threads)
     try:
         datamodule = instantiate(cfg.data)
         model = instantiate(cfg.model)
-        # strategy.timeline=true: the timeline files land in this run's folder
-        timeline = {"timeline_dir": str(output_dir)} if cfg.strategy.get("timeline") else {}
-        strategy = instantiate(cfg.strategy, **timeline)
+        # strategy.timeline=true writes into the Trainer's default_root_dir, the run's folder (set below)
+        strategy = instantiate(cfg.strategy)
         overrides: dict[str, Any] = {}
         if isinstance(strategy, pl.strategies.SingleDeviceStrategy):
             overrides["devices"] = 1  # the baseline trains on one device whatever the trainer group says
         throughput = _Throughput()
-        callbacks: list[Callback] = [throughput, ModelCheckpoint(dirpath=output_dir / "checkpoints",
-                                                                 monitor="val/loss", save_last=True)]
-        loggers: list[Logger] = [CSVLogger(output_dir, name="logs", version="")]
-        if _tensorboard_available():
-            from lightning.pytorch.loggers import TensorBoardLogger
-            loggers.append(TensorBoardLogger(output_dir, name="tensorboard", version=""))
-        trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers,
-                                          default_root_dir=str(output_dir), **overrides)
-        trainer.fit(model, datamodule=datamodule)
+        callbacks: list[Callback] = [throughput, *_instantiate_each(cfg, "callbacks")]
+        loggers: list[Logger] = _instantiate_each(cfg, "logger")
+        # no logger chosen (logger=null): none at all, rather than Lightning's default TensorBoard one
+        trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
+                                          logger=loggers or False, default_root_dir=str(output_dir), **overrides)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         metrics = trainer.callback_metrics
         bubble = metrics.get("roundpipe/bubble_ratio")
         val = metrics.get("val/loss")
@@ -138,14 +158,20 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path) -> Summary:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """The Hydra entry point; returns the final validation loss (for sweepers)."""
+    """The Hydra entry point (``roundpipe-train``); returns the final validation loss (for sweepers)."""
     try:
-        return run(cfg, HydraConfig.get().runtime.output_dir).val_loss
+        return run(cfg).val_loss
     except ConfigError as error:  # a bad value is the user's to fix: say which key, without a traceback
-        print(f"config error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _config_error(str(error))
+    except MissingMandatoryValue as error:  # a `???` left unset that validate() does not name itself
+        _config_error(f"`{error.full_key}` has no value: set it on the command line, {error.full_key}=...")
+
+
+def _config_error(message: str) -> NoReturn:
+    print(f"config error: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
