@@ -1,4 +1,4 @@
-# Set-up and test targets. `make test` is the README's test command and what CI runs.
+# Set-up and test targets. `make test` is the README's test command and what CI runs: ruff, mypy, pytest.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,9 @@ $(PY):
 .PHONY: install test
 install: $(PY)
 
-test: $(PY)
+test: $(PY)  # static checks first (seconds), then the suite
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 .PHONY: train demo

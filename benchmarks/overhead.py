@@ -53,6 +53,7 @@ ratios (each taken between runs of the same round), with their min..max over the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -112,10 +113,10 @@ class StepTimer(pl.Callback):
             self.compute.append(sum(device.counters.compute_seconds for device in engine.devices))
 
     def step_seconds(self) -> list[float]:
-        return [b - a for a, b in zip(self.starts[self.warmup:], self.starts[self.warmup + 1:])]
+        return [b - a for a, b in itertools.pairwise(self.starts[self.warmup:])]
 
     def cpu_seconds(self) -> list[float]:
-        return [b - a for a, b in zip(self.cpu[self.warmup:], self.cpu[self.warmup + 1:])]
+        return [b - a for a, b in itertools.pairwise(self.cpu[self.warmup:])]
 
     def compute_share(self) -> float | None:
         """Share of the measured wall time the (one) device spent computing; None if not RoundPipe."""
