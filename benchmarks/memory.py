@@ -94,10 +94,12 @@ def tensors_of(value: object) -> list[torch.Tensor]:
 def call_values(call: object) -> tuple[list[object], list[object]]:
     """The host values a trunk call (``lightning_roundpipe.engine.call.Call``) holds: checkpoints, and the rest."""
     checkpoints = list(call.checkpoints.values()) + list(call.snapshots.values())
-    others = list(call.inputs) + list(call.losses) + list(call.first_grads or [])
+    fused = call.fused  # the fused path's per-microbatch losses and targets; None for a transparent call
+    others = list(call.inputs) + (list(fused.losses) if fused else []) + list(call.first_grads or [])
     for column in list(call.outputs.values()):
         others.extend(column)
-    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [call.targets, call.merged]
+    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [
+        fused.targets if fused else None, call.merged]
 
 
 class HostAccountant(pl.Callback):

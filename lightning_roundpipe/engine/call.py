@@ -82,7 +82,12 @@ class Slot:
             self._readers += 1
 
     def consume(self) -> None:
+        """One counted reader has its copy; the last one drops the value."""
         with self._lock:
+            if self._readers == 0:
+                raise RuntimeError(
+                    f"{self.event.name} was read by more jobs than were counted: call expect_reader() at dispatch "
+                    "for every job that reads it, so that its value is not dropped before the last one has it")
             self._readers -= 1
             if self._readers == 0:
                 self.value = None
@@ -99,8 +104,23 @@ class Slot:
 
 
 @dataclass
+class FusedLoss:
+    """The loss a fused-path call (``forward_backward``) computes and back-propagates in its fused stage."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    targets: list[Any]           # per microbatch, on the host
+    scales: list[float]          # per microbatch: its loss weight / the batch's, so the sum is the batch loss
+    backward_scale: float        # multiplies the loss before backward only (accumulation, loss scaling)
+    losses: list[Slot]           # per microbatch: the detached microbatch loss, downloaded
+
+
+@dataclass
 class Call:
-    """Everything one trunk call keeps on the host between its forward and backward jobs."""
+    """Everything one trunk call keeps on the host between its forward and backward jobs.
+
+    A fused-path call (``forward_backward``) also has :attr:`fused`; a transparent call (the engine
+    called like a module, backward through autograd) uses :attr:`first_grads` and :attr:`merged`.
+    """
 
     step: int
     index: int
@@ -113,13 +133,17 @@ class Call:
     checkpoints: dict[tuple[int, int], Slot] = field(default_factory=dict)
     snapshots: dict[tuple[int, int], Slot] = field(default_factory=dict)
     outputs: dict[int, list[Slot]] = field(default_factory=dict)   # job index -> per microbatch
-    targets: list[Any] = field(default_factory=list)
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    loss_scales: list[float] = field(default_factory=list)   # microbatch weight / batch weight
-    backward_scale: float = 1.0
-    losses: list[Slot] = field(default_factory=list)          # fused path: per microbatch
+    fused: FusedLoss | None = None                            # fused path: set before its jobs are dispatched
     first_grads: list[Slot] | None = None                     # transparent backward: from autograd
     merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
+
+    @property
+    def fused_loss(self) -> FusedLoss:
+        """:attr:`fused`, for the fused stage, which only a fused-path call has."""
+        if self.fused is None:
+            raise RuntimeError(f"call {self.index} of step {self.step} has a fused stage but no fused loss; "
+                               "set `Call.fused` before dispatching a fused-path call")
+        return self.fused
 
     def input_slots(self, job: Job) -> list[Slot]:
         """What ``job`` reads per microbatch: the previous job's outputs, else the first output gradients
@@ -127,6 +151,9 @@ class Call:
         if job.depends_on:
             return self.outputs[job.depends_on[-1]]
         if job.kind is StageKind.BACKWARD:
+            if self.first_grads is None:
+                raise RuntimeError(f"backward stage {job.label} (job {job.index}) of call {self.index} has no "
+                                   "output gradients to read; dispatch a transparent backward with them")
             return self.first_grads
         return self.inputs
 

@@ -78,12 +78,10 @@ class HostEvent:
 
     __slots__ = ("_flag", "name", "cuda_event")
 
-    def __init__(self, name: str = "event", done: bool = False) -> None:
+    def __init__(self, name: str = "event") -> None:
         self._flag = threading.Event()
         self.name = name
         self.cuda_event: torch.cuda.Event | None = None
-        if done:
-            self._flag.set()
 
     def set(self) -> None:
         self._flag.set()
@@ -266,11 +264,22 @@ class Residency:
 
 @dataclass
 class DeviceCounters:
-    """Running totals of one device, for pipeline metrics (each written by one stream thread)."""
+    """Running totals of one device, for pipeline metrics.
 
-    compute_seconds: float = 0.0        # compute stream busy
-    uploaded_bytes: int = 0             # parameters, buffers and activations copied to the device
-    weight_wait_seconds: float = 0.0    # parameter uploads blocked waiting for an optimizer step
+    Each field has a single writer, the stream thread named beside it, so its unlocked ``+=`` never
+    loses an update; other threads only read. Bytes uploaded by two streams are therefore two fields,
+    summed by :attr:`uploaded_bytes`.
+    """
+
+    compute_seconds: float = 0.0            # compute stream: time busy computing
+    uploaded_param_bytes: int = 0           # parameter stream: parameters and buffers copied to the device
+    uploaded_activation_bytes: int = 0      # activation stream: inputs, checkpoints, snapshots, targets
+    weight_wait_seconds: float = 0.0        # parameter stream: uploads blocked waiting for an optimizer step
+
+    @property
+    def uploaded_bytes(self) -> int:
+        """Everything copied to the device: parameters, buffers and activations."""
+        return self.uploaded_param_bytes + self.uploaded_activation_bytes
 
 
 class Device:

@@ -23,15 +23,15 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.engine.call import Call, CallContext, PipelineError, Slot
+from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
 from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
-from lightning_roundpipe.engine.layers import Trunk, build_trunk
+from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
 from lightning_roundpipe.engine.optim import (
     GradWindow,
@@ -50,6 +50,8 @@ from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, cos
 from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
+
+_Part = TypeVar("_Part")
 
 
 class RoundPipeEngine:
@@ -77,7 +79,7 @@ class RoundPipeEngine:
         self.num_microbatches = self.options.microbatches_for(self.num_devices)
         initial = costs_from_bytes([s.param_bytes() for s in self.trunk.states],
                                    [s.grad_bytes() for s in self.trunk.states])
-        limit = self.options.device_memory_limit
+        limit = self.options.device_memory_limit_bytes
         if limit is None and any(device.type == "cuda" for device in self.torch_devices):
             limit = self._cuda_budget()
         self.device_budget = limit
@@ -90,13 +92,34 @@ class RoundPipeEngine:
         self._started = False
         self._closed = False
         self._failure_reported = False
+        self._abort = AbortSignal(self.options.wait_timeout)  # starts no thread: every state has one
+        # made by start(), as they start threads or must see the weights and seed of that moment
+        self._timeline: Timeline | None = None
+        self.devices: list[Device] = []
+        self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
+        self._published: PublishedWeights | None = None  # async mode: the weights devices read
+        self._pinned = PinnedStorages()
+        self._runner: StageRunner | None = None
+        self._workers: list[Worker] = []
+        self._optimizer: HostOptimizer | None = None
+        # dispatch and step state
+        self._next_job = 0                       # ring position of the next job: job j runs on device j mod N
+        self._step = 0                           # optimizer steps queued so far
+        self._calls_in_step = 0
+        self._window = GradWindow(self._abort)   # the gradients of the step being accumulated
+        self._weights_ready: HostEvent | None = None     # the last queued step's weights, which uploads wait for
+        self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
+        self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
+        self._last_step_done: HostEvent | None = None
+        self._warned_short_batch = False
+        self._warned_unstepped = False
+        self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> RoundPipeEngine:
         if self._started:
             raise RuntimeError("the engine is already started")
-        self._abort = AbortSignal(self.options.wait_timeout)
-        self.timeline = Timeline(self.options.record_timeline)
+        timeline = self._timeline = Timeline(self.options.record_timeline)
         self.devices = [
             Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter,
                    pin_memory=self.options.pin_memory)
@@ -105,26 +128,15 @@ class RoundPipeEngine:
         self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
         published = PublishedWeights(self.trunk.parameters()) if self.options.async_step else None
         self._published = published
-        self._pinned = PinnedStorages()
         if self.options.pin_memory and any(device.is_cuda for device in self.devices):
             # what uploads read: the weights (or async's published copy) and the buffers, pinned in place
             sources = [param if published is None else published.source(param) for param in self.trunk.parameters()]
             self._pinned.pin([*sources, *(b for state in self.trunk.states for b in state.buffers)])
-        self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, self.timeline,
+        self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
                                    self.base_seed, published, measure=not self.options.freeze_plan)
         self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
-        self._optimizer = HostOptimizer(self._abort, self.timeline)
-        self._next_job = 0
-        self._step = 0
-        self._calls_in_step = 0
-        self._window = GradWindow(self._abort)
-        self._weights_ready: HostEvent | None = None
-        self._buffer_ready: dict[int, HostEvent] = {}
-        self._last_done: list[HostEvent | None] = [None] * self.num_devices
-        self._last_step_done: HostEvent | None = None
-        self._warned_short_batch = False
-        self._warned_unstepped = False
-        self._metrics_mark = (self.timeline.now(), {"compute": 0.0, "uploaded": 0.0, "optimizer": 0.0, "exposed": 0.0})
+        self._optimizer = HostOptimizer(self._abort, timeline)
+        self._metrics_mark = (timeline.now(), {"compute": 0.0, "uploaded": 0.0, "optimizer": 0.0, "exposed": 0.0})
         self._started = True
         return self
 
@@ -150,10 +162,11 @@ class RoundPipeEngine:
         if not finish_steps:
             self._abort.abort()
         timeout = self.options.wait_timeout
-        stuck = [self._optimizer.close(timeout)]
+        optimizer = self._started_part(self._optimizer)
+        stuck = [optimizer.close(timeout)]
         if stuck[0] is not None:  # the module's weights may be mid-update: never a silent success
             self._abort.fail(TimeoutError(
-                f"{stuck[0]} has not finished {self._optimizer.running or 'its task'} within "
+                f"{stuck[0]} has not finished {optimizer.running or 'its task'} within "
                 f"`wait_timeout={timeout:g}` s while the engine closed; the module's weights may be mid-update. "
                 "Raise `wait_timeout` if a single optimizer step really takes that long."))
         self._abort.abort()
@@ -163,14 +176,14 @@ class RoundPipeEngine:
         stuck += [worker.close(deadline) for worker in self._workers]
         for device in self.devices:
             stuck += device.join(deadline)
-        stuck = [name for name in stuck if name is not None]
-        if not stuck:
+        still_running = [name for name in stuck if name is not None]
+        if not still_running:
             self._pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
         else:
             warnings.warn(
-                f"RoundPipe closed its engine but {len(stuck)} thread(s) are still inside an operation that has "
-                f"not returned within `wait_timeout={timeout:g}` s: {', '.join(stuck)}. They run nothing else "
-                "and end by themselves once it returns (a layer, loss or optimizer step that never returns "
+                f"RoundPipe closed its engine but {len(still_running)} thread(s) are still inside an operation that "
+                f"has not returned within `wait_timeout={timeout:g}` s: {', '.join(still_running)}. They run nothing "
+                "else and end by themselves once it returns (a layer, loss or optimizer step that never returns "
                 "keeps its thread for good).",
                 RuntimeWarning, stacklevel=2,
             )
@@ -205,6 +218,18 @@ class RoundPipeEngine:
         self.close(finish_steps=exc_type is None)
         if exc_type is None:
             self.raise_unreported_failure()
+
+    def _check_started(self, what: str) -> None:
+        if not self._started:
+            raise RuntimeError(f"the engine is not started, so it has no {what} yet: use `with RoundPipeEngine(...) "
+                               "as engine:` or call start() first")
+
+    def _started_part(self, part: _Part | None, what: str = "threads") -> _Part:
+        """``part``, one of the things :meth:`start` makes; before that, a clear error."""
+        self._check_started(what)
+        if part is None:  # started, yet not made: a bug in start()
+            raise RuntimeError(f"the engine is started but has no {what}")
+        return part
 
     def _check_running(self) -> None:
         if not self._started:
@@ -261,8 +286,9 @@ class RoundPipeEngine:
         return self.planner.plan
 
     @property
-    def step_index(self) -> int:
-        return self._step
+    def timeline(self) -> Timeline:
+        """What ran where and when since :meth:`start` (recorded with ``record_timeline``)."""
+        return self._started_part(self._timeline, "timeline")
 
     def events(self) -> list[TimelineEvent]:
         return self.timeline.events()
@@ -275,11 +301,12 @@ class RoundPipeEngine:
         time spent waiting for a step's weights (the part of the step the pipeline did not hide);
         ``peak_device_bytes``: the largest resident bytes on any device so far.
         """
+        optimizer = self._started_part(self._optimizer, "pipeline metrics")
         now = self.timeline.now()
         totals = {
             "compute": sum(d.counters.compute_seconds for d in self.devices),
             "uploaded": float(sum(d.counters.uploaded_bytes for d in self.devices)),
-            "optimizer": self._optimizer.busy_seconds,
+            "optimizer": optimizer.busy_seconds,
             "exposed": sum(d.counters.weight_wait_seconds for d in self.devices),
         }
         last_time, last = self._metrics_mark
@@ -295,9 +322,13 @@ class RoundPipeEngine:
         }
 
     def peak_resident_bytes(self) -> list[int]:
+        """Per device, the most bytes it held at once so far."""
+        self._check_started("resident bytes")
         return [device.residency.peak for device in self.devices]
 
     def peak_resident_stages(self) -> list[int]:
+        """Per device, the most stages it held at once so far (at most two: see ``worker.py``)."""
+        self._check_started("resident stages")
         return [device.residency.peak_stages for device in self.devices]
 
     # ------------------------------------------------------------------ calls
@@ -314,10 +345,17 @@ class RoundPipeEngine:
             output = merge(self._run_forward(call))
             return output
         call = self._new_call(inputs, context, checkpoints=True)
+        # autograd records the function (and so runs its backward, which computes the trunk's parameter
+        # gradients) only if an input requires grad; the inputs may not (token ids, a frozen embedding),
+        # so this scalar always does. Its own gradient is None.
         anchor = torch.zeros((), requires_grad=True)
         result = _PipelineFunction.apply(self, call, anchor, *differentiable)
-        flat_out, out_spec = call.merged
-        call.merged = None
+        # the function can return only tensors: the rest of the output (its structure, and the leaves that
+        # are not floating-point tensors) comes back through `call.merged`. Taken at once: the call lives as
+        # long as the autograd graph, which must not keep the output's other leaves alive too.
+        merged, call.merged = call.merged, None
+        assert merged is not None, "_PipelineFunction.forward sets call.merged"
+        flat_out, out_spec = merged
         differentiable_out = iter(result)
         rebuilt = [next(differentiable_out) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf
                    for leaf in flat_out]
@@ -352,16 +390,14 @@ class RoundPipeEngine:
         if total <= 0:
             raise ValueError(f"the loss weights of the batch sum to {total}; nothing to learn from "
                              "(every target ignored?)")
-        call.targets = targets
-        call.loss_fn = loss_fn
-        call.loss_scales = [w / total for w in weights]
-        call.backward_scale = scale
-        call.losses = [Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)]
+        fused = call.fused = FusedLoss(
+            loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
+            losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
         jobs = training_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=None)
         losses = []
-        for slot, weight in zip(call.losses, call.loss_scales):
+        for slot, weight in zip(fused.losses, fused.scales, strict=True):
             self._wait(slot.event)
             if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
                 losses.append(slot.value * weight)
@@ -381,8 +417,27 @@ class RoundPipeEngine:
         """
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        trunk_params = list(self.trunk.parameters())
-        trunk_ids = {id(p) for p in trunk_params}
+        outside = self._check_optimizer_params(params)
+        window, self._window = self._window, GradWindow(self._abort)
+        window.close()
+        self._step += 1
+        self._calls_in_step = 0
+        proceed: bool | None = True
+        if before_step is not None:  # the hook must see final gradients in param.grad, on this thread
+            self._publish_gradients(window.wait_complete, window)
+            proceed = before_step()
+        finished = self._queue_step(optimizer, params, window, published_here=before_step is not None,
+                                    proceed=proceed is not False)
+        if outside:  # main-thread code reads those parameters next: wait for the update
+            self._wait(finished)
+        self._last_step_done = finished
+        self._replan()
+        self.timeline.mark_step()  # a bounded timeline keeps the last steps; one branch when recording is off
+
+    def _check_optimizer_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Refuse or warn about an optimizer that steps parameters outside the trunk or misses trunk ones;
+        returns the trainable parameters it steps outside the trunk."""
+        trunk_ids = {id(p) for p in self.trunk.parameters()}
         outside = [p for p in params if p.requires_grad and id(p) not in trunk_ids]
         if outside and self.options.async_step:
             raise ValueError(
@@ -397,35 +452,36 @@ class RoundPipeEngine:
             warnings.warn(
                 f"{len(unstepped)} trainable trunk parameters are not in the optimizer: their gradients keep "
                 "accumulating in param.grad. Freeze them (requires_grad_(False)) or add them to the optimizer.",
-                stacklevel=2,
+                stacklevel=3,
             )
-        window, self._window = self._window, GradWindow(self._abort)
-        window.close()
-        self._step += 1
-        self._calls_in_step = 0
-        hook_on_main = before_step is not None
-        proceed: bool | None = True
-        if hook_on_main:  # the hook must see final gradients in param.grad, on this thread
-            self._publish_gradients(window.wait_complete, window)
-            proceed = before_step()
-        groups = snapshot_param_groups(optimizer)
-        optimizer._opt_called = True  # an LR scheduler checks that a step preceded its own
+        return outside
+
+    def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow, *,
+                    published_here: bool, proceed: bool) -> HostEvent:
+        """Queue step ``self._step`` on the optimizer thread and make later uploads wait for its weights;
+        returns the event of its end. ``published_here``: the window's gradients are already in
+        ``param.grad`` (published on this thread for ``before_step``); ``proceed=False`` skips the update."""
+        groups = snapshot_param_groups(optimizer)  # hyperparameters as they are now
+        # an LR scheduler checks that a step preceded its own
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         number = self._step
-        published = HostEvent(f"the weights published by optimizer step {number}") if self.options.async_step else None
+        published_weights = self._published  # async mode only
+        published = None if published_weights is None else HostEvent(
+            f"the weights published by optimizer step {number}")
         finished = HostEvent(f"optimizer step {number}")
 
         def wait_for_gradients() -> None:
-            if published is not None:
+            if published_weights is not None and published is not None:
                 window.wait_uploads()  # every read of the published copy by this iteration is done
-                self._published.publish(trunk_params)
+                published_weights.publish(self.trunk.parameters())
                 published.set()
-            if not hook_on_main:
+            if not published_here:
                 window.wait_complete()
 
         def run_step() -> None:
-            if not hook_on_main:
-                window.publish()
-            if proceed is not False:
+            if not published_here:
+                window.publish()  # after wait_complete above, and after the previous step (one thread)
+            if proceed:
                 try:
                     step_with_groups(optimizer, groups)
                 except Exception as error:
@@ -435,12 +491,9 @@ class RoundPipeEngine:
             for param in params:
                 param.grad = None
 
-        self._optimizer.submit(run_step, finished, f"step {number}", wait=wait_for_gradients)
+        self._started_part(self._optimizer).submit(run_step, finished, f"step {number}", wait=wait_for_gradients)
         self._weights_ready = published if published is not None else finished
-        if outside:  # main-thread code reads those parameters next: wait for the update
-            self._wait(finished)
-        self._last_step_done = finished
-        self._replan()
+        return finished
 
     def collect_gradients(self) -> None:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, rather
@@ -464,7 +517,7 @@ class RoundPipeEngine:
 
     # ------------------------------------------------------------------ planning
     def _replan(self) -> None:
-        forward, backward = self._runner.take_measurements()
+        forward, backward = self._started_part(self._runner).take_measurements()
         if not forward or self.options.freeze_plan:
             return
         estimate = self.planner.estimate
@@ -481,7 +534,7 @@ class RoundPipeEngine:
         self.planner.replan()
 
     # ------------------------------------------------------------------ dispatch
-    def _new_call(self, inputs: tuple[tuple, dict], context: CallContext, checkpoints: bool) -> Call:
+    def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
         size = batch_size(inputs)
         if size is None:
             sizes = [1] if self.num_microbatches == 1 else None
@@ -524,7 +577,7 @@ class RoundPipeEngine:
         outputs = []
         for slot in call.outputs[jobs[-1].index]:
             self._wait(slot.event)
-            outputs.append(slot.value[0][0])  # slots hold the next layer's (args, kwargs)
+            outputs.append(single_argument(slot.value))  # a stage's output slot holds the next layer's input
         return outputs
 
     def _run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[Slot]:
@@ -595,10 +648,11 @@ class _PipelineFunction(torch.autograd.Function):
         outputs = engine._run_forward(call)
         merged = merge(outputs)
         leaves, spec = pytree.tree_flatten(merged)
-        call.merged = (leaves, spec)
+        call.merged = (leaves, spec)  # for RoundPipeEngine.__call__, which rebuilds the whole output
         per_microbatch = [differentiable_leaves(output) for output in outputs]
         ctx.engine, ctx.call = engine, call
-        ctx.split_sizes = [[leaf.shape[0] for leaf in column] for column in zip(*per_microbatch)]
+        # merge() checked that every microbatch's output has the same structure
+        ctx.split_sizes = [[leaf.shape[0] for leaf in column] for column in zip(*per_microbatch, strict=True)]
         ctx.num_inputs = len(inputs)
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
 
@@ -618,7 +672,7 @@ class _PipelineFunction(torch.autograd.Function):
         engine, call = ctx.engine, ctx.call
         per_leaf = [
             torch.split(grad, sizes) if grad is not None else [None] * len(sizes)
-            for grad, sizes in zip(grad_outputs, ctx.split_sizes)
+            for grad, sizes in zip(grad_outputs, ctx.split_sizes, strict=True)
         ]
         output_grads = [[column[m] for column in per_leaf] for m in range(call.num_microbatches)]
         slots = engine._run_backward(call, output_grads)
@@ -628,13 +682,24 @@ class _PipelineFunction(torch.autograd.Function):
         for slot in slots:
             engine._wait(slot.event)
             grads_per_microbatch.append(slot.value)
-        input_grads = []
+        input_grads: list[torch.Tensor | None] = []
         for position in range(ctx.num_inputs):
-            pieces = [g[position] if g is not None else None for g in grads_per_microbatch]
-            if any(p is None for p in pieces) or not call.input_requires_grad[position]:
+            pieces = [g[position] for g in grads_per_microbatch if g is not None and g[position] is not None]
+            if len(pieces) < len(grads_per_microbatch) or not call.input_requires_grad[position]:
                 input_grads.append(None)
-            elif pieces[0].dim() > 0 and sum(p.shape[0] for p in pieces) == sum(call.sizes) and len(pieces) > 1:
-                input_grads.append(torch.cat(pieces))
             else:
-                input_grads.append(torch.stack(pieces).sum(0) if len(pieces) > 1 else pieces[0])
+                input_grads.append(_whole_batch_grad(pieces, sum(call.sizes)))
         return (None, None, None) + tuple(input_grads)
+
+
+def _whole_batch_grad(pieces: list[torch.Tensor], samples: int) -> torch.Tensor:
+    """The gradient of one call input from its microbatches' gradients of it.
+
+    The split rule (``microbatch.py``) decides: a tensor with a dim 0 was split into the microbatches,
+    so its gradient is theirs concatenated; any other input (a 0-dim tensor) was replicated whole into
+    every microbatch, and each used it, so its gradient is their sum."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if pieces[0].dim() > 0 and sum(piece.shape[0] for piece in pieces) == samples:
+        return torch.cat(pieces)
+    return torch.stack(pieces).sum(0)

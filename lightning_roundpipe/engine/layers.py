@@ -14,9 +14,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
+
+LayerInput = tuple[tuple[Any, ...], dict[str, Any]]
+"""What a trunk layer is called with, ``(args, kwargs)``: the caller's for layer 0, the previous layer's
+output as the single positional argument for every later one (see :func:`as_layer_input`)."""
+
+
+def as_layer_input(output: Any) -> LayerInput:
+    """A layer's output as the next layer's input: its single positional argument."""
+    return (output,), {}
+
+
+def single_argument(layer_input: LayerInput) -> Any:
+    """The output that :func:`as_layer_input` wrapped: what the last layer before ``layer_input`` returned."""
+    return layer_input[0][0]
 
 
 @dataclass(frozen=True)
@@ -41,12 +58,11 @@ class LayerState:
         return [p for p in self.params if p.requires_grad]
 
     def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params) + sum(
-            b.numel() * b.element_size() for b in self.buffers
-        )
+        """What one upload of the layer copies: its parameters and buffers."""
+        return tensors_nbytes(self.params) + tensors_nbytes(self.buffers)
 
     def grad_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.trainable)
+        return tensors_nbytes(self.trainable)
 
 
 class Trunk:
@@ -64,17 +80,11 @@ class Trunk:
         self.layers = list(layers)
         self.source = source
         self.states = [_collect_state(layer) for layer in self.layers]
-        owners: dict[int, list[int]] = {}
-        for index, state in enumerate(self.states):
-            for param in state.params:
-                owners.setdefault(id(param), []).append(index)
-            for buffer in state.buffers:
-                if buffer.requires_grad:
-                    raise ValueError(f"a buffer of trunk layer {index} requires grad; buffers must not")
-        self.shared_param_layers = {key: idx for key, idx in owners.items() if len(idx) > 1}
         buffer_owners: dict[int, list[int]] = {}
         for index, state in enumerate(self.states):
             for buffer in state.buffers:
+                if buffer.requires_grad:
+                    raise ValueError(f"a buffer of trunk layer {index} requires grad; buffers must not")
                 buffer_owners.setdefault(id(buffer), []).append(index)
         shared_buffers = {k: v for k, v in buffer_owners.items() if len(v) > 1}
         if shared_buffers:
@@ -106,40 +116,34 @@ class Trunk:
         for param in self.parameters():
             counts = groups.setdefault((param.requires_grad, param.dtype), [0, 0])
             counts[0] += param.numel()
-            counts[1] += param.numel() * param.element_size()
+            counts[1] += nbytes_of(param)
+        trainable_first = sorted(groups.items(), key=lambda item: (not item[0][0], str(item[0][1])))
         parts = [
             f"{'trainable' if trainable else 'frozen'} {count:,} {str(dtype).removeprefix('torch.')} "
-            f"({nbytes / 2**20:.1f} MiB)"
-            for (trainable, dtype), (count, nbytes) in sorted(groups.items(), key=lambda item: (not item[0][0], str(item[0][1])))
+            f"({size / 2**20:.1f} MiB)"
+            for (trainable, dtype), (count, size) in trainable_first
         ]
         return "; ".join(parts) or "no parameters"
 
 
 def _collect_state(layer: nn.Module) -> LayerState:
     state = LayerState()
-    param_index: dict[int, int] = {}
-    buffer_index: dict[int, int] = {}
+    # per kind: a module's own table (every slot, also a tensor's second one), the lists it fills, and
+    # where each tensor already sits in them
+    kinds: tuple[tuple[str, list[Any], list[list[TensorSlot]], dict[int, int]], ...] = (
+        ("_parameters", state.params, state.param_slots, {}),
+        ("_buffers", state.buffers, state.buffer_slots, {}),
+    )
     for path, module in layer.named_modules(remove_duplicate=False):
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            slot = TensorSlot(path, name)
-            if id(param) in param_index:
-                state.param_slots[param_index[id(param)]].append(slot)
-            else:
-                param_index[id(param)] = len(state.params)
-                state.params.append(param)
-                state.param_slots.append([slot])
-        for name, buffer in module._buffers.items():
-            if buffer is None:
-                continue
-            slot = TensorSlot(path, name)
-            if id(buffer) in buffer_index:
-                state.buffer_slots[buffer_index[id(buffer)]].append(slot)
-            else:
-                buffer_index[id(buffer)] = len(state.buffers)
-                state.buffers.append(buffer)
-                state.buffer_slots.append([slot])
+        for table, tensors, slots, position in kinds:
+            for name, tensor in getattr(module, table).items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in position:  # a tensor registered at several slots is listed once
+                    position[id(tensor)] = len(tensors)
+                    tensors.append(tensor)
+                    slots.append([])
+                slots[position[id(tensor)]].append(TensorSlot(path, name))
     return state
 
 

@@ -79,7 +79,7 @@ def merge(outputs: list[Any]) -> Any:
                 f"({other} vs {spec}); the trunk's output must have the same structure for every microbatch"
             )
     merged = []
-    for position, column in enumerate(zip(*(leaves for leaves, _ in flat))):
+    for position, column in enumerate(zip(*(leaves for leaves, _ in flat), strict=True)):  # one spec: checked above
         first = column[0]
         if isinstance(first, torch.Tensor):
             if first.dim() == 0:

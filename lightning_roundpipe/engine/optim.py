@@ -91,15 +91,20 @@ class GradWindow:
             event.wait(self._abort)
 
     def publish(self) -> None:
-        """Move the summed gradients into ``param.grad`` (adding to what is there)."""
-        for key, grad in self._grads.items():
-            param = self._params[key]
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
-        self._grads.clear()
-        self._params.clear()
+        """Move the summed gradients into ``param.grad`` (adding to what is there).
+
+        The caller must first wait for the window's jobs (:meth:`wait_complete` or :meth:`wait_idle`) and
+        for the optimizer step in flight: ``param.grad`` has no lock, and the step reads and then clears
+        it. The lock taken here only keeps the window's own tables consistent."""
+        with self._lock:
+            for key, grad in self._grads.items():
+                param = self._params[key]
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+            self._grads.clear()
+            self._params.clear()
 
 
 def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:

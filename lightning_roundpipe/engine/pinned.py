@@ -19,12 +19,8 @@ class PinnedStorages:
     """Registers the storages of host tensors with CUDA; :meth:`release` unregisters them."""
 
     def __init__(self) -> None:
-        self._registered: dict[int, int] = {}  # data pointer -> bytes
+        self._registered: set[int] = set()  # data pointers of the registered storages
         self.refused: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._registered.values())
 
     def pin(self, tensors: Iterable[torch.Tensor]) -> None:
         cudart = torch.cuda.cudart()
@@ -41,7 +37,7 @@ class PinnedStorages:
                     f"RoundPipe could not pin host memory: {self.refused}. Uploads use pageable memory, which is "
                     "slower; raise the limit or pass pin_memory=False to silence this.", stacklevel=3)
                 return
-            self._registered[pointer] = nbytes
+            self._registered.add(pointer)
 
     def release(self) -> None:
         if not self._registered:

@@ -3,8 +3,8 @@
 Why not just save and restore the RNG state around each layer: torch's CPU generator (and CUDA's,
 per physical device) is one object shared by every thread. Workers that re-seed it concurrently
 interleave, and a dropout mask then depends on timing. So a layer that draws random numbers runs
-with the generator re-seeded from (base seed, step, call, layer, microbatch) while holding a lock
-that guards that generator. The seed does not depend on the device, so masks are the same for any
+with the generator re-seeded from (base seed, step, call, layer, microbatch) while holding the one
+lock that guards every generator. The seed does not depend on the device, so masks are the same for any
 device count, and a recompute replays the forward's masks exactly. Layers that draw no random
 numbers (the common case) never take the lock, so they run concurrently.
 """
@@ -18,10 +18,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-# torch's default CPU generator is process-global, so the lock that guards it must be too: two
-# engines in one process share that generator. This is the only module-level state in the package.
-_CPU_GENERATOR_LOCK = threading.Lock()
-_recomputing = threading.local()
+# Guards every default generator, the CPU one and each GPU's: it serialises the random layers of all
+# devices (a random layer on one GPU waits for one on another), which keeps the code simple and costs
+# little because layers that draw no random numbers never take it. Like the generators it guards, it is
+# process-global: two engines in one process share them.
+_GENERATOR_LOCK = threading.Lock()
+_recomputing = threading.local()  # per thread: set while that thread's backward stage recomputes
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,10 +58,11 @@ def draws_random_numbers(layer: nn.Module) -> bool:
 def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Run the block with ``device``'s generator seeded to ``seed``; restore it afterwards."""
     if device.type == "cuda":
-        generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
     else:
         generator = torch.default_generator
-    with _CPU_GENERATOR_LOCK:
+    with _GENERATOR_LOCK:
         saved = generator.get_state()
         generator.manual_seed(seed)
         try:

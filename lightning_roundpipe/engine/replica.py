@@ -41,9 +41,9 @@ layer class declares its own with ``roundpipe_transient = ("name", ...)``."""
 AttributeSnapshot = list[tuple[nn.Module, dict]]
 
 
-def make_replica(layer: nn.Module, state: LayerState) -> nn.Module:
-    """A structural copy of ``layer`` that shares (does not copy) its parameters, buffers and hooks."""
-    del state  # the tables are copied as they are; binding fills them per job
+def make_replica(layer: nn.Module) -> nn.Module:
+    """A structural copy of ``layer`` that shares (does not copy) its parameters, buffers and hooks; its
+    tensor tables start as copies of the host layer's, and :func:`bind` fills them per job."""
     return _structural_copy(layer, {})
 
 
@@ -68,13 +68,13 @@ def _assign(replica: nn.Module, slots: list[TensorSlot], tensor: torch.Tensor, k
 
 def bind(replica: nn.Module, state: LayerState, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
     """Make ``replica`` compute with ``params`` and ``buffers`` (device tensors, in ``state``'s order)."""
-    for slots, tensor in zip(state.param_slots, params):
+    for slots, tensor in zip(state.param_slots, params, strict=True):
         _assign(replica, slots, tensor, "_parameters")
     bind_buffers(replica, state, buffers)
 
 
 def bind_buffers(replica: nn.Module, state: LayerState, buffers: list[torch.Tensor]) -> None:
-    for slots, tensor in zip(state.buffer_slots, buffers):
+    for slots, tensor in zip(state.buffer_slots, buffers, strict=True):
         _assign(replica, slots, tensor, "_buffers")
 
 
@@ -85,7 +85,7 @@ def unbind(replica: nn.Module, state: LayerState) -> None:
 
 def module_pairs(replica: nn.Module, host: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """``(replica submodule, host submodule)`` pairs, the layer itself first (the structures match)."""
-    return list(zip(replica.modules(), host.modules()))
+    return list(zip(replica.modules(), host.modules(), strict=True))
 
 
 def sync_attributes(pairs: list[tuple[nn.Module, nn.Module]]) -> AttributeSnapshot:
@@ -137,7 +137,7 @@ def rebound_buffers(replica: nn.Module, state: LayerState, buffers: list[torch.T
     """The buffer slots of ``replica`` that no longer hold the tensors :func:`bind` put there (the layer
     assigned new tensors to them in its forward instead of updating them in place)."""
     rebound = []
-    for slots, tensor in zip(state.buffer_slots, buffers):
+    for slots, tensor in zip(state.buffer_slots, buffers, strict=True):
         for slot in slots:
             module = replica.get_submodule(slot.module_path) if slot.module_path else replica
             if module._buffers.get(slot.name) is not tensor:
@@ -146,5 +146,7 @@ def rebound_buffers(replica: nn.Module, state: LayerState, buffers: list[torch.T
 
 
 def set_training_flags(replica: nn.Module, flags: list[bool]) -> None:
-    for module, flag in zip(replica.modules(), flags):
+    """Set each submodule's ``training`` flag, in ``modules()`` order (the host layer's flags at call time)."""
+    # not strict: a submodule added to the host layer after its replica was made has no copy to set
+    for module, flag in zip(replica.modules(), flags, strict=False):
         module.training = flag

@@ -2,7 +2,8 @@
 
 :class:`StageRunner` holds what every job needs (the trunk, the replicas of each device, where uploads
 read weights from) and computes one microbatch of a forward, fused or backward job. It runs on the
-devices' compute and parameter streams; the worker decides when.
+devices' compute and parameter streams; the worker decides when. A :class:`StageCopy` is one job's
+copy of its stage's tensors on one device (a plan's stage is only a range of layers).
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ from torch import nn
 from lightning_roundpipe.engine import replica as replicas
 from lightning_roundpipe.engine.call import Call, PipelineError
 from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
-from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.layers import LayerInput, Trunk, as_layer_input, single_argument
 from lightning_roundpipe.engine.optim import GradWindow, PublishedWeights
 from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
-from lightning_roundpipe.engine.transfer import clone_tree, copy_tensor, differentiable_leaves, tree_map
+from lightning_roundpipe.engine.transfer import (
+    clone_tree,
+    copy_tensor,
+    differentiable_leaves,
+    tensors_nbytes,
+    tree_map,
+)
 from lightning_roundpipe.observe.trace import Timeline
 from lightning_roundpipe.planning.schedule import Job, StageKind
 
@@ -51,15 +58,16 @@ class Task:
         return self.job.kind
 
 
-class Stage:
-    """One job's parameters and buffers on one device, bound into that device's layer replicas."""
+@dataclass
+class StageCopy:
+    """One job's copy of its stage on one device: the uploaded parameters and buffers, bound into that
+    device's layer replicas while the job computes, and what the job measured."""
 
-    def __init__(self) -> None:
-        self.params: dict[int, list[torch.Tensor]] = {}
-        self.buffers: dict[int, list[torch.Tensor]] = {}
-        self.nbytes = 0
-        self.forward_time: dict[int, float] = {}  # per layer, summed over microbatches
-        self.compute_time = 0.0                    # all compute of the job, summed over microbatches
+    params: dict[int, list[torch.Tensor]] = field(default_factory=dict)    # per layer, in LayerState order
+    buffers: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # per layer, in LayerState order
+    nbytes: int = 0                      # accounted on the device from upload to release, gradients included
+    forward_time: dict[int, float] = field(default_factory=dict)  # per layer, summed over microbatches
+    compute_time: float = 0.0            # all compute of the job, summed over microbatches
 
 
 class StageRunner:
@@ -91,7 +99,7 @@ class StageRunner:
     def replica(self, device: Device, layer: int) -> nn.Module:
         cache = self._replicas[device.index]
         if layer not in cache:
-            replica = replicas.make_replica(self.trunk.layers[layer], self.trunk.states[layer])
+            replica = replicas.make_replica(self.trunk.layers[layer])
             self._pairs[device.index][layer] = replicas.module_pairs(replica, self.trunk.layers[layer])
             cache[layer] = replica
         return cache[layer]
@@ -99,48 +107,47 @@ class StageRunner:
     def _source(self, param: nn.Parameter) -> torch.Tensor:
         return self._published.source(param) if self._published is not None else param.detach()
 
-    def upload_stage(self, device: Device, task: Task, stage: Stage) -> None:
-        """Copy the job's parameters and buffers to the device into ``stage`` (made earlier by the worker,
-        which hands it to the job before the copy has run)."""
+    def upload_stage(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
+        """Copy the job's parameters and buffers to the device into ``stage_copy`` (made earlier by the
+        worker, which hands it to the job before the copy has run); runs on the parameter stream."""
         differentiate = task.needs_grad
         # on a GPU every copy is enqueued at once and the stream synchronized once, below: the host source
         # (the published copy in async mode) may be rewritten as soon as this upload reports done
         asynchronous = device.is_cuda
+        uploaded = gradients = 0
         for layer in task.job.layers:
             state = self.trunk.states[layer]
-            tensors = []
+            params = []
             for param in state.params:
                 copied = copy_tensor(self._source(param), device.torch_device, non_blocking=asynchronous)
                 if differentiate and param.requires_grad:
                     copied.requires_grad_(True)
-                tensors.append(copied)
-            stage.params[layer] = tensors
-            stage.buffers[layer] = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
-                                    for buffer in state.buffers]
-            stage.nbytes += sum(t.numel() * t.element_size() for t in tensors)
-            stage.nbytes += sum(b.numel() * b.element_size() for b in stage.buffers[layer])
-            if differentiate:
-                stage.nbytes += state.grad_bytes()
+                params.append(copied)
+            buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
+                       for buffer in state.buffers]
+            stage_copy.params[layer], stage_copy.buffers[layer] = params, buffers
+            uploaded += tensors_nbytes(params) + tensors_nbytes(buffers)
+            if differentiate:  # the gradients the job will accumulate on the device
+                gradients += state.grad_bytes()
         device.param_stream.synchronize()
-        device.residency.allocate(stage.nbytes, f"the parameters of stage {task.job.label}", stage=True)
-        device.counters.uploaded_bytes += sum(
-            t.numel() * t.element_size() for tensors in (*stage.params.values(), *stage.buffers.values()) for t in tensors
-        )
+        stage_copy.nbytes = uploaded + gradients
+        device.residency.allocate(stage_copy.nbytes, f"the parameters of stage {task.job.label}", stage=True)
+        device.counters.uploaded_param_bytes += uploaded
 
-    def bind(self, device: Device, task: Task, stage: Stage) -> None:
+    def bind(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
         for layer in task.job.layers:
             replica = self.replica(device, layer)
-            replicas.bind(replica, self.trunk.states[layer], stage.params[layer], stage.buffers[layer])
+            replicas.bind(replica, self.trunk.states[layer], stage_copy.params[layer], stage_copy.buffers[layer])
             attributes = replicas.sync_attributes(self._pairs[device.index][layer])
             replicas.set_training_flags(replica, list(task.call.context.training[layer]))
-            task.bound[layer] = (attributes, stage.buffers[layer])
+            task.bound[layer] = (attributes, stage_copy.buffers[layer])
 
     def unbind(self, device: Device, task: Task) -> None:
         for layer in task.job.layers:
             replica = self.replica(device, layer)
-            attributes, buffers = task.bound.pop(layer, ([], []))
-            if layer not in self._warned_writes:
-                self._check_writes(layer, replica, attributes, buffers, task.kind)
+            bound = task.bound.pop(layer, None)
+            if bound is not None and layer not in self._warned_writes:
+                self._check_writes(layer, replica, *bound, task.kind)
             replicas.unbind(replica, self.trunk.states[layer])
 
     def _check_writes(self, layer: int, replica: nn.Module, attributes: replicas.AttributeSnapshot,
@@ -176,8 +183,8 @@ class StageRunner:
         warnings.warn(f"trunk layer {layer} ({name}) " + "; it also ".join(problems) + " (shown once per layer)",
                       ReplicaWriteWarning, stacklevel=2)
 
-    def _run_layer(self, device: Device, task: Task, layer: int, microbatch: int, layer_input: Any,
-                   stage: Stage) -> Any:
+    def _run_layer(self, device: Device, task: Task, layer: int, microbatch: int, layer_input: LayerInput,
+                   stage_copy: StageCopy) -> Any:
         call = task.call
         args, kwargs = layer_input
         module = self.replica(device, layer)
@@ -198,23 +205,25 @@ class StageRunner:
                 f"{error_hint(error)}"
             ) from error
         elapsed = self.timeline.now() - start
-        stage.forward_time[layer] = stage.forward_time.get(layer, 0.0) + elapsed
+        stage_copy.forward_time[layer] = stage_copy.forward_time.get(layer, 0.0) + elapsed
         return output
 
-    def forward_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
-                            layer_input: Any) -> tuple[Any, dict[int, Any], dict[int, list[torch.Tensor]]]:
-        """Run a forward stage (or the fused stage's forward) on one microbatch."""
+    def forward_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
+                           layer_input: LayerInput) -> tuple[LayerInput, dict[int, LayerInput],
+                                                             dict[int, list[torch.Tensor]]]:
+        """Run a forward stage on one microbatch. Returns the next stage's input, and the checkpoints
+        (layer inputs) and buffer snapshots a backward stage recomputes from, by layer."""
         call = task.call
-        checkpoints: dict[int, Any] = {}
+        checkpoints: dict[int, LayerInput] = {}
         snapshots: dict[int, list[torch.Tensor]] = {}
         value = layer_input
         for layer in task.job.layers:
             if layer in call.checkpoint_layers and layer != task.job.layers.start:
                 # a copy: the next layer may work in place on its input before the download runs
                 checkpoints[layer] = clone_tree(value)
-            if call.checkpoint_layers and stage.buffers[layer]:
-                snapshots[layer] = [buffer.clone() for buffer in stage.buffers[layer]]
-            value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
+            if call.checkpoint_layers and stage_copy.buffers[layer]:
+                snapshots[layer] = [buffer.clone() for buffer in stage_copy.buffers[layer]]
+            value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
         return value, checkpoints, snapshots
 
     def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> tuple[list[torch.Tensor], Any]:
@@ -230,17 +239,20 @@ class StageRunner:
         value = tree_map(lambda t: clones.get(id(t), t) if isinstance(t, torch.Tensor) else t, layer_input)
         return leaves, value
 
-    def fused_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
-                          layer_input: Any, target: Any) -> tuple[torch.Tensor, list]:
+    def fused_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
+                         layer_input: LayerInput, target: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Run the fused stage on one microbatch: its layers, the loss, and the backward. Returns the
+        detached loss and the gradients of the stage input's differentiable leaves."""
         call = task.call
+        fused = call.fused_loss
         first = task.job.layers.start
         with call.context.applied(grad=True):
             leaves, value = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
             for layer in task.job.layers:
-                value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
-            output = value[0][0]
+                value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
+            output = single_argument(value)
             try:
-                loss = call.loss_fn(output, target)
+                loss = fused.loss_fn(output, target)
             except Exception as error:
                 raise PipelineError(
                     f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
@@ -249,20 +261,23 @@ class StageRunner:
                 raise PipelineError(
                     f"the loss function must return a scalar tensor (the microbatch mean), got "
                     f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
-            weight = call.loss_scales[microbatch]
+            weight = fused.scales[microbatch]
             if weight != 0.0 and loss.requires_grad:
-                (loss.reshape(()) * (weight * call.backward_scale)).backward()
+                (loss.reshape(()) * (weight * fused.backward_scale)).backward()
         return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
 
-    def backward_microbatch(self, device: Device, task: Task, stage: Stage, microbatch: int,
-                             checkpoints: dict[int, Any], snapshots: dict[int, list[torch.Tensor]],
-                             output_grads: list | None) -> list | None:
+    def backward_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
+                            checkpoints: dict[int, LayerInput], snapshots: dict[int, list[torch.Tensor]],
+                            output_grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+        """Recompute a backward stage from its checkpoints on one microbatch and back-propagate
+        ``output_grads`` (per differentiable leaf of the stage output). Returns the gradients of the stage
+        input's differentiable leaves, or None when no gradient reaches the stage."""
         if output_grads is None or all(g is None for g in output_grads):
             return None
         call = task.call
         layers = task.job.layers
         # stage grain: one recompute of every layer from the stage input; layer grain: one at a time
-        groups = [layers] if self.recompute == "stage" else [range(l, l + 1) for l in layers]
+        groups = [layers] if self.recompute == "stage" else [range(layer, layer + 1) for layer in layers]
         grads = output_grads
         with call.context.applied(grad=True), recomputing():
             for group in reversed(groups):
@@ -272,24 +287,25 @@ class StageRunner:
                     if layer in snapshots:
                         replicas.bind_buffers(self.replica(device, layer), self.trunk.states[layer],
                                               snapshots[layer])
-                    value = ((self._run_layer(device, task, layer, microbatch, value, stage),), {})
-                outputs = differentiable_leaves(value[0][0])
-                pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+                    value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
+                outputs = differentiable_leaves(single_argument(value))
+                pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
         return grads
 
-    def record_measurements(self, task: Task, stage: Stage) -> None:
+    def record_measurements(self, task: Task, stage_copy: StageCopy) -> None:
         """Per-layer times per microbatch from a finished job, compute only (waits excluded). A backward
         or fused job's time beyond its layers' forward calls is split among them by forward time."""
-        if not self._measure or not stage.forward_time:
+        if not self._measure or not stage_copy.forward_time:
             return
         microbatches = task.call.num_microbatches
-        forward_total = sum(stage.forward_time.values())
+        forward_total = sum(stage_copy.forward_time.values())
+        beyond_forward = max(stage_copy.compute_time - forward_total, 0.0)
         with self._measure_lock:
-            for layer, forward in stage.forward_time.items():
+            for layer, forward in stage_copy.forward_time.items():
                 self._measured_forward.setdefault(layer, []).append(forward / microbatches)
                 if task.kind is not StageKind.FORWARD:
-                    backward = max(stage.compute_time - forward_total, 0.0) * forward / (forward_total or 1.0)
+                    backward = beyond_forward * forward / (forward_total or 1.0)
                     self._measured_backward.setdefault(layer, []).append(backward / microbatches)

@@ -9,14 +9,16 @@ registered. Here an unregistered dataclass instance is a container like a dict o
 fields with ``init=True`` (in ``dataclasses.fields`` order) are walked, and it is rebuilt by calling
 its class with them, as ``dataclasses.replace`` does (fields with ``init=False`` are left to
 ``__post_init__`` and defaults). A dataclass registered with ``_pytree`` follows its registration.
-Nothing is registered globally: :func:`tree_flatten`, :func:`tree_unflatten`, :func:`tree_map` and
-:func:`tree_leaves` open dataclasses up for the duration of the call.
+Only one thing is registered with ``_pytree``, globally, at import: the private node type
+:class:`_Fields`. Only this module makes instances of it (:func:`tree_flatten`, :func:`tree_unflatten`,
+:func:`tree_map` and :func:`tree_leaves` open dataclasses up into them for the duration of a call), so
+every other tree, in this package or outside it, flattens exactly as it would without the registration.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -34,9 +36,10 @@ class _Fields:
         self.cls, self.names, self.values = cls, names, values
 
     def rebuild(self) -> Any:
-        return self.cls(**dict(zip(self.names, (_close(value) for value in self.values))))
+        return self.cls(**dict(zip(self.names, (_close(value) for value in self.values), strict=True)))
 
 
+# the one global registration (see the module docstring): harmless, as no other code makes a `_Fields`
 pytree.register_pytree_node(
     _Fields, lambda node: (node.values, (node.cls, node.names)),
     lambda values, context: _Fields(context[0], context[1], list(values)),
@@ -149,8 +152,7 @@ def copy_tensor(tensor: torch.Tensor, device: torch.device, non_blocking: bool =
     if device.type != "cuda" or source.device.type != "cpu" or not non_blocking:
         return source.to(device, copy=True)
     target = torch.empty_like(source, device=device)
-    nbytes = source.numel() * source.element_size()
-    if nbytes <= UPLOAD_CHUNK_BYTES or not source.is_contiguous():
+    if nbytes_of(source) <= UPLOAD_CHUNK_BYTES or not source.is_contiguous():
         return target.copy_(source, non_blocking=True)
     flat_source, flat_target = source.view(-1), target.view(-1)
     step = max(1, UPLOAD_CHUNK_BYTES // source.element_size())
@@ -190,8 +192,19 @@ def clone_tree(tree: Any) -> Any:
     return tree_map(lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
+def nbytes_of(tensor: torch.Tensor) -> int:
+    """The bytes of ``tensor``'s elements (a view counts its own elements, not its whole storage)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def tensors_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of all of ``tensors``, each counted as often as it appears."""
+    return sum(nbytes_of(tensor) for tensor in tensors)
+
+
 def tree_nbytes(tree: Any) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in tree_tensors(tree))
+    """The bytes of every tensor of ``tree`` (also inside a :class:`NoGrad`)."""
+    return tensors_nbytes(tree_tensors(tree))
 
 
 def differentiable_leaves(tree: Any) -> list[torch.Tensor]:

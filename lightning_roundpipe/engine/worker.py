@@ -1,10 +1,49 @@
 """One worker thread per device: turns stage jobs into stream operations, in ring order.
 
-For each job the worker enqueues, without blocking: the parameter upload (prefetched: the next job's
-upload is enqueued when the current one starts, and waits until the job two back on this device has
-released its memory, so at most two stages are resident); then per microbatch an input upload, the
-compute and the download; then the job's finish (gradients into the step's window, buffers back to
-the host module, memory released). Streams run the operations and events order them.
+The worker never blocks on device work; it only enqueues operations on the device's four streams, and
+events order them. A stream runs its operations one after another. ``wait X`` holds back that stream
+only, until event X is set (on a GPU also until the work before X has run, waited for on the GPU);
+``-> X`` records X when the stream gets there. Job ``k`` is this device's k-th job, ``m`` each of its
+microbatches::
+
+    param upload  [1] wait released[k-2]   [2] wait weights   [3] wait buffers
+                  upload params -> params_ready ----------------------+
+                                                                      |
+    act upload    per m: [4] wait the host slots of input m           |
+                         upload input m -> inputs_uploaded[m] --+     |
+                                                                |     |
+    compute       [5] wait params_ready <-----------------------|-----+
+                  bind                                          |
+                  per m: [6] wait inputs_uploaded[m] <----------+
+                         compute m -> computed[m] --------------+
+                  unbind -> job_computed ----------------+      |
+                                                         |      |
+    download      per m: [7] wait computed[m] <----------|------+
+                         download m -> its host slots set ==> [4] of the jobs (or the caller) reading them
+                  [8] wait job_computed <----------------+
+                  finish -> released[k] ==> [1] of job k+2 on this device
+
+[1] At most two stages are resident on a device: an upload waits until the job two back has released
+    its memory. The worker enqueues job k+1's upload before job k's compute (prefetch), so the upload
+    overlaps job k's compute once job k-1 is released.
+[2] The weights of the last optimizer step queued before the job: sync mode waits until the step has
+    written them, async mode until it has published its copy (see ``optim.py``). A host wait, timed:
+    it is the part of the step the pipeline does not hide.
+[3] A job that writes buffers (forward, fused) uploads them once the previous job writing the same
+    layers' buffers has copied them back to the host (its [8]).
+[4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
+    backward job, its checkpoints and buffer snapshots: host slots another device's download fills.
+    Each slot is consumed after its copy, which drops the host value after its last counted reader.
+[5] Parameters and buffers are on the device: bind them into the device's layer replicas.
+[6] Microbatch m computes once its own inputs are there. They have their own stream, so a long
+    parameter prefetch never delays them, and input m+1 uploads while m computes.
+[7] The download stream synchronizes before it fills the host slots, so a reader on another thread
+    never sees a partial copy.
+[8] Every microbatch has computed and the replicas are unbound: the job's gradients go into the
+    step's window, its buffers back to the host layers, its memory is released and ``released[k]`` set.
+
+A microbatch's upload, compute and download run on three threads; they pass the device tensors on
+through a :class:`_Handoff`, and each drops them as soon as the next one has them.
 """
 
 from __future__ import annotations
@@ -12,15 +51,59 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightning_roundpipe.engine.call import PipelineError, Slot
 from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, error_hint, join_until
-from lightning_roundpipe.engine.stage import Stage, StageRunner, Task
-from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tree_nbytes, tree_tensors
+from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
+from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tensors_nbytes, tree_nbytes, tree_tensors
 from lightning_roundpipe.planning.schedule import StageKind
+
+
+@dataclass
+class _InputSlots:
+    """The host slots one microbatch of a job reads [4]."""
+
+    layer_input: Slot  # the (args, kwargs) of the stage's first layer; for a backward job, output gradients
+    checkpoints: list[tuple[int, Slot]] = field(default_factory=list)  # backward: per recompute start, its input
+    snapshots: list[tuple[int, Slot]] = field(default_factory=list)    # backward: buffers the forward saw
+
+    def all(self) -> list[Slot]:
+        return [self.layer_input, *(slot for _, slot in self.checkpoints), *(slot for _, slot in self.snapshots)]
+
+
+@dataclass
+class _DeviceInputs:
+    """One microbatch's inputs on the device, from their upload until its compute has run."""
+
+    layer_input: Any
+    checkpoints: dict[int, Any]
+    snapshots: dict[int, Any]
+    target: Any = None      # fused job: the loss target
+    nbytes: int = 0         # accounted on the device until the compute has run
+
+
+@dataclass
+class _DeviceOutputs:
+    """One microbatch's results on the device, from its compute until their download."""
+
+    output: Any             # the next stage's input; for a fused or backward job, the stage input's gradients
+    checkpoints: dict[int, Any] = field(default_factory=dict)              # forward job
+    snapshots: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # forward job
+    loss: torch.Tensor | None = None                                        # fused job
+    nbytes: int = 0         # accounted on the device until the download has run (the loss excepted)
+
+
+@dataclass
+class _Handoff:
+    """What one microbatch's upload, compute and download pass on: each field is set by one operation
+    and taken by the next, after the event between them ([6], [7])."""
+
+    inputs: _DeviceInputs | None = None
+    outputs: _DeviceOutputs | None = None
 
 
 class Worker:
@@ -32,8 +115,10 @@ class Worker:
         self.device = device
         self._tasks: deque[Task | None] = deque()
         self._ready = threading.Condition()
-        self._uploads: dict[int, tuple[Stage, HostEvent]] = {}
-        self._releases: dict[int, HostEvent] = {}  # by this device's job sequence number, last three
+        # touched by this worker's thread only: uploads enqueued ahead of their job, by job index, and
+        # released[k] [1] by this device's job sequence number, the last three
+        self._uploads: dict[int, tuple[StageCopy, HostEvent]] = {}
+        self._released: dict[int, HostEvent] = {}
         self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
         self._thread.start()
 
@@ -71,185 +156,216 @@ class Worker:
                     self._enqueue_upload(task, sequence)
                 following = self._peek()
                 if following is not None and following.job.index not in self._uploads:
-                    self._enqueue_upload(following, sequence + 1)
+                    self._enqueue_upload(following, sequence + 1)  # prefetch [1]
                 self._enqueue_job(task, sequence)
             except BaseException as error:  # noqa: BLE001
                 self._abort.fail(error)
             sequence += 1
             task = following = None  # hold no call alive while idle: its host activations would leak
 
+    # ------------------------------------------------------------------ parameter stream
     def _enqueue_upload(self, task: Task, sequence: int) -> None:
         """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
         stream = self.device.param_stream
         if sequence >= 2:
-            stream.wait_event(self._releases[sequence - 2])
+            stream.wait_event(self._released[sequence - 2])  # [1]
         weights_ready = task.weights_ready
         if weights_ready is not None and not weights_ready.is_set():
-            def wait_for_weights() -> None:  # timed: how much of the host step the devices see
-                start = self.runner.timeline.now()
-                weights_ready.wait(self._abort)
-                self.device.counters.weight_wait_seconds += self.runner.timeline.now() - start
-
-            stream.submit(wait_for_weights)
+            stream.submit(lambda: self._wait_for_weights(weights_ready))  # [2]
         for event in task.buffer_waits:
-            stream.wait_event(event)
-        stage = Stage()
+            stream.wait_event(event)  # [3]
+        stage_copy = StageCopy()
+        job = task.job
+        stream.submit(_named(lambda: self._upload_params(task, stage_copy),
+                             lambda: f"uploading the parameters of stage {job.label} (job {job.index}) to device "
+                                     f"{self.device.index}"))
+        params_ready = stream.record(f"the parameters of stage {job.label} (job {job.index}) uploaded")
+        self._uploads[job.index] = (stage_copy, params_ready)
 
-        def upload() -> None:
-            start = self.runner.timeline.now()
-            self.runner.upload_stage(self.device, task, stage)
-            task.upload_done.set()
-            self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
+    def _wait_for_weights(self, weights_ready: HostEvent) -> None:
+        """[2], timed: how much of the host step the devices see."""
+        start = self.runner.timeline.now()
+        weights_ready.wait(self._abort)
+        self.device.counters.weight_wait_seconds += self.runner.timeline.now() - start
 
-        stream.submit(_named(upload, lambda: f"uploading the parameters of stage {task.job.label} (job "
-                                             f"{task.job.index}) to device {self.device.index}"))
-        self._uploads[task.job.index] = (stage, stream.record(f"the parameters of stage {task.job.label} "
-                                                              f"(job {task.job.index}) uploaded"))
+    def _upload_params(self, task: Task, stage_copy: StageCopy) -> None:
+        start = self.runner.timeline.now()
+        self.runner.upload_stage(self.device, task, stage_copy)
+        task.upload_done.set()
+        self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
 
+    # ------------------------------------------------------------------ one job
     def _enqueue_job(self, task: Task, sequence: int) -> None:
-        runner, device, job, call = self.runner, self.device, task.job, task.call
-        stage, params_ready = self._uploads.pop(job.index)
+        """Bind, every microbatch, unbind, then finish on the download stream and record ``released``."""
+        runner, device, job = self.runner, self.device, task.job
+        stage_copy, params_ready = self._uploads.pop(job.index)
         compute, download = device.compute_stream, device.download_stream
-        compute.wait_event(params_ready)
-        compute.submit(_named(lambda: runner.bind(device, task, stage),
-                              lambda: f"binding stage {job.label} (job {job.index}) on device {device.index}"))
-        for microbatch in range(call.num_microbatches):
-            self._enqueue_microbatch(task, stage, microbatch)
+        where = f"stage {job.label} (job {job.index}) on device {device.index}"
+        compute.wait_event(params_ready)  # [5]
+        compute.submit(_named(lambda: runner.bind(device, task, stage_copy), lambda: f"binding {where}"))
+        for microbatch in range(task.call.num_microbatches):
+            self._enqueue_microbatch(task, stage_copy, microbatch)
         # unbind on the compute stream: the next job on this device may reuse the same replicas
-        compute.submit(_named(lambda: runner.unbind(device, task),
-                              lambda: f"unbinding stage {job.label} (job {job.index}) on device {device.index}"))
-        finished = compute.record(f"stage {job.label} (job {job.index}) computed")
-        download.wait_event(finished)
-
-        def finish() -> None:
-            start = runner.timeline.now()
-            # the stage's compute has run on the GPU (this stream waited for it there) before its memory is
-            # released below, also for a forward stage that downloads nothing that would wait for it
-            download.synchronize()
-            if task.needs_grad:
-                for layer in job.layers:
-                    state = runner.trunk.states[layer]
-                    for param, copied in zip(state.params, stage.params[layer]):
-                        if param.requires_grad and copied.grad is not None:
-                            task.window.add(param, copy_tensor(copied.grad, HOST))
-            if job.kind is not StageKind.BACKWARD:
-                with torch.no_grad():
-                    for layer in job.layers:
-                        for host, copied in zip(runner.trunk.states[layer].buffers, stage.buffers[layer]):
-                            host.copy_(copied)
-                        if layer in task.buffer_done:
-                            task.buffer_done[layer].set()
-            runner.record_measurements(task, stage)
-            device.residency.release(stage.nbytes, stage=True)
-            stage.params.clear()
-            stage.buffers.clear()
-            if task.needs_grad:
-                task.window.job_finished()
-            runner.timeline.add(device.index, job.index, job.label, -1, "release", start)
-
-        download.submit(_named(finish, lambda: f"finishing stage {job.label} (job {job.index}) on device "
-                                               f"{device.index} (its gradients and buffers to the host)"))
-        release = download.record(f"stage {job.label} (job {job.index}) released")
-        self._releases[sequence] = release
-        self._releases.pop(sequence - 3, None)
+        compute.submit(_named(lambda: runner.unbind(device, task), lambda: f"unbinding {where}"))
+        download.wait_event(compute.record(f"stage {job.label} (job {job.index}) computed"))  # [8]
+        download.submit(_named(lambda: self._finish(task, stage_copy),
+                               lambda: f"finishing {where} (its gradients and buffers to the host)"))
+        self._released[sequence] = download.record(f"stage {job.label} (job {job.index}) released")
+        self._released.pop(sequence - 3, None)
         download.submit(task.done.set)
 
-    def _enqueue_microbatch(self, task: Task, stage: Stage, microbatch: int) -> None:
-        runner, device, job, call = self.runner, self.device, task.job, task.call
-        acts, compute, download = device.act_stream, device.compute_stream, device.download_stream
-        source = call.input_slots(job)[microbatch]
-        uploaded: dict[str, Any] = {}
-        kind = job.kind
-        checkpoint_slots: list[tuple[int, Slot]] = []
-        snapshot_slots: list[tuple[int, Slot]] = []
-        if kind is StageKind.BACKWARD:
-            starts = [job.layers.start] if runner.recompute == "stage" else list(job.layers)
-            checkpoint_slots = [(layer, call.checkpoints[(layer, microbatch)]) if layer != 0
-                                else (layer, call.inputs[microbatch]) for layer in starts]
-            snapshot_slots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
-                              if (layer, microbatch) in call.snapshots]
+    def _finish(self, task: Task, stage_copy: StageCopy) -> None:
+        """[8] on the download stream: gradients into the window, buffers to the host, memory released."""
+        runner, device, job = self.runner, self.device, task.job
+        start = runner.timeline.now()
+        # the stage's compute has run on the GPU (this stream waited for it there) before its memory is
+        # released below, also for a forward stage that downloads nothing that would wait for it
+        device.download_stream.synchronize()
+        if task.needs_grad:
+            for layer in job.layers:
+                host_params = runner.trunk.states[layer].params
+                for param, copied in zip(host_params, stage_copy.params[layer], strict=True):
+                    if param.requires_grad and copied.grad is not None:
+                        task.window.add(param, copy_tensor(copied.grad, HOST))
+        if job.kind is not StageKind.BACKWARD:  # a backward job recomputes on snapshots and writes no buffer
+            with torch.no_grad():
+                for layer in job.layers:
+                    host_buffers = runner.trunk.states[layer].buffers
+                    for host, copied in zip(host_buffers, stage_copy.buffers[layer], strict=True):
+                        host.copy_(copied)
+                    if layer in task.buffer_done:
+                        task.buffer_done[layer].set()  # [3] of the next job that writes these buffers
+        runner.record_measurements(task, stage_copy)
+        device.residency.release(stage_copy.nbytes, stage=True)
+        stage_copy.params.clear()
+        stage_copy.buffers.clear()
+        if task.needs_grad:
+            task.window.job_finished()
+        runner.timeline.add(device.index, job.index, job.label, -1, "release", start)
 
-        acts.wait_event(source.event)
-        for _, slot in checkpoint_slots + snapshot_slots:
-            acts.wait_event(slot.event)
+    # ------------------------------------------------------------------ one microbatch
+    def _enqueue_microbatch(self, task: Task, stage_copy: StageCopy, microbatch: int) -> None:
+        job, device = task.job, self.device
+        where = f"stage {job.label} (job {job.index}) microbatch {microbatch} on device {device.index}"
+        handoff = _Handoff()
+        inputs_uploaded = self._enqueue_input_upload(task, microbatch, handoff, where)
+        device.compute_stream.wait_event(inputs_uploaded)  # [6]
+        computed = self._enqueue_compute(task, stage_copy, microbatch, handoff, where)
+        device.download_stream.wait_event(computed)  # [7]
+        self._enqueue_download(task, microbatch, handoff, where)
+
+    def _input_slots(self, task: Task, microbatch: int) -> _InputSlots:
+        call, job = task.call, task.job
+        slots = _InputSlots(call.input_slots(job)[microbatch])
+        if job.kind is StageKind.BACKWARD:
+            starts = [job.layers.start] if self.runner.recompute == "stage" else list(job.layers)
+            slots.checkpoints = [  # layer 0 recomputes from the call's own input
+                (layer, call.checkpoints[(layer, microbatch)] if layer != 0 else call.inputs[microbatch])
+                for layer in starts]
+            slots.snapshots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
+                               if (layer, microbatch) in call.snapshots]
+        return slots
+
+    def _enqueue_input_upload(self, task: Task, microbatch: int, handoff: _Handoff, where: str) -> HostEvent:
+        """[4] on the activation stream; returns ``inputs_uploaded[m]``."""
+        runner, device, job, call = self.runner, self.device, task.job, task.call
+        acts, compute = device.act_stream, device.compute_stream
+        slots = self._input_slots(task, microbatch)
+        for slot in slots.all():
+            acts.wait_event(slot.event)  # [4]
 
         def upload() -> None:
             start = runner.timeline.now()
             target_device, asynchronous = device.torch_device, device.is_cuda
-            uploaded["input"] = copy_tree(source.value, target_device, asynchronous)
-            uploaded["checkpoints"] = {layer: copy_tree(slot.value, target_device, asynchronous)
-                                       for layer, slot in checkpoint_slots}
-            uploaded["snapshots"] = {layer: copy_tree(slot.value, target_device, asynchronous)
-                                     for layer, slot in snapshot_slots}
-            if kind is StageKind.FUSED:
-                uploaded["target"] = copy_tree(call.targets[microbatch], target_device, asynchronous)
+
+            def to_device(tree: Any) -> Any:
+                return copy_tree(tree, target_device, asynchronous)
+
+            inputs = _DeviceInputs(
+                layer_input=to_device(slots.layer_input.value),
+                checkpoints={layer: to_device(slot.value) for layer, slot in slots.checkpoints},
+                snapshots={layer: to_device(slot.value) for layer, slot in slots.snapshots},
+                target=to_device(call.fused_loss.targets[microbatch]) if job.kind is StageKind.FUSED else None,
+            )
             acts.synchronize()  # the host sources may be dropped right below
-            for slot in (source, *(slot for _, slot in checkpoint_slots + snapshot_slots)):
+            for slot in slots.all():
                 slot.consume()  # copied: the host copy is dropped once its last counted reader has it
+            tensors = tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target])
             if compute.cuda_stream is not None:
                 # allocated on this stream, used by compute: the compute thread drops them as soon as it has
                 # enqueued its kernels, so the allocator must not reuse them before those kernels have run
-                for tensor in tree_tensors(list(uploaded.values())):
+                for tensor in tensors:
                     tensor.record_stream(compute.cuda_stream)
-            uploaded["nbytes"] = tree_nbytes([value for key, value in uploaded.items()])
-            device.residency.allocate(uploaded["nbytes"], f"the inputs of {job.label} microbatch {microbatch}")
-            device.counters.uploaded_bytes += uploaded["nbytes"]
+            inputs.nbytes = tensors_nbytes(tensors)
+            device.residency.allocate(inputs.nbytes, f"the inputs of {job.label} microbatch {microbatch}")
+            device.counters.uploaded_activation_bytes += inputs.nbytes
+            handoff.inputs = inputs
             runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
-        where = f"stage {job.label} (job {job.index}) microbatch {microbatch} on device {device.index}"
         acts.submit(_named(upload, lambda: f"uploading the inputs of {where}"))
-        compute.wait_event(acts.record(f"the inputs of {where} uploaded"))
-        result: dict[str, Any] = {}
+        return acts.record(f"the inputs of {where} uploaded")
+
+    def _enqueue_compute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
+                         where: str) -> HostEvent:
+        """The microbatch's forward, fused or backward compute; returns ``computed[m]``."""
+        runner, device, job, call = self.runner, self.device, task.job, task.call
 
         def run() -> None:
             start = runner.timeline.now()
-            if kind is StageKind.FORWARD:
+            inputs, handoff.inputs = handoff.inputs, None
+            assert inputs is not None, "the compute ran before its inputs were uploaded"  # [6]
+            if job.kind is StageKind.FORWARD:
                 with call.context.applied(grad=False):
                     output, checkpoints, snapshots = runner.forward_microbatch(
-                        device, task, stage, microbatch, uploaded["input"])
-                result.update(output=output, checkpoints=checkpoints, snapshots=snapshots)
-            elif kind is StageKind.FUSED:
+                        device, task, stage_copy, microbatch, inputs.layer_input)
+                outputs = _DeviceOutputs(output, checkpoints, snapshots)
+            elif job.kind is StageKind.FUSED:
                 loss, input_grads = runner.fused_microbatch(
-                    device, task, stage, microbatch, uploaded["input"], uploaded["target"])
-                result.update(output=input_grads, loss=loss)
+                    device, task, stage_copy, microbatch, inputs.layer_input, inputs.target)
+                outputs = _DeviceOutputs(input_grads, loss=loss)
             else:
-                result["output"] = runner.backward_microbatch(
-                    device, task, stage, microbatch, uploaded["checkpoints"], uploaded["snapshots"],
-                    uploaded["input"])
+                outputs = _DeviceOutputs(runner.backward_microbatch(
+                    device, task, stage_copy, microbatch, inputs.checkpoints, inputs.snapshots, inputs.layer_input))
             elapsed = runner.timeline.now() - start
-            stage.compute_time += elapsed
+            stage_copy.compute_time += elapsed
             device.counters.compute_seconds += elapsed
-            device.residency.release(uploaded["nbytes"])
-            uploaded.clear()
-            result["nbytes"] = tree_nbytes([result.get(key) for key in ("output", "checkpoints", "snapshots")])
-            device.residency.allocate(result["nbytes"], f"the outputs of {job.label} microbatch {microbatch}")
-            runner.timeline.add(device.index, job.index, job.label, microbatch, kind.name.lower(), start)
+            device.residency.release(inputs.nbytes)
+            del inputs  # the device inputs may be freed now
+            outputs.nbytes = tree_nbytes([outputs.output, outputs.checkpoints, outputs.snapshots])
+            device.residency.allocate(outputs.nbytes, f"the outputs of {job.label} microbatch {microbatch}")
+            handoff.outputs = outputs
+            runner.timeline.add(device.index, job.index, job.label, microbatch, job.kind.name.lower(), start)
 
-        compute.submit(_named(run, lambda: f"computing {where}"))
-        download.wait_event(compute.record(f"{where} computed"))
-        out_slot = call.outputs[job.index][microbatch]
+        device.compute_stream.submit(_named(run, lambda: f"computing {where}"))
+        return device.compute_stream.record(f"{where} computed")
+
+    def _enqueue_download(self, task: Task, microbatch: int, handoff: _Handoff, where: str) -> None:
+        """The microbatch's results into their host slots, which set the events other jobs wait for [4]."""
+        runner, device, job, call = self.runner, self.device, task.job, task.call
+        output_slot = call.outputs[job.index][microbatch]
 
         def store() -> None:
             start = runner.timeline.now()
+            outputs, handoff.outputs = handoff.outputs, None
+            assert outputs is not None, "the download ran before its compute"  # [7]
             pin = device.pin_downloads
-            checkpoints = {layer: copy_tree(value, HOST, pin=pin) for layer, value in result.get("checkpoints", {}).items()}
-            snapshots = {layer: [copy_tensor(b, HOST, pin=pin) for b in value]
-                         for layer, value in result.get("snapshots", {}).items()}
-            loss = copy_tensor(result["loss"], HOST) if "loss" in result else None
-            output = copy_tree(result.get("output"), HOST, pin=pin)
-            download.synchronize()  # every host copy complete before another thread reads it
+            checkpoints = {layer: copy_tree(value, HOST, pin=pin) for layer, value in outputs.checkpoints.items()}
+            snapshots = {layer: [copy_tensor(buffer, HOST, pin=pin) for buffer in buffers]
+                         for layer, buffers in outputs.snapshots.items()}
+            loss = copy_tensor(outputs.loss, HOST) if outputs.loss is not None else None
+            output = copy_tree(outputs.output, HOST, pin=pin)
+            device.download_stream.synchronize()  # every host copy complete before another thread reads it
             for layer, value in checkpoints.items():
                 call.checkpoints[(layer, microbatch)].put(value)
             for layer, value in snapshots.items():
                 call.snapshots[(layer, microbatch)].put(value)
             if loss is not None:
-                call.losses[microbatch].put(loss)
-            out_slot.put(output)
-            device.residency.release(result["nbytes"])
-            result.clear()
+                call.fused_loss.losses[microbatch].put(loss)
+            output_slot.put(output)
+            device.residency.release(outputs.nbytes)
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 
-        download.submit(_named(store, lambda: f"downloading the outputs of {where}"))
+        device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}"))
 
 
 def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[], None]:

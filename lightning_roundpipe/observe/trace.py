@@ -3,7 +3,8 @@
 :class:`Timeline` collects :class:`TimelineEvent` s from the engine's threads (``record_timeline``);
 :func:`to_chrome_trace` writes them in the Chrome trace event format, which https://ui.perfetto.dev
 and ``chrome://tracing`` open; :func:`load_chrome_trace` reads such a file back (to draw it later
-with :func:`lightning_roundpipe.observe.gantt.draw_timeline`). Standard library only.
+with :func:`lightning_roundpipe.observe.gantt.draw_timeline`); :func:`write_timeline` writes both the
+trace and the picture into a folder. Standard library only (matplotlib for pictures, imported then).
 
 Kinds of events, and the stream of their device that runs them (each stream runs one operation at
 a time, so events of one track never overlap)::
@@ -18,6 +19,7 @@ a time, so events of one track never overlap)::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -25,6 +27,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
+
+log = logging.getLogger(__name__)
 
 COMPUTE_KINDS = ("forward", "fused", "backward")
 """Event kinds that occupy a device's compute stream."""
@@ -129,11 +133,6 @@ class Timeline:
         with self._lock:
             return sorted(self._events, key=lambda event: event.start)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._events.clear()
-            self._marks.clear()
-
 
 # ---------------------------------------------------------------------------- Chrome trace format
 def _tracks(events: Sequence[TimelineEvent], num_devices: int | None) -> dict[tuple[int, str], int]:
@@ -213,6 +212,24 @@ def to_chrome_trace(events: Iterable[TimelineEvent], path_or_file: str | os.Path
         return
     with open(path_or_file, "w", encoding="utf-8") as file:
         json.dump(data, file)
+
+
+def write_timeline(events: Sequence[TimelineEvent], folder: str | os.PathLike[str], num_devices: int) -> list[str]:
+    """Write ``timeline.json`` (:func:`to_chrome_trace`) and ``timeline.png`` (a Gantt chart) into ``folder``,
+    creating it; returns the paths written. Without matplotlib the picture is skipped with a warning that
+    says what to install; any other error propagates."""
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    written = [os.path.join(folder, "timeline.json")]
+    to_chrome_trace(events, written[0], num_devices=num_devices)
+    try:
+        from lightning_roundpipe.observe.gantt import draw_timeline  # matplotlib, only when a picture is wanted
+
+        draw_timeline(events, os.path.join(folder, "timeline.png"), num_devices=num_devices)
+        written.append(os.path.join(folder, "timeline.png"))
+    except ImportError as error:
+        log.warning(f"RoundPipe wrote {written[0]} but no timeline.png: {error}")
+    return written
 
 
 def load_chrome_trace(path_or_file: str | os.PathLike[str] | IO[str]) -> list[TimelineEvent]:

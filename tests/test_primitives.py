@@ -1,0 +1,377 @@
+"""The engine's primitives, each on its own: slots, gradient windows, the abort signal, CPU streams and events,
+layer replicas, byte counts. Expectations are worked out by hand; ordering is checked through events."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_roundpipe.engine import replica
+from lightning_roundpipe.engine.call import Slot
+from lightning_roundpipe.engine.device import AbortSignal, DeviceCounters, EngineAborted, HostEvent, Stream
+from lightning_roundpipe.engine.layers import Trunk, as_layer_input, single_argument
+from lightning_roundpipe.engine.optim import GradWindow
+from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes, tree_nbytes
+
+WAIT = 10.0  # seconds: only a broken primitive ever waits this long
+
+
+# ------------------------------------------------------------------ Slot
+def test_a_slot_keeps_its_value_until_its_last_counted_reader_consumes_it():
+    slot = Slot("the output of F0 microbatch 0")
+    slot.expect_reader()
+    slot.expect_reader()
+    assert not slot.event.is_set()
+    value = torch.arange(3)
+    slot.put(value)
+    assert slot.event.is_set() and slot.value is value
+    slot.consume()
+    assert slot.value is value  # one reader still to come
+    slot.consume()
+    assert slot.value is None
+
+
+def test_a_slot_nobody_counted_keeps_its_value_and_refuses_a_read_too_many():
+    ready = Slot.ready("the caller's input")
+    assert ready.event.is_set() and ready.value == "the caller's input"
+    with pytest.raises(RuntimeError, match=r"ready was read by more jobs than were counted: call expect_reader\(\)"):
+        ready.consume()
+    assert ready.value == "the caller's input"  # the refused read dropped nothing
+
+    slot = Slot("a checkpoint")
+    slot.expect_reader()
+    slot.put(1)
+    slot.consume()
+    with pytest.raises(RuntimeError, match="a checkpoint was read by more jobs than were counted"):
+        slot.consume()
+
+
+# ------------------------------------------------------------------ GradWindow
+def test_a_grad_window_sums_gradients_per_parameter_and_adds_them_into_param_grad():
+    window = GradWindow(AbortSignal(WAIT))
+    tied, other = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    other.grad = torch.tensor([10.0])  # gradients already there are added to, not replaced
+    window.job_started(None)
+    window.job_started(None)
+    window.add(tied, torch.tensor([1.0, 2.0]))    # two jobs use the tied parameter
+    window.add(tied, torch.tensor([0.5, 0.25]))
+    window.add(other, torch.tensor([3.0]))
+    window.job_finished()
+    window.job_finished()
+    window.close()
+    window.wait_complete()
+    window.publish()
+    assert torch.equal(tied.grad, torch.tensor([1.5, 2.25]))
+    assert torch.equal(other.grad, torch.tensor([13.0]))
+    window.publish()  # published gradients leave the window: a second publish adds nothing
+    assert torch.equal(tied.grad, torch.tensor([1.5, 2.25]))
+
+
+def test_a_grad_window_is_idle_between_jobs_and_complete_only_once_closed_and_drained():
+    window = GradWindow(AbortSignal(WAIT))
+    window.wait_idle()  # no job yet
+    window.job_started(None)
+    window.job_finished()
+    window.wait_idle()  # idle again, though still open for more jobs
+    window.job_started(None)
+    window.close()
+    window.job_finished()
+    window.wait_complete()
+
+    still_running = GradWindow(AbortSignal(0.1))
+    still_running.job_started(None)
+    still_running.close()
+    with pytest.raises(TimeoutError, match="waited more than 0.1 s for the gradients of the iteration"):
+        still_running.wait_complete()
+
+    open_window = GradWindow(AbortSignal(0.1))
+    with pytest.raises(TimeoutError, match="for the gradients of the iteration"):
+        open_window.wait_complete()  # no job running, but not closed: more may come
+
+
+def test_a_grad_window_waits_for_the_uploads_of_every_job_that_read_the_weights():
+    abort = AbortSignal(0.1)
+    window = GradWindow(abort)
+    forward, backward = HostEvent("forward upload"), HostEvent("backward upload")
+    window.job_read_only(forward)  # reads the weights, adds no gradient
+    window.job_started(backward)
+    forward.set()
+    with pytest.raises(TimeoutError, match="backward upload"):
+        window.wait_uploads()
+
+    abort = AbortSignal(WAIT)
+    window = GradWindow(abort)
+    uploads = [HostEvent(f"upload {index}") for index in range(3)]
+    for event in uploads:
+        window.job_read_only(event)
+    for event in uploads:
+        event.set()
+    window.wait_uploads()
+    assert window.upload_events == uploads
+
+
+# ------------------------------------------------------------------ AbortSignal
+def test_the_first_error_wins_and_an_abort_without_error_keeps_none():
+    abort = AbortSignal(WAIT)
+    assert not abort.aborted and abort.error is None
+    first, second = ValueError("first"), KeyError("second")
+    abort.fail(first)
+    abort.fail(second)
+    assert abort.aborted and abort.error is first
+
+    shutdown = AbortSignal(WAIT)
+    shutdown.abort()
+    assert shutdown.aborted and shutdown.error is None
+
+
+def test_an_abort_wakes_every_waiter_with_engine_aborted():
+    abort = AbortSignal(WAIT)
+    never = [HostEvent(f"never {index}") for index in range(3)]
+    started = [threading.Event() for _ in never]
+    raised: list[BaseException | None] = [None] * len(never)
+
+    def wait(index: int) -> None:
+        started[index].set()
+        try:
+            never[index].wait(abort)
+        except BaseException as error:  # noqa: BLE001 - checked below
+            raised[index] = error
+
+    threads = [threading.Thread(target=wait, args=(index,)) for index in range(len(never))]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(WAIT)
+    abort.abort()
+    for thread in threads:
+        thread.join(WAIT)
+    assert not any(thread.is_alive() for thread in threads)
+    assert [type(error) for error in raised] == [EngineAborted] * 3
+    assert [str(error) for error in raised] == [f"engine stopped while waiting for never {i}" for i in range(3)]
+
+
+def test_a_wait_past_the_timeout_fails_the_engine_with_a_timeout_error():
+    abort = AbortSignal(0.05)
+    with pytest.raises(TimeoutError, match=r"waited more than 0.05 s for the stuck event; the pipeline is stuck\. "
+                                           r"Raise `wait_timeout`") as caught:
+        HostEvent("the stuck event").wait(abort)
+    assert abort.aborted and abort.error is caught.value
+
+    done = HostEvent("done")
+    done.set()
+    done.wait(AbortSignal(0.05))  # a set event returns at once
+
+
+# ------------------------------------------------------------------ Stream and HostEvent (CPU stand-ins)
+@pytest.fixture
+def abort() -> AbortSignal:
+    return AbortSignal(WAIT)
+
+
+@pytest.fixture
+def make_stream(abort: AbortSignal) -> Iterator:
+    """Streams on ``abort``, stopped and joined after the test (other tests check that no thread is left)."""
+    made: list[Stream] = []
+
+    def make(name: str, jitter: float = 0.0, seed: int = 0) -> Stream:
+        stream = Stream(f"test-{name}", abort, jitter=jitter, seed=seed)
+        made.append(stream)
+        return stream
+
+    yield make
+    abort.abort()
+    for stream in made:
+        stream.stop()
+    for stream in made:
+        assert stream.join(time.monotonic() + WAIT) is None
+
+
+def test_a_recorded_event_is_set_only_after_the_operations_before_it(abort, make_stream):
+    stream = make_stream("one")
+    gate = threading.Event()
+    log: list[str] = []
+    stream.submit(lambda: log.append("first") if gate.wait(WAIT) else None)
+    reached = stream.record("after first")
+    assert not reached.is_set()  # the first operation cannot return before the gate opens
+    gate.set()
+    reached.wait(abort)
+    assert log == ["first"]
+    assert reached.name == "after first (stream test-one)"
+
+
+def test_an_operation_waiting_on_another_streams_event_runs_after_it(abort, make_stream):
+    producer, consumer = make_stream("producer"), make_stream("consumer")
+    gate, consumer_done = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def produce() -> None:
+        gate.wait(WAIT)
+        log.append("produced")
+
+    def consume() -> None:
+        log.append("consumed after " + ",".join(log))
+        consumer_done.set()
+
+    producer.submit(produce)
+    consumer.wait_event(producer.record("produced"))
+    consumer.submit(consume)
+    # without the wait the consumer would run now, while the producer is held at the gate
+    consumer_done.wait(0.2)
+    gate.set()
+    assert consumer_done.wait(WAIT)
+    assert log == ["produced", "consumed after produced"]
+
+
+def test_a_chain_of_waits_over_jittered_streams_keeps_its_order(abort, make_stream):
+    streams = [make_stream(f"jitter{index}", jitter=0.002, seed=index) for index in range(3)]
+    log: list[int] = []
+    previous: HostEvent | None = None
+    for step in range(30):
+        stream = streams[step % 3]
+        stream.wait_event(previous)
+        stream.submit(lambda step=step: log.append(step))
+        previous = stream.record(f"step {step}")
+    assert previous is not None
+    previous.wait(abort)
+    assert log == list(range(30))
+
+
+def test_a_failing_operation_fails_the_engine_and_the_stream_runs_nothing_after_it(abort, make_stream):
+    stream = make_stream("failing")
+    log: list[str] = []
+    error = OSError("copy failed")
+
+    def fail() -> None:
+        raise error
+
+    stream.submit(fail)
+    stream.submit(lambda: log.append("after"))
+    never = stream.record("after the failure")
+    with pytest.raises(EngineAborted):
+        never.wait(abort)
+    assert abort.error is error
+    assert log == [] and not never.is_set()
+
+
+# ------------------------------------------------------------------ replicas
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 3)
+        self.register_buffer("count", torch.zeros(()))
+        self.scale = 1.0
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.again = self.inner  # one submodule at two names
+        self.norm = nn.LayerNorm(3)
+
+
+class CachingLayer(nn.Module):
+    roundpipe_transient = ("cache",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.cache = None
+
+
+def test_a_replica_shares_tensors_and_hooks_but_has_its_own_tables_and_flags():
+    host = Layer()
+    copy = replica.make_replica(host)
+    assert copy is not host and copy.inner is not host.inner and copy.norm is not host.norm
+    assert copy.again is copy.inner  # the structure is kept
+    assert copy.inner.linear.weight is host.inner.linear.weight  # shared until a job binds its own
+    assert copy.inner.linear._parameters is not host.inner.linear._parameters
+    copy.eval()
+    assert host.training and host.inner.training and not copy.inner.training
+    assert copy.inner.linear._forward_hooks is host.inner.linear._forward_hooks  # hooks registered later fire too
+
+
+def test_bind_and_unbind_swap_the_replicas_tensors_and_leave_the_host_alone():
+    host = Layer()
+    state = Trunk([host]).states[0]
+    assert [slots[0].module_path + "." + slots[0].name for slots in state.param_slots] == [
+        "inner.linear.weight", "inner.linear.bias", "norm.weight", "norm.bias"]
+    assert [[s.module_path for s in slots] for slots in state.buffer_slots] == [["inner", "again"]]
+    copy = replica.make_replica(host)
+    params = [param.detach() + 1 for param in state.params]
+    buffers = [torch.full((), 7.0)]
+    replica.bind(copy, state, params, buffers)
+    assert copy.inner.linear.weight is params[0] and copy.norm.bias is params[3]
+    assert copy.inner.count is buffers[0] and copy.again.count is buffers[0]
+    assert host.inner.linear.weight is state.params[0] and host.inner.count is state.buffers[0]
+    assert replica.rebound_buffers(copy, state, buffers) == []
+    copy.inner._buffers["count"] = torch.ones(())  # what `self.count = self.count + 1` does
+    assert replica.rebound_buffers(copy, state, buffers) == ["inner.count", "again.count"]  # one module, two names
+    replica.unbind(copy, state)
+    assert copy.inner.linear.weight is state.params[0] and copy.inner.count is state.buffers[0]
+
+
+def test_sync_attributes_gives_the_replica_the_hosts_attributes_and_written_attributes_finds_its_own_writes():
+    host = Layer()
+    copy = replica.make_replica(host)
+    pairs = replica.module_pairs(copy, host)
+    assert [type(pair[0]) for pair in pairs] == [Layer, Inner, nn.Linear, nn.LayerNorm]
+    host.inner.scale = 0.5         # changed on the host after the replica was made
+    host.label = "new"             # added
+    del host.norm.eps              # deleted
+    copy.eval()                    # the replica's own training flags are not synced
+    snapshot = replica.sync_attributes(pairs)
+    assert copy.inner.scale == 0.5 and copy.label == "new" and "eps" not in copy.norm.__dict__
+    assert not copy.training and host.training
+    assert replica.written_attributes(copy, snapshot) == []
+    copy.label = host.label        # the same object written again is no write
+    assert replica.written_attributes(copy, snapshot) == []
+
+    copy.inner.calls = 1           # added in a forward
+    copy.label = "changed"
+    del copy.inner.scale
+    assert replica.written_attributes(copy, snapshot) == ["label", "inner.calls", "inner.scale"]
+    assert host.inner.scale == 0.5 and not hasattr(host.inner, "calls")
+
+
+def test_attributes_a_layer_declares_transient_are_no_writes():
+    host = CachingLayer()
+    copy = replica.make_replica(host)
+    snapshot = replica.sync_attributes(replica.module_pairs(copy, host))
+    copy.cache = torch.zeros(1)
+    assert replica.written_attributes(copy, snapshot) == []
+    copy.other = 1
+    assert replica.written_attributes(copy, snapshot) == ["other"]
+
+
+def test_set_training_flags_sets_each_module_in_modules_order():
+    copy = replica.make_replica(Layer())
+    replica.set_training_flags(copy, [False, True, False, True])
+    assert [module.training for module in copy.modules()] == [False, True, False, True]
+    assert [type(module) for module in copy.modules()] == [Layer, Inner, nn.Linear, nn.LayerNorm]
+
+
+# ------------------------------------------------------------------ byte counts
+def test_byte_counts():
+    half = torch.zeros(3, 4, dtype=torch.float16)
+    assert nbytes_of(half) == 24
+    assert nbytes_of(half[0]) == 8            # a view counts its own elements, not the whole storage
+    assert tensors_nbytes([half, half]) == 48  # each time it appears
+    assert tensors_nbytes([]) == 0
+    assert tree_nbytes({"a": half, "b": [torch.zeros(2, dtype=torch.float64), "text", None]}) == 40
+    counters = DeviceCounters()
+    counters.uploaded_param_bytes += 100     # the parameter stream's count
+    counters.uploaded_activation_bytes += 24  # the activation stream's count
+    assert counters.uploaded_bytes == 124
+
+
+def test_the_layer_input_convention():
+    output = torch.ones(2)
+    layer_input = as_layer_input(output)
+    assert layer_input == ((output,), {})
+    assert single_argument(layer_input) is output
