@@ -1,12 +1,17 @@
-"""Small models and an independent plain-PyTorch reference for the engine tests."""
+"""Small models, the LightningModule the strategy and fault tests share, and independent plain-PyTorch
+references (the sync and the async formula). Test modules import these from here, never from each other."""
 
 from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_roundpipe import pipeline_loss
 
 VOCAB, WIDTH, CONTEXT = 17, 16, 8
 
@@ -99,11 +104,38 @@ def reference_microbatch_step(model: nn.Module, inputs: torch.Tensor, target: to
     """Plain PyTorch: the same microbatches one after another, gradients accumulated. Returns the loss."""
     total = sum(weights)
     loss_value = 0.0
-    for x, y, weight in zip(torch.split(inputs, sizes), torch.split(target, sizes), weights):
+    for x, y, weight in zip(torch.split(inputs, sizes), torch.split(target, sizes), weights, strict=True):
         loss = loss_fn(model(x), y) * (weight / total)
         loss.backward()
         loss_value += loss.item()
     return loss_value
+
+
+def async_reference(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn, sizes: list[int],
+                    optimizer_kind: str, weights=None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch of ``async_step``'s formula, independent of the engine: iteration k computes g(k) on
+    W(k-2), and W(k) = step(W(k-1), g(k)). ``batches`` are the iterations' ``(inputs, target)``;
+    ``weights(target)`` gives the microbatches' loss weights (default: their sample counts). Runs in the
+    model's dtype. Returns the final parameters (the optimizer's masters) and buffers by name, and the losses."""
+    compute = clone(model)
+    masters = [p.detach().clone().requires_grad_(True) for p in compute.parameters()]
+    optimizer = make_optimizer(optimizer_kind, masters)
+    losses = []
+    for inputs, target in batches:
+        microbatch_weights = [float(s) for s in sizes] if weights is None else weights(target)
+        losses.append(reference_microbatch_step(compute, inputs, target, loss_fn, microbatch_weights, sizes))
+        published = [m.detach().clone() for m in masters]  # W(k-1): what iteration k+1 will run on
+        for master, param in zip(masters, compute.parameters(), strict=True):
+            master.grad = param.grad.clone()
+            param.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for param, value in zip(compute.parameters(), published, strict=True):
+                param.copy_(value)
+    names = [name for name, _ in compute.named_parameters()]
+    state = {**dict(zip(names, (m.detach() for m in masters), strict=True)),
+             **{name: b.detach() for name, b in compute.named_buffers()}}
+    return state, losses
 
 
 def split_sizes(samples: int, parts: int) -> list[int]:
@@ -113,3 +145,52 @@ def split_sizes(samples: int, parts: int) -> list[int]:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class Classifier(pl.LightningModule):
+    """A plain LightningModule; ``fused`` picks ``pipeline_loss`` instead of calling the trunk."""
+
+    def __init__(self, optimizer: str = "sgd", fused: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16),
+                                 nn.Tanh(), nn.Linear(16, 3))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.hparams.fused:
+            loss = pipeline_loss(self.net, x, y, F.cross_entropy)
+        else:
+            loss = F.cross_entropy(self.net(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self.net(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def classifier_data(samples: int = 48, batch: int = 8) -> DataLoader:
+    """``Classifier``'s data: ``samples`` random samples of 6 features and 3 classes, in batches of ``batch``."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 6, generator=generator)
+    y = torch.randint(0, 3, (samples,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch)

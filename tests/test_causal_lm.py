@@ -16,9 +16,12 @@ peft = pytest.importorskip("peft")
 
 import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from tests.numerics import assert_close_to_reference, assert_states_close_to_reference, assert_states_equal  # noqa: E402
 
 VOCAB = 64
-TOL = dict(rtol=1e-4, atol=1e-6)
+# Tolerances (tests/numerics.py): RoundPipe's microbatches sum in another order than Lightning's whole batches,
+# so its float32 results must be within 4x Lightning's own float32 distance from Lightning's float64 run
+# (precision="64-true") of the same module and data.
 
 
 def tiny_llama(tied: bool = True, seed: int = 0) -> torch.nn.Module:
@@ -107,21 +110,73 @@ class CausalLMModule(pl.LightningModule):
         return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def _fit(module: pl.LightningModule, strategy, devices: int = 1) -> pl.Trainer:
+def _fit(module: pl.LightningModule, strategy, devices: int = 1, precision: str = "32-true") -> pl.Trainer:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=1, num_sanity_val_steps=0)
+                         limit_val_batches=1, num_sanity_val_steps=0, precision=precision)
     trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6), DataLoader(PaddedTokens(6, seed=4), batch_size=6))
     return trainer
 
 
-def _assert_same_training(module: CausalLMModule, reference: CausalLMModule) -> None:
-    assert len(module.losses) == len(reference.losses) == 4
-    torch.testing.assert_close(module.losses, reference.losses, **TOL)
-    torch.testing.assert_close(module.val_losses, reference.val_losses, **TOL)
-    reference_params = dict(reference.named_parameters())
-    for name, param in module.named_parameters():
-        torch.testing.assert_close(param, reference_params[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+def _eager_attention_in_the_inputs_dtype(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Hugging Face's eager attention, but with the softmax in the inputs' dtype. Its own takes the softmax in
+    float32: in float64 that is not a float64 computation, and the additive mask of a row with no key to attend
+    to (left padding) becomes -inf there, which gives NaN."""
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.dropout(weights.softmax(dim=-1), p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+EAGER_FLOAT64 = "roundpipe_tests_eager_float64"
+transformers.AttentionInterface.register(EAGER_FLOAT64, _eager_attention_in_the_inputs_dtype)
+transformers.masking_utils.AttentionMaskInterface.register(EAGER_FLOAT64, transformers.masking_utils.eager_mask)
+
+
+class Float64Reference(CausalLMModule):
+    """The float64 reference of ``CausalLMModule`` (and ``LogitsModule``), run with ``precision="64-true"``.
+    Two things Hugging Face does would keep it from being one: its loss casts the logits to float32, so this
+    takes the same token mean (labels shifted by one, -100 ignored) of the float64 logits; and its eager
+    attention takes the softmax in float32, so an eager model runs the same attention with a float64 softmax."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+        if base.config._attn_implementation == "eager":
+            base.set_attn_implementation(EAGER_FLOAT64)
+
+    def _loss(self, batch) -> torch.Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self._loss(batch).item())
+
+
+def _references(model: torch.nn.Module, module_type=None) -> tuple[CausalLMModule, CausalLMModule]:
+    """Lightning's default strategy on copies of ``model``: ``module_type`` in float32, and its float64
+    counterpart in float64."""
+    reference, reference64 = (module_type or CausalLMModule)(copy.deepcopy(model)), Float64Reference(copy.deepcopy(model))
+    _fit(reference, "auto")
+    _fit(reference64, "auto", precision="64-true")
+    assert next(reference64.parameters()).dtype == torch.float64
+    return reference, reference64
+
+
+def _assert_same_training(module: CausalLMModule, reference: CausalLMModule, reference64: CausalLMModule) -> None:
+    assert len(module.losses) == len(reference.losses) == len(reference64.losses) == 4
+    assert_close_to_reference(module.losses, reference.losses, reference64.losses, what="losses")
+    assert_close_to_reference(module.val_losses, reference.val_losses, reference64.val_losses, what="val_losses")
+    assert_states_close_to_reference(module, reference, reference64)
 
 
 MODELS = {"llama_tied": lambda: tiny_llama(tied=True), "qwen3_untied": lambda: tiny_qwen3(tied=False),
@@ -134,12 +189,11 @@ def test_training_equals_the_unmodified_model_under_lightnings_default_strategy(
     model = MODELS[family]()
     if lora:
         model = with_lora(model)
-    reference = CausalLMModule(copy.deepcopy(model))
-    _fit(reference, "auto")
+    reference, reference64 = _references(model)
     module = CausalLMModule(model)
     initial = {name: param.detach().clone() for name, param in module.named_parameters()}
     trainer = _fit(module, RoundPipeStrategy(num_microbatches=3, num_stages=3), devices=2)
-    _assert_same_training(module, reference)
+    _assert_same_training(module, reference, reference64)
     inner = model.get_base_model() if lora else model
     assert "forward" not in inner.__dict__  # the model's own forward is back after fit
     if lora:
@@ -157,12 +211,12 @@ def test_training_equals_the_unmodified_model_under_lightnings_default_strategy(
 def test_tied_embedding_is_one_parameter_stepped_once():
     model = tiny_llama(tied=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    reference = CausalLMModule(copy.deepcopy(model))
-    _fit(reference, "auto")
+    reference, reference64 = _references(model)
     module = CausalLMModule(model)
     _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
     assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
-    torch.testing.assert_close(module.model.lm_head.weight, reference.model.lm_head.weight, **TOL)
+    assert_close_to_reference(module.model.lm_head.weight, reference.model.lm_head.weight,
+                              reference64.model.lm_head.weight, what="lm_head.weight")
 
 
 def test_state_dict_keys_and_save_pretrained_are_unchanged(tmp_path):
@@ -190,11 +244,10 @@ class LogitsModule(CausalLMModule):
 
 def test_logits_without_labels_take_the_transparent_path():
     model = tiny_llama(tied=False)
-    reference = LogitsModule(copy.deepcopy(model))
-    _fit(reference, "auto")
+    reference, reference64 = _references(model, LogitsModule)
     module = LogitsModule(model)
     _fit(module, RoundPipeStrategy(num_microbatches=3), devices=2)
-    _assert_same_training(module, reference)
+    _assert_same_training(module, reference, reference64)
 
 
 def test_lora_base_stays_in_its_stored_dtype_on_the_host_and_the_devices(caplog):
@@ -211,7 +264,7 @@ def test_lora_base_stays_in_its_stored_dtype_on_the_host_and_the_devices(caplog)
     trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2,
                          precision="bf16-mixed", max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    with caplog.at_level("INFO", logger="lightning_roundpipe.strategy"):
+    with caplog.at_level("INFO", logger="lightning_roundpipe"):
         trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6))
     # hooks fire in the device replicas: the weights they computed with are the uploaded copies
     assert seen["base"] == (torch.bfloat16, False)
@@ -287,9 +340,9 @@ def test_lora_dropout_does_not_depend_on_the_device_count():
         results.append(({n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad},
                         module.losses))
     (params_one, losses_one), (params_three, losses_three) = results
-    torch.testing.assert_close(losses_three, losses_one, rtol=1e-5, atol=1e-6)
-    for name, param in params_three.items():
-        torch.testing.assert_close(param, params_one[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    # the same microbatches, masks and kernels, gradients accumulated in the same order: bitwise
+    assert losses_three == losses_one
+    assert_states_equal(params_three, params_one)
 
 
 def test_hugging_face_gradient_checkpointing_is_flagged_as_redundant():

@@ -9,7 +9,6 @@ outputs between layers, target/input size mismatch, and the engine-level empty-b
 from __future__ import annotations
 
 import dataclasses
-import threading
 import warnings
 
 import lightning.pytorch as pl
@@ -30,15 +29,14 @@ from lightning_roundpipe import (
 from lightning_roundpipe.engine.microbatch import sample_count, token_count
 from lightning_roundpipe.engine.stage import ReplicaWriteWarning
 from tests.models import SharedLog, clone, gpt_batch, gpt_loss, tiny_gpt
+from tests.numerics import assert_close_to_reference, assert_states_close_to_reference, double
 
-TOL = dict(rtol=1e-4, atol=1e-6)
+# Tolerances (tests/numerics.py): RoundPipe splits batches into microbatches, so its float32 sums run in
+# another order than the reference's; its results must be within 4x the float32 reference's own distance from
+# the same reference run in float64 (Lightning's precision="64-true", or a float64 copy in plain PyTorch).
 
 # a trunk layer writing state in its forward is a bug these tests must not hide
 pytestmark = pytest.mark.filterwarnings("error::lightning_roundpipe.engine.stage.ReplicaWriteWarning")
-
-
-def _roundpipe_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
 
 
 class Trained(pl.LightningModule):
@@ -64,19 +62,27 @@ class Trained(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(module: pl.LightningModule, data: DataLoader, strategy="auto", devices: int = 1, epochs: int = 1):
+def _fit(module: pl.LightningModule, data: DataLoader, strategy="auto", devices: int = 1, epochs: int = 1,
+         precision: str = "32-true"):
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         precision=precision)
     trainer.fit(module, data)
     return trainer
 
 
-def _assert_same_training(module: Trained, reference: Trained, steps: int) -> None:
-    assert len(module.losses) == len(reference.losses) == steps
-    torch.testing.assert_close(module.losses, reference.losses, **TOL)
-    for (name, param), expected in zip(module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(param, expected, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    assert _roundpipe_threads() == []
+def _lightning_references(make, data: DataLoader, epochs: int = 1) -> tuple[Trained, Trained]:
+    """Lightning's default strategy on ``make()``'s module: in float32 and in float64."""
+    references = make(), make()
+    for reference, precision in zip(references, ("32-true", "64-true"), strict=True):
+        _fit(reference, data, epochs=epochs, precision=precision)
+    return references
+
+
+def _assert_same_training(module: Trained, reference: Trained, reference64: Trained, steps: int) -> None:
+    assert len(module.losses) == len(reference.losses) == len(reference64.losses) == steps
+    assert_close_to_reference(module.losses, reference.losses, reference64.losses, what="losses")
+    assert_states_close_to_reference(module, reference, reference64)
 
 
 def _mlp(inputs: int = 6, classes: int = 3) -> nn.Sequential:
@@ -86,21 +92,23 @@ def _mlp(inputs: int = 6, classes: int = 3) -> nn.Sequential:
 
 # ---------------------------------------------------------------------------- 1. a short last batch
 @pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
-def test_a_short_last_batch_smaller_than_num_microbatches_equals_lightnings_default_strategy(fused):
+def test_a_short_last_batch_smaller_than_num_microbatches_equals_lightnings_default_strategy(fused,
+                                                                                            roundpipe_threads):
     generator = torch.Generator().manual_seed(1)
-    samples = list(zip(torch.randn(19, 6, generator=generator), torch.randint(0, 3, (19,), generator=generator)))
+    samples = list(zip(torch.randn(19, 6, generator=generator), torch.randint(0, 3, (19,), generator=generator),
+                       strict=True))
     data = DataLoader(samples, batch_size=8)  # 8, 8, 3: the last has fewer samples than 4 microbatches
     assert [len(y) for _, y in data] == [8, 8, 3]
 
     def make() -> Trained:
         return Trained(_mlp(), lambda batch: (batch[0], batch[1]), F.cross_entropy, fused)
 
-    reference = make()
-    _fit(reference, data, epochs=2)
+    reference, reference64 = _lightning_references(make, data, epochs=2)
     module = make()
     with pytest.warns(UserWarning, match=r"a batch of 3 samples is smaller than `num_microbatches=4`"):
         _fit(module, data, RoundPipeStrategy(num_microbatches=4, num_stages=2), devices=2, epochs=2)
-    _assert_same_training(module, reference, steps=6)
+    _assert_same_training(module, reference, reference64, steps=6)
+    assert roundpipe_threads() == []
 
 
 # ---------------------------------------------------------------------------- 2. varying sequence length
@@ -123,7 +131,7 @@ def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
-def test_sequence_length_varying_across_batches_equals_lightnings_default_strategy(fused):
+def test_sequence_length_varying_across_batches_equals_lightnings_default_strategy(fused, roundpipe_threads):
     generator = torch.Generator().manual_seed(2)
     lengths = [3, 9, 4, 2, 6, 5, 8, 3, 7, 2, 4, 5, 3]
     data = DataLoader([torch.randint(0, VOCAB, (n,), generator=generator) for n in lengths], batch_size=5,
@@ -135,11 +143,11 @@ def test_sequence_length_varying_across_batches_equals_lightnings_default_strate
         net = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, VOCAB))
         return Trained(net, lambda batch: batch, _token_loss, fused, loss_weight=token_count())
 
-    reference = make()
-    _fit(reference, data, epochs=2)
+    reference, reference64 = _lightning_references(make, data, epochs=2)
     module = make()
     _fit(module, data, RoundPipeStrategy(num_microbatches=3, num_stages=2), devices=2, epochs=2)
-    _assert_same_training(module, reference, steps=6)
+    _assert_same_training(module, reference, reference64, steps=6)
+    assert roundpipe_threads() == []
 
 
 # ---------------------------------------------------------------------------- 3. dict, tuple, dataclass batches
@@ -194,7 +202,8 @@ def _target(batch):
 @pytest.mark.filterwarnings("ignore:a batch of 2 samples is smaller than `num_microbatches=3`")
 @pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
 @pytest.mark.parametrize("kind", ["dict", "tuple", "dataclass"])
-def test_dict_tuple_and_dataclass_batches_with_plain_fields_equal_lightnings_default_strategy(kind, fused):
+def test_dict_tuple_and_dataclass_batches_with_plain_fields_equal_lightnings_default_strategy(kind, fused,
+                                                                                              roundpipe_threads):
     generator = torch.Generator().manual_seed(3)
     x, y = torch.randn(14, 6, generator=generator), torch.randint(0, 3, (14,), generator=generator)
     samples = [(x[i], y[i], f"sample-{i}") for i in range(14)]
@@ -209,11 +218,13 @@ def test_dict_tuple_and_dataclass_batches_with_plain_fields_equal_lightnings_def
         unpack = (lambda batch: ((batch,), _target(batch))) if kind == "tuple" else (lambda b: (b, _target(b)))
         return Trained(net, unpack, F.cross_entropy, fused), log
 
-    reference, reference_log = make()
+    (reference, reference_log), (reference64, _) = make(), make()
     _fit(reference, data)
+    _fit(reference64, data, precision="64-true")
     module, log = make()
     _fit(module, data, RoundPipeStrategy(num_microbatches=3, num_stages=2), devices=2)
-    _assert_same_training(module, reference, steps=3)
+    _assert_same_training(module, reference, reference64, steps=3)
+    assert roundpipe_threads() == []
 
     batch_type = {"dict": dict, "tuple": tuple, "dataclass": Batch}[kind]
     assert [(t, n, ids, tag, s) for t, n, ids, tag, s in reference_log] == [
@@ -250,21 +261,23 @@ class FromHidden(nn.Module):
         return self.linear(hidden.h)
 
 
-def test_a_dataclass_between_stages_carries_its_gradient_and_a_dataclass_output_is_refused():
+def test_a_dataclass_between_stages_carries_its_gradient_and_a_dataclass_output_is_refused(roundpipe_threads):
     torch.manual_seed(0)
     model = nn.Sequential(ToHidden(), nn.Identity(), FromHidden())
-    reference = clone(model)
+    references = {torch.float32: clone(model), torch.float64: double(model)}
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)) as engine:  # a stage per layer
         loss = engine.forward_backward(x, y, F.cross_entropy)
         engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
         engine.synchronize()
-    expected = sum(F.cross_entropy(reference(part), target) / 2 for part, target in zip(x.split(3), y.split(3)))
-    expected.backward()
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    torch.testing.assert_close(loss, expected.detach(), **TOL)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, ref, **TOL)
+    expected = {}
+    for dtype, reference in references.items():
+        expected[dtype] = sum(F.cross_entropy(reference(part), target) / 2
+                              for part, target in zip(x.to(dtype).split(3), y.split(3), strict=True))
+        expected[dtype].backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert_close_to_reference(loss, expected[torch.float32].detach(), expected[torch.float64].detach(), what="loss")
+    assert_states_close_to_reference(model, references[torch.float32], references[torch.float64])
 
     # as the trunk's output: fine into a fused loss, refused where the engine would merge it for autograd
     trunk = nn.Sequential(nn.Linear(4, 4), ToHidden())
@@ -272,19 +285,19 @@ def test_a_dataclass_between_stages_carries_its_gradient_and_a_dataclass_output_
         engine.forward_backward(x, y, lambda out, target: F.cross_entropy(out.h[:, :3], target))
         with pytest.raises(ValueError, match="the trunk returned a dataclass instance"):
             engine(x)
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
 
 
 # ---------------------------------------------------------------------------- 4. empty batches
 @pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
-def test_an_empty_batch_fails_fit_clearly_and_leaves_no_thread(fused):
+def test_an_empty_batch_fails_fit_clearly_and_leaves_no_thread(fused, roundpipe_threads):
     batches = [(torch.randn(4, 6), torch.randint(0, 3, (4,))), (torch.randn(0, 6), torch.zeros(0, dtype=torch.long))]
     module = Trained(_mlp(), lambda batch: (batch[0], batch[1]), F.cross_entropy, fused)
     strategy = RoundPipeStrategy(num_microbatches=2, num_stages=2)
     with pytest.raises(ValueError, match=r"the batch is empty \(0 samples on dim 0\)"):
         _fit(module, DataLoader(batches, batch_size=None), strategy, devices=2)
     assert len(module.losses) == 1  # the first batch trained; the empty one was refused
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
     assert "forward" not in module.net.__dict__  # the trunk's own forward is back
 
 
@@ -306,7 +319,7 @@ class RaisesDeviceMismatch(nn.Module):
      "on cpu (when checking argument in method wrapper_CUDA_mm)", True),
     ("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)", False),
 ])
-def test_a_device_mismatch_inside_a_layer_is_explained(message, explained):
+def test_a_device_mismatch_inside_a_layer_is_explained(message, explained, roundpipe_threads):
     model = nn.Sequential(nn.Linear(3, 3), RaisesDeviceMismatch(message), nn.Linear(3, 2))
     engine = RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2)).start()
     with pytest.raises(PipelineError, match="trunk layer 1 raised RuntimeError") as caught:
@@ -315,7 +328,7 @@ def test_a_device_mismatch_inside_a_layer_is_explained(message, explained):
     assert message in text and isinstance(caught.value.__cause__, RuntimeError)
     hints = ("run on per-device copies", "Do not hard-code a device", "device=x.device", "register_buffer")
     assert all(hint in text for hint in hints) == explained and any(hint in text for hint in hints) == explained
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
 
 
 class Counts(nn.Module):
@@ -437,33 +450,36 @@ def test_safe_layers_raise_no_warning_and_host_attribute_changes_reach_the_devic
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True), nn.Dropout(0.0),
                           nn.LayerNorm(16), ScaledByAttribute(), CountsInPlace(log), nn.Linear(16, 4))
-    reference = clone(model)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    references = {torch.float32: clone(model), torch.float64: double(model)}  # plain PyTorch, same microbatches
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, *references.values())]
+    losses, expected = [], {dtype: [] for dtype in references}
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicaWriteWarning)
         with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=3)) as engine:
             for step in range(3):
-                for m in (model, reference):
+                for m in (model, *references.values()):
                     m[5].factor = 1.0 + step  # a schedule written on the host layer
                 generator = torch.Generator().manual_seed(step)
                 x, y = torch.randn(6, 4, generator=generator), torch.randint(0, 4, (6,), generator=generator)
-                loss = engine.forward_backward(x, y, F.cross_entropy)
+                losses.append(engine.forward_backward(x, y, F.cross_entropy).item())
                 engine.step(optimizers[0])
-                expected = sum(F.cross_entropy(reference(part), target) * len(part) / 6
-                               for part, target in zip(x.split(3), y.split(3)))
-                expected.backward()
-                optimizers[1].step()
-                optimizers[1].zero_grad()
-                torch.testing.assert_close(loss, expected.detach(), **TOL)
+                for (dtype, reference), optimizer in zip(references.items(), optimizers[1:], strict=True):
+                    loss = sum(F.cross_entropy(reference(part), target) * len(part) / 6
+                               for part, target in zip(x.to(dtype).split(3), y.split(3), strict=True))
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    expected[dtype].append(loss.item())
             engine.synchronize()
         # Embed, Block (LayerNorm, attention, MLP, Dropout), Head
         _train_engine(tiny_gpt(blocks=2), lambda step: gpt_batch(4, step), gpt_loss, stages=3)
         torch.manual_seed(0)
         _train_engine(nn.Sequential(nn.LSTM(4, 8, batch_first=True), LastStep(), DeclaresItsCache(), nn.Linear(8, 4)),
                       _sequences)
-    for param, expected in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, expected, **TOL)
-    assert model[6].calls.item() == reference[6].calls.item() == 6  # the buffer came back: once per microbatch
+    # two microbatches of 3 (BatchNorm sees each) in both: float32 within 4x the float32 reference's own error
+    assert_close_to_reference(losses, expected[torch.float32], expected[torch.float64], what="losses")
+    assert_states_close_to_reference(model, references[torch.float32], references[torch.float64])
+    assert model[6].calls.item() == references[torch.float32][6].calls.item() == 6  # the buffer came back: once
     assert model[1].num_batches_tracked.item() == 6
 
 

@@ -17,6 +17,7 @@ from lightning_roundpipe.engine.microbatch import microbatch_sizes
 from lightning_roundpipe.engine.transfer import NoGrad
 from tests.models import (
     SharedLog,
+    async_reference,
     bn_batch,
     bn_model,
     clone,
@@ -26,28 +27,45 @@ from tests.models import (
     reference_microbatch_step,
     tiny_gpt,
 )
+from tests.numerics import (
+    assert_close_to_reference,
+    assert_float64_equal,
+    assert_states_close_to_reference,
+    assert_states_equal,
+    assert_states_float64_equal,
+    double,
+    state,
+)
 
-
-def _roundpipe_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+# Tolerances (tests/numerics.py): "bitwise" where the engine runs the same kernels on the same data in the
+# same order as the reference (one microbatch); otherwise float32 results within 4x the float32 reference's
+# own distance from a float64 run of the same reference, and float64 runs equal to 1e-12.
 
 
 def _assert_one_step_matches_plain_pytorch(model: nn.Module, x: torch.Tensor, devices: int,
                                            options: EngineOptions) -> None:
     """One fused-path SGD step (lr 0.1) on two equal microbatches equals plain PyTorch accumulating the same
-    two microbatches: the loss and every parameter."""
-    reference = clone(model)
+    two microbatches: the loss and every parameter, in float64 (the engine on a float64 copy: the algorithm)
+    and in float32 (not further from the float64 result than plain PyTorch in float32 is)."""
     y = torch.randint(0, 2, (x.shape[0],))
-    with RoundPipeEngine(model, devices, options) as engine:
-        loss = engine.forward_backward(x, y, F.cross_entropy)
-        engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
-        engine.synchronize()
     half = x.shape[0] // 2
-    expected = reference_microbatch_step(reference, x, y, F.cross_entropy, [1.0, 1.0], [half, half])
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    torch.testing.assert_close(loss.item(), expected, rtol=1e-6, atol=1e-7)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+    results = {}
+    for name, make in (("ref32", clone), ("ref64", double)):
+        reference = make(model)
+        inputs = x if name == "ref32" else x.double()
+        loss = reference_microbatch_step(reference, inputs, y, F.cross_entropy, [1.0, 1.0], [half, half])
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        results[name] = (loss, state(reference))
+    for name, engine_model, inputs in (("ours64", double(model), x.double()), ("ours32", model, x)):
+        with RoundPipeEngine(engine_model, devices, options) as engine:
+            loss = engine.forward_backward(inputs, y, F.cross_entropy)
+            engine.step(torch.optim.SGD(engine_model.parameters(), lr=0.1))
+            engine.synchronize()
+        results[name] = (loss, state(engine_model))
+    assert_float64_equal(results["ours64"][0], results["ref64"][0], what="float64 loss")
+    assert_states_float64_equal(results["ours64"][1], results["ref64"][1])
+    assert_close_to_reference(results["ours32"][0], results["ref32"][0], results["ref64"][0], what="loss")
+    assert_states_close_to_reference(results["ours32"][1], results["ref32"][1], results["ref64"][1])
 
 
 def _train_dropout_gpt(devices: int, recompute: str, steps: int = 3) -> list[torch.Tensor]:
@@ -66,10 +84,10 @@ def _train_dropout_gpt(devices: int, recompute: str, steps: int = 3) -> list[tor
 def test_dropout_is_bitwise_identical_for_any_device_count():
     reference = _train_dropout_gpt(1, "stage")
     untrained = [p.detach() for p in tiny_gpt(dropout=0.2).parameters()]
-    assert any(not torch.equal(a, b) for a, b in zip(reference, untrained)), "training changed nothing"
+    assert any(not torch.equal(a, b) for a, b in zip(reference, untrained, strict=True)), "training changed nothing"
     for devices, recompute in [(2, "stage"), (3, "stage"), (3, "layer")]:
         trained = _train_dropout_gpt(devices, recompute)
-        for expected, actual in zip(reference, trained):
+        for expected, actual in zip(reference, trained, strict=True):
             assert torch.equal(expected, actual), f"devices={devices}, recompute={recompute} differ"
 
 
@@ -163,16 +181,18 @@ def test_too_small_a_memory_budget_names_the_option():
 def test_caller_thread_state_reaches_the_workers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 3))
-    reference = clone(model)
+    reference, reference64 = clone(model).eval(), double(model).eval()
     x = torch.randn(6, 4)
+    with torch.no_grad():  # the engine runs microbatches of 3 rows, the references all 6 at once
+        expected32, expected64 = reference(x), reference64(x.double())
     with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=1)) as engine:
-        model.eval(), reference.eval()
+        model.eval()
         with torch.no_grad():
-            torch.testing.assert_close(engine(x), reference(x), rtol=1e-6, atol=1e-7)
+            assert_close_to_reference(engine(x), expected32, expected64, what="no_grad output")
         with torch.inference_mode():
             out = engine(x)
             assert out.is_inference()
-            torch.testing.assert_close(out, reference(x), rtol=1e-6, atol=1e-7)
+            assert_close_to_reference(out, expected32, expected64, what="inference_mode output")
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             assert engine(x).dtype == torch.bfloat16
         with torch.no_grad():
@@ -200,26 +220,31 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state():
         engine.synchronize()
     assert torch.equal(model[0].weight, frozen_before)
     assert model[0].weight.grad is None and len(optimizer.state[model[0].weight]) == 0
-    for param, expected in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-6)
+    # one microbatch: the engine runs the reference's kernels on the same data in the same order, bitwise
+    assert_states_equal(model, reference)
 
 
 def test_hyperparameters_are_read_when_the_step_is_queued():
     model, reference = bn_model(), bn_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.2))  # the step runs late, on its thread
+    written = threading.Event()
+
+    def after_the_write(*_) -> None:  # the step runs on its thread once the write below has happened
+        written.wait(timeout=30)  # the timeout only guards against a hang
+
+    optimizer.register_step_pre_hook(after_the_write)
     x, y = bn_batch(8, 0)
     with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=1, num_stages=1)) as engine:
         engine.forward_backward(x, y, F.cross_entropy)
         engine.step(optimizer)
         for group in optimizer.param_groups:
             group["lr"] = 0.0  # a scheduler's write after step(): must apply to the next step only
+        written.set()
         engine.synchronize()
     F.cross_entropy(reference(x), y).backward()
     reference_optimizer.step()
-    for param, expected in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, expected, rtol=1e-6, atol=1e-7)
+    assert_states_equal(model, reference)  # one microbatch: the same kernels on the same data, bitwise
 
 
 def test_before_step_sees_final_gradients_and_can_skip_the_update():
@@ -232,13 +257,15 @@ def test_before_step_sees_final_gradients_and_can_skip_the_update():
         engine.step(torch.optim.SGD(model.parameters(), lr=0.1),
                     before_step=lambda: seen.append([p.grad.clone() for p in model.parameters()]) or False)
         engine.synchronize()
-    reference = bn_model()
-    F.cross_entropy(torch.cat([reference(a) for a in x.split(4)]), y).backward()
+    references = {dtype: bn_model().to(dtype) for dtype in (torch.float32, torch.float64)}
+    for dtype, reference in references.items():
+        F.cross_entropy(torch.cat([reference(a) for a in x.to(dtype).split(4)]), y).backward()
     # skipped: weights unchanged, gradients cleared; the hook saw the whole-batch gradients
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
     assert all(p.grad is None for p in model.parameters())
-    for grad, param in zip(seen[0], reference.parameters()):
-        torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-7)
+    for index, (grad, ref32, ref64) in enumerate(zip(seen[0], references[torch.float32].parameters(),
+                                                     references[torch.float64].parameters(), strict=True)):
+        assert_close_to_reference(grad, ref32.grad, ref64.grad, what=f"gradient of parameter {index}")
 
 
 def test_a_forward_whose_backward_never_comes_releases_what_it_held():
@@ -260,18 +287,19 @@ def test_uneven_splits_and_short_batches():
     assert microbatch_sizes(3, 5) == [1, 1, 1]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    reference = clone(model)
+    reference, reference64 = clone(model), double(model)
     with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=5)) as engine:
         with pytest.warns(UserWarning, match="smaller than `num_microbatches=5`") as record:
             out = engine(torch.randn(3, 3))
             engine(torch.randn(2, 3))
         assert len(record) == 1
         x = torch.randn(3, 3)
-        torch.testing.assert_close(engine(x), reference(x), rtol=1e-6, atol=1e-7)
+        # three microbatches of one row against the three rows at once
+        assert_close_to_reference(engine(x), reference(x), reference64(x.double()), what="output")
         assert out.shape == (3, 2)
 
 
-def test_layer_error_names_stage_and_layer_and_stops_every_thread():
+def test_layer_error_names_stage_and_layer_and_stops_every_thread(roundpipe_threads):
     class Boom(nn.Module):
         def forward(self, x):
             raise ValueError("boom")
@@ -281,17 +309,17 @@ def test_layer_error_names_stage_and_layer_and_stops_every_thread():
     with pytest.raises(PipelineError, match=r"trunk layer 2 raised ValueError in stage F\d") as caught:
         engine.forward_backward(torch.randn(4, 3), torch.randint(0, 2, (4,)), F.cross_entropy)
     assert isinstance(caught.value.__cause__, ValueError)
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
     with pytest.raises(RuntimeError, match="closed"):
         engine(torch.randn(4, 3))
 
 
-def test_loss_function_errors_are_reported():
+def test_loss_function_errors_are_reported(roundpipe_threads):
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
     with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=1)) as engine:
         with pytest.raises(PipelineError, match="loss function must return a scalar"):
             engine.forward_backward(torch.randn(4, 3), torch.zeros(4, 2), lambda out, target: out - target)
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
@@ -308,14 +336,15 @@ def test_unsupported_autograd_uses_are_refused():
 def test_input_gradients_flow_through_the_transparent_path():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1))
-    reference = clone(model)
+    reference, reference64 = clone(model), double(model)
     x = torch.randn(6, 3, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
+    x_ref, x_ref64 = x.detach().clone().requires_grad_(True), x.detach().double().requires_grad_(True)
     with RoundPipeEngine(model, 3, EngineOptions(num_microbatches=3, num_stages=2, recompute="layer")) as engine:
         (engine(x) ** 2).sum().backward()
         (reference(x_ref) ** 2).sum().backward()
+        (reference64(x_ref64) ** 2).sum().backward()
         engine.step(torch.optim.SGD(model.parameters(), lr=0.0))
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-7)
+    assert_close_to_reference(x.grad, x_ref.grad, x_ref64.grad, what="input gradient")
 
 
 def test_dict_and_tuple_outputs_between_layers():
@@ -423,39 +452,39 @@ def test_async_refuses_parameters_outside_the_trunk():
             engine.step(torch.optim.SGD([*model.parameters(), extra], lr=0.1))
 
 
-def test_two_engines_share_nothing_and_close_cleanly():
+def test_two_engines_share_nothing_and_close_cleanly(roundpipe_threads):
     first = RoundPipeEngine(bn_model(), 2, EngineOptions(num_microbatches=2)).start()
     second = RoundPipeEngine(bn_model(), 1, EngineOptions(num_microbatches=2)).start()
     x, y = bn_batch(4, 0)
     first.forward_backward(x, y, F.cross_entropy)
     second.forward_backward(x, y, F.cross_entropy)
     first.close(), second.close(), first.close()
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
 
 
 def test_async_with_a_before_step_hook_still_follows_the_one_step_delayed_formula():
     """The hook path publishes gradients on the main thread; it must wait for the previous step, which
     clears ``param.grad`` when it ends, or this iteration's gradients would be wiped."""
-    from tests.test_transparency import STEPS, _async_reference
-
+    steps = 5
     model = bn_model()
     sizes = [4, 4]
-    masters, _, _ = _async_reference(model, bn_batch, 8, F.cross_entropy, "bn", sizes, "sgd")
+    batches = [bn_batch(8, step) for step in range(steps)]
+    expected = {dtype: async_reference(model if dtype == torch.float32 else double(model),
+                                       [(x.to(dtype), y) for x, y in batches], F.cross_entropy, sizes, "sgd")[0]
+                for dtype in (torch.float32, torch.float64)}
     optimizer = make_optimizer("sgd", model.parameters())
     optimizer.register_step_pre_hook(lambda *_: time.sleep(0.05))  # a slow host step
     calls = []
     with RoundPipeEngine(model, 2, EngineOptions(num_microbatches=2, num_stages=2, async_step=True)) as engine:
-        for step in range(STEPS):
-            x, y = bn_batch(8, step)
+        for step, (x, y) in enumerate(batches):
             engine.forward_backward(x, y, F.cross_entropy)
-            engine.step(optimizer, before_step=lambda: calls.append(step))
+            engine.step(optimizer, before_step=lambda step=step: calls.append(step))
         engine.synchronize()
-    assert calls == list(range(STEPS))
-    for param, master in zip(model.parameters(), masters):
-        torch.testing.assert_close(param, master.detach(), rtol=1e-5, atol=1e-7)
+    assert calls == list(range(steps))
+    assert_states_close_to_reference(model, expected[torch.float32], expected[torch.float64])
 
 
-def test_an_exception_in_user_code_stops_the_engine_cleanly():
+def test_an_exception_in_user_code_stops_the_engine_cleanly(roundpipe_threads):
     model = bn_model()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(KeyError):
@@ -463,8 +492,8 @@ def test_an_exception_in_user_code_stops_the_engine_cleanly():
             x, y = bn_batch(8, 0)
             engine.forward_backward(x, y, F.cross_entropy)
             raise KeyError("user code failed before the step")
-    assert _roundpipe_threads() == []
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert roundpipe_threads() == []
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
 
 
 def test_the_plan_adapts_to_measured_times_between_steps_unless_frozen():
@@ -523,9 +552,9 @@ def test_a_microbatch_whose_targets_are_all_ignored_counts_for_nothing():
     expected = gpt_loss(reference(ids[:2]), target[:2])
     expected.backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-7)
-    for param, ref in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(param, ref, rtol=1e-5, atol=1e-7)
+    # only the first microbatch counts, with weight 1: the reference's kernels on the same data, bitwise
+    assert torch.equal(loss, expected.detach())
+    assert_states_equal(model, reference)
 
 
 def test_target_and_input_sizes_must_agree():
@@ -564,12 +593,30 @@ def test_in_place_layers_inside_a_forward_stage_keep_the_checkpoints():
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the embedding's inputs are ids
 def test_async_overlaps_the_next_iteration_with_this_ones_backward_and_step():
     """With one-step staleness the next iteration's first forward stage need not wait for the current
-    iteration's last backward stage or its step: the timeline shows them overlapping."""
+    iteration's last backward stage or its step. Shown by order, not by timing: the first iteration's last
+    backward stage (it holds layer 0) does not finish until the second iteration's first forward stage has
+    run layer 0. An engine that made that forward wait for the backward or the step would never start it;
+    the hook's wait would time out (30 s, only a guard against hanging) and the test fail."""
+    microbatches = 3
     model = tiny_gpt(blocks=4)
-    model[0].register_full_backward_pre_hook(lambda *_: time.sleep(0.05))  # a slow last backward stage
+    forwards, backwards, waited = [], [], []
+    next_iteration_started = threading.Event()
+
+    def count_forward(module, inputs, output):  # hooks run in the device replicas, sharing these lists
+        if not is_recomputing():
+            forwards.append(None)
+            if len(forwards) > microbatches:  # the first iteration runs layer 0 once per microbatch
+                next_iteration_started.set()
+
+    def hold_the_first_backward(module, grad_output):
+        backwards.append(None)
+        if len(backwards) == 1:
+            waited.append(next_iteration_started.wait(timeout=30))
+
+    model[0].register_forward_hook(count_forward)
+    model[0].register_full_backward_pre_hook(hold_the_first_backward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    optimizer.register_step_pre_hook(lambda *_: time.sleep(0.2))  # a host step worth hiding
-    options = EngineOptions(num_microbatches=3, num_stages=2, async_step=True, record_timeline=True,
+    options = EngineOptions(num_microbatches=microbatches, num_stages=2, async_step=True, record_timeline=True,
                             freeze_plan=True)
     with RoundPipeEngine(model, 2, options) as engine:
         for step in range(3):
@@ -578,6 +625,9 @@ def test_async_overlaps_the_next_iteration_with_this_ones_backward_and_step():
             engine.step(optimizer)
         engine.synchronize()
         events, jobs_per_iteration = engine.events(), engine.plan.num_stages
+    assert waited == [True], "the next iteration's forward waited for this iteration's backward"
+    # the timeline agrees: the next iteration's first forward started before this iteration's last backward
+    # stage and its optimizer step ended (both come after the wait above, in causal order)
     compute = [e for e in events if e.kind in ("forward", "fused", "backward")]
     steps = sorted((e for e in events if e.kind == "optimizer"), key=lambda e: e.start)
     last_backward_end = max(e.end for e in compute if e.job == jobs_per_iteration - 1)
@@ -597,3 +647,21 @@ def test_sync_steps_run_on_the_optimizer_thread():
         engine.step(optimizer)
         engine.synchronize()
     assert threads == ["roundpipe-optimizer"]
+
+
+def test_calls_before_start_say_the_engine_is_not_started(roundpipe_threads):
+    engine = RoundPipeEngine(nn.Sequential(nn.Linear(2, 2)), 2, EngineOptions(num_microbatches=2))
+    calls = {"events": engine.events, "pipeline_metrics": engine.pipeline_metrics,
+             "peak_resident_bytes": engine.peak_resident_bytes, "peak_resident_stages": engine.peak_resident_stages,
+             "timeline": lambda: engine.timeline, "a call": lambda: engine(torch.zeros(2, 2))}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"^the engine is not started.*call start\(\)"):
+            call()
+            pytest.fail(f"{name} ran on an engine that is not started")
+    assert engine.devices == [] and not engine.failed and engine.unreported_failure is None
+    engine.close()  # nothing to stop yet
+    with engine:
+        assert engine.peak_resident_bytes() == [0, 0] and engine.peak_resident_stages() == [0, 0]
+        engine(torch.zeros(4, 2))  # one layer: one job, the ring's first on device 0
+        assert engine.peak_resident_stages() == [1, 0]
+    assert roundpipe_threads() == []

@@ -88,7 +88,7 @@ def test_plan_chunks_is_an_exact_min_max_split() -> None:
         fwd = [rng.choice([1.0, 2.0, 3.0, 5.0, 8.0]) for _ in range(m)]
         costs = [LayerCost(x, 2 * x) for x in fwd] + [LayerCost(1, 1)]
         best = min(
-            max(sum(fwd[a:b]) for a, b in zip((0, *cuts), (*cuts, m)))
+            max(sum(fwd[a:b]) for a, b in zip((0, *cuts), (*cuts, m), strict=True))
             for cuts in itertools.combinations(range(1, m), k - 1)
         )
         plan = plan_chunks(costs, k)
@@ -105,7 +105,7 @@ def test_plan_chunks_is_an_exact_min_max_split() -> None:
             total += x
         assert len(plan.backward) == count
         best_b = min(
-            max(sum(both[a:b]) for a, b in zip((0, *cuts), (*cuts, m)))
+            max(sum(both[a:b]) for a, b in zip((0, *cuts), (*cuts, m), strict=True))
             for cuts in itertools.combinations(range(1, m), count - 1)
         )
         assert max(sum(both[i] for i in r) for r in plan.backward) == best_b
@@ -221,7 +221,6 @@ def test_plan_auto_paper_profiles() -> None:
     got = {name: plan_auto(paper_costs(m), num_devices=8) for name, m in sim["models"].items()}
     counts = {name: p.num_stages for name, p in got.items()}
     paper = {n: sum(len(s.split(",")) for s in p.split("|")) for n, p in sim["paper_partitions_fwd_bwd_layers_per_stage"].items()}
-    print("stage counts (ours vs paper):", {n: (counts[n], paper[n]) for n in counts})
     # The published planner's stage counts (reference note B.4): 15 and 23, by hand:
     # 1.7B: Wmax = head 65.77; W = 3 layers' fwd+bwd = 69.78 -> forward at most 9 a stage (66.9):
     # 4 stages for 28 layers; fused = head; backward at most 3 a stage: 10 stages -> 15. Greedy
@@ -328,6 +327,6 @@ def test_planner_errors() -> None:
     with pytest.raises(ValueError, match=r"num_stages=6 is out of range: a model of 6 layers .* has 1 to 5"):
         Planner(6, 6, 2)
     with pytest.raises(RuntimeError, match=r"initial\(\) must be called"):
-        Planner("auto", 6, 2).plan
+        _ = Planner("auto", 6, 2).plan
     with pytest.raises(ValueError, match="got costs for 5 layers, the model has 6"):
         Planner("auto", 6, 2).initial(five(1.0)[:5])

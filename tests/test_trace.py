@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import subprocess
 import sys
-import threading
 
 import lightning.pytorch as pl
 import pytest
@@ -77,7 +77,7 @@ def test_chrome_trace_of_a_real_run(recorded, tmp_path):
     for e in complete:
         by_track.setdefault(e["tid"], []).append(e)
     for tid, events in by_track.items():
-        for before, after in zip(events, events[1:]):
+        for before, after in itertools.pairwise(events):
             assert after["ts"] >= before["ts"] + before["dur"] - 1e-2, (names[tid], before["name"], after["name"])
     # compute tracks hold compute kinds only, on their own device
     for e in complete:
@@ -220,15 +220,11 @@ def _fit(module: pl.LightningModule, strategy: RoundPipeStrategy) -> None:
     trainer.fit(module, data)
 
 
-def _roundpipe_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe-")]
-
-
-def test_the_strategy_writes_the_last_steps_timeline(tmp_path):
+def test_the_strategy_writes_the_last_steps_timeline(tmp_path, roundpipe_threads):
     strategy = RoundPipeStrategy(num_microbatches=2, timeline_dir=tmp_path / "trace", timeline_steps=2,
                                  freeze_plan=True)
     _fit(_Tiny(), strategy)
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
     assert strategy.timeline_files == [str(tmp_path / "trace" / "timeline.json"), str(tmp_path / "trace" / "timeline.png")]
     trace = json.loads((tmp_path / "trace" / "timeline.json").read_text())
     steps = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "optimizer"}
@@ -240,13 +236,14 @@ def test_the_strategy_writes_the_last_steps_timeline(tmp_path):
     _png_size(tmp_path / "trace" / "timeline.png")
 
 
-def test_after_an_exception_the_timeline_is_written_without_masking_it(tmp_path, monkeypatch, caplog):
+def test_after_an_exception_the_timeline_is_written_without_masking_it(tmp_path, monkeypatch, caplog,
+                                                                       roundpipe_threads):
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # no matplotlib: trace only
     strategy = RoundPipeStrategy(num_microbatches=2, timeline_dir=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="lightning_roundpipe.strategy"):
+    with caplog.at_level(logging.WARNING, logger="lightning_roundpipe"):
         with pytest.raises(RuntimeError, match="data went bad"):
             _fit(_Tiny(fail_at=2), strategy)
-    assert _roundpipe_threads() == []
+    assert roundpipe_threads() == []
     assert (tmp_path / "timeline.json").exists() and not (tmp_path / "timeline.png").exists()
     assert "pip install 'lightning_roundpipe[plot]'" in caplog.text
     assert strategy.timeline_files == [str(tmp_path / "timeline.json")]
