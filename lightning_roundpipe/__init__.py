@@ -37,7 +37,7 @@ _EXPORTS = {
     "Plan": "planning.partition",
     "RoundPipeEngine": "engine.engine",
     "RoundPipeStrategy": "strategy",
-    "StrategyOptions": "options",
+    "StrategyOptions": "strategy_options",
     "pipeline_loss": "engine.pipelined",
     "Trunk": "engine.layers",
     "build_trunk": "engine.layers",

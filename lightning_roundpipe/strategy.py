@@ -10,10 +10,10 @@ after each step, so a main-thread ``zero_grad`` cannot wipe gradients the pipeli
 step). Anything that must see final gradients (``on_before_optimizer_step``, clipping) runs on the main
 thread before the step is queued, so ``self.log`` works there.
 
-The rest lives beside it, along Lightning's own seams: options in :mod:`~lightning_roundpipe.options`,
+The rest lives beside it, along Lightning's own seams: options in :mod:`~lightning_roundpipe.strategy_options`,
 trunk discovery in :mod:`~lightning_roundpipe.trunk`, the precision plugin's part of a step in
-:mod:`~lightning_roundpipe.precision`, checkpoint writing in :mod:`~lightning_roundpipe.checkpoint_io`,
-the metrics callback in :mod:`~lightning_roundpipe.metrics`.
+:mod:`~lightning_roundpipe.precision`, checkpoint writing in :mod:`~lightning_roundpipe.checkpoint_io`, the
+metrics callback in :mod:`~lightning_roundpipe.metrics`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from lightning_roundpipe.engine.options import Recompute
 from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
 from lightning_roundpipe.hf.causal_lm import CausalLMForward
 from lightning_roundpipe.observe.trace import write_timeline
-from lightning_roundpipe.options import TIMELINE_MAX_EVENTS, PreflightMode, build_options
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
+from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, build_options
 from lightning_roundpipe.trunk import build_module_trunk
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class RoundPipeStrategy(ParallelStrategy):
     """Train a LightningModule with RoundPipe: ``Trainer(strategy="roundpipe", accelerator=..., devices=N)``.
 
     Each option is summed up here and documented in full where it is declared, in
-    :class:`~lightning_roundpipe.options.StrategyOptions` or :class:`~lightning_roundpipe.engine.options.EngineOptions`.
+    :class:`~lightning_roundpipe.strategy_options.StrategyOptions` or
+    :class:`~lightning_roundpipe.engine.options.EngineOptions`.
 
     Args:
         pipeline: dotted attribute path of the trunk, e.g. ``"net"``. Default: the Hugging Face causal LM if

@@ -22,9 +22,15 @@ from omegaconf import OmegaConf
 from lightning_roundpipe.app.schema import ConfigError, RoundPipeConf, hydra_type, roundpipe_conf, validate
 from lightning_roundpipe.app.train import CONFIG_DIR
 from lightning_roundpipe.engine.options import EngineOptions, OptionError
-from lightning_roundpipe.options import SET_BY_STRATEGY, OptionSpec, StrategyOptions, build_options, option_specs
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.strategy import RoundPipeStrategy
+from lightning_roundpipe.strategy_options import (
+    SET_BY_STRATEGY,
+    OptionSpec,
+    StrategyOptions,
+    build_options,
+    option_specs,
+)
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 YAML = pathlib.Path(CONFIG_DIR) / "strategy" / "roundpipe.yaml"

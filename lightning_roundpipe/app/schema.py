@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_roundpipe.engine.options import OptionError
-from lightning_roundpipe.options import OptionSpec, build_options, option_specs
+from lightning_roundpipe.strategy_options import OptionSpec, build_options, option_specs
 
 CAUSAL_LM_FAMILIES = ("llama", "qwen3")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -169,14 +169,14 @@ def hydra_type(hint: Any) -> Any:
 
 def roundpipe_conf(specs: Sequence[OptionSpec] | None = None) -> type:
     """The schema of ``strategy=roundpipe``: ``_target_`` and one field per strategy option (default:
-    :func:`~lightning_roundpipe.options.option_specs`), with the option's default and :func:`hydra_type`."""
+    :func:`~lightning_roundpipe.strategy_options.option_specs`), with the option's default and :func:`hydra_type`."""
     fields: list[tuple[str, Any, Any]] = [("_target_", str, field(default=ROUNDPIPE_TARGET))]
     for spec in option_specs() if specs is None else specs:
         fields.append((spec.name, hydra_type(spec.type), field(default=spec.default)))
     conf = make_dataclass("RoundPipeConf", fields)
     conf.__module__ = __name__
     conf.__doc__ = ("RoundPipeStrategy's options, made from StrategyOptions and EngineOptions "
-                    "(lightning_roundpipe/options.py documents each)")
+                    "(lightning_roundpipe/strategy_options.py documents each)")
     return conf
 
 
