@@ -7,7 +7,7 @@ has a worker thread that turns a job into stream operations: upload the stage's 
 download the output. Data moves between devices only through the host. A device holds at most two
 stages' parameters: the upload of its k-th job waits until its (k-2)-th job has released its own.
 
-Job kinds (see ``schedule.py``)::
+Job kinds (see ``planning/schedule.py``)::
 
     forward   run layers without autograd; keep the inputs backward stages will need (checkpoints)
     fused     run the deepest layers, the loss and the backward per microbatch; never recomputed

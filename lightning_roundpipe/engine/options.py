@@ -1,7 +1,7 @@
 """Typed engine options, validated when constructed so that a bad value fails before any thread starts.
 
 :class:`EngineOptions` is the one declaration of the engine's options. The strategy's keyword arguments,
-the Hydra schema, ``conf/strategy/roundpipe.yaml`` and the README's options table are built from it or
+the Hydra schema, ``app/conf/strategy/roundpipe.yaml`` and the README's options table are built from it or
 checked against it (``tests/test_options.py``). A bad value raises :class:`OptionError`, whose message
 starts with the bare option name; the Hydra app swaps in its own key (``strategy.<option>``), so both
 read the same text.
