@@ -49,15 +49,19 @@ SHAPES = {
 }
 
 
-def _llama(shape: tuple[int, ...], dtype):
+def _llama(shape: tuple[int, ...], dtype, smoke: bool):
     import torch
     import transformers
 
+    # On CPU torch's bf16 SDPA kernel fails when ATEN_CPU_CAPABILITY is set below the machine's AVX-512
+    # ("pack_vnni2 is only supported when avx512 is supported"); the smoke run checks this script, not
+    # attention kernels, so it uses the eager attention there.
+    attention = "eager" if smoke else "sdpa"
     hidden, intermediate, layers, heads, kv_heads, vocab = shape
     config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                                       max_position_embeddings=4096, tie_word_embeddings=False, use_cache=False,
-                                      attn_implementation="sdpa", dtype=dtype)
+                                      attn_implementation=attention, dtype=dtype)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
 
@@ -172,7 +176,7 @@ def section_fits(args) -> dict:
 
     shape = SHAPES["smoke" if args.smoke else "fits"]
     sequence, batch, steps, warmup = (64, 4, 6, 2) if args.smoke else (2048, 4, 12, 3)
-    model = _llama(shape, "float32")
+    model = _llama(shape, "float32", args.smoke)
     model.gradient_checkpointing_enable()
     baseline = _train(model, "auto" if args.smoke else "single_device", args, batch=batch, sequence=sequence,
                       steps=steps, warmup=warmup)
@@ -212,7 +216,7 @@ def _big(args, async_step: bool) -> dict:
 
     shape = SHAPES["smoke" if args.smoke else "big"]
     sequence, batch, steps, warmup = (64, 4, 6, 2) if args.smoke else (2048, 8, 10, 3)
-    model = _llama(shape, "float32")
+    model = _llama(shape, "float32", args.smoke)
     cap = _cap(args)
     strategy = RoundPipeStrategy(num_microbatches=4 if args.smoke else 8, async_step=async_step,
                                  device_memory_limit=cap, log_pipeline_metrics=False)
@@ -257,7 +261,7 @@ def section_published(args) -> dict:
     shape = SHAPES["smoke" if args.smoke else "big"]
     sequence, batch, steps, warmup = (64, 4, 6, 2) if args.smoke else (2048, 8, 10, 3)
     cap = _cap(args)
-    model = _llama(shape, "bfloat16")
+    model = _llama(shape, "bfloat16", args.smoke)
     wrapped = roundpipe.wrap_model_to_roundpipe(model, use_sequential_preset=True, optim_dtype=torch.float32)
     with roundpipe.OptimizerCtx():
         optimizer = roundpipe.optim.Adam(wrapped.parameters(), lr=1e-4)
