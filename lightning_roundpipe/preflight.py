@@ -305,6 +305,9 @@ class MemoryPlan:
 
     def rows(self) -> list[tuple[str, str, str]]:
         """The table: (item, bytes, note)."""
+        return [*self._host_rows(), *self._device_rows()]
+
+    def _host_rows(self) -> list[tuple[str, str, str]]:
         dtypes = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
         training = self.trainer_fn == "fit"
         rows = [
@@ -325,18 +328,7 @@ class MemoryPlan:
         rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
                      f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
                      if self.device_type == "cpu" else "none: device memory"))
-        if self.activation_bytes is None:
-            kept = self.activation_layers
-            which = (f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}" if len(kept) <= 8
-                     else f"{len(kept)} layers")
-            if 0 in kept:
-                which += " (layer 0's is the batch itself)"
-            note = (f"not estimated at setup (depends on the batch): a training batch keeps the inputs of "
-                    f"{which} on the host until backward" if training
-                    else "not estimated at setup (depends on the batch); none kept for backward")
-            rows.append(("stage-boundary activations", "?", note))
-        else:
-            rows.append(("stage-boundary activations", "+" + format_bytes(self.activation_bytes), "estimated"))
+        rows.append(self._activation_row(training))
         rows.append(("checkpoint save", "+" + format_bytes(self.checkpoint_save_bytes),
                      "streamed to the file by torch.save: no in-memory copy"))
         rows.append(("to allocate", format_bytes(self.new_bytes),
@@ -352,7 +344,23 @@ class MemoryPlan:
         else:
             pinned = f"RLIMIT_MEMLOCK {format_bytes(self.limits.memlock)}"
         rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
-        rows.append((f"device (each of {self.num_devices})", "", ""))
+        return rows
+
+    def _activation_row(self, training: bool) -> tuple[str, str, str]:
+        if self.activation_bytes is not None:
+            return ("stage-boundary activations", "+" + format_bytes(self.activation_bytes), "estimated")
+        kept = self.activation_layers
+        which = (f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}" if len(kept) <= 8
+                 else f"{len(kept)} layers")
+        if 0 in kept:
+            which += " (layer 0's is the batch itself)"
+        note = (f"not estimated at setup (depends on the batch): a training batch keeps the inputs of "
+                f"{which} on the host until backward" if training
+                else "not estimated at setup (depends on the batch); none kept for backward")
+        return ("stage-boundary activations", "?", note)
+
+    def _device_rows(self) -> list[tuple[str, str, str]]:
+        rows = [(f"device (each of {self.num_devices})", "", "")]
         for kind, (layers, nbytes) in self.largest_stages.items():
             rows.append((f"largest {kind} stage" if kind != "fused" else "fused stage", format_bytes(nbytes),
                          f"layers {format_layers(layers)}"))
