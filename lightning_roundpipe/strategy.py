@@ -75,6 +75,7 @@ class RoundPipeStrategy(ParallelStrategy):
         replan_hysteresis: adopt a new plan only when predicted this fraction faster.
         seed: base seed of per-microbatch randomness (default: ``torch.initial_seed()``).
         jitter: test mode: random delays of up to this many seconds in CPU stand-in streams.
+        stress: test mode: CPU stand-ins land copies late and poison released buffers (CUDA semantics).
         wait_timeout: seconds any internal wait may block before the engine fails instead of hanging.
         accelerator: Lightning's, as for any strategy.
         parallel_devices: Lightning's: the devices the ring is made of.
@@ -92,7 +93,8 @@ class RoundPipeStrategy(ParallelStrategy):
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
-                 seed: int | None = None, jitter: float = 0.0, wait_timeout: float = 600.0,
+                 seed: int | None = None, jitter: float = 0.0, stress: bool = False,
+                 wait_timeout: float = 600.0,
                  accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
@@ -102,7 +104,8 @@ class RoundPipeStrategy(ParallelStrategy):
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, freeze_plan=freeze_plan,
-            replan_hysteresis=replan_hysteresis, seed=seed, jitter=jitter, wait_timeout=wait_timeout))
+            replan_hysteresis=replan_hysteresis, seed=seed, jitter=jitter, stress=stress,
+            wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
         self.timeline_files: list[str] = []  #: what the last teardown wrote
         self._timeline_pending = False

@@ -190,6 +190,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "replan_hysteresis": ("0.25", 0.25),
     "seed": ("7", 7),
     "jitter": ("0.001", 0.001),
+    "stress": ("true", True),
     "wait_timeout": ("30", 30.0),
 }
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.engine.device import HostEvent
+from lightning_roundpipe.engine.device import HostEvent, poison
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.recompute import draws_random_numbers
+from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.planning.schedule import Job, StageKind
 
@@ -67,15 +68,19 @@ class Slot:
     :meth:`consume` after its copy, and the last one drops the value, so stage boundaries and
     checkpoints stay in host memory only while a job still needs them. Values nobody counted (what the
     caller reads: the call's outputs, losses) stay until the call ends.
+
+    A value put with ``poison_on_drop`` (stress mode: a host copy the engine downloaded, never the
+    user's data) is poisoned when the last counted reader drops it.
     """
 
-    __slots__ = ("value", "event", "_readers", "_lock")
+    __slots__ = ("value", "event", "_readers", "_lock", "_poison_on_drop")
 
     def __init__(self, name: str) -> None:
         self.value: Any = None
         self.event = HostEvent(name)
         self._readers = 0
         self._lock = threading.Lock()
+        self._poison_on_drop = False
 
     def expect_reader(self) -> None:
         with self._lock:
@@ -90,10 +95,13 @@ class Slot:
                     "for every job that reads it, so that its value is not dropped before the last one has it")
             self._readers -= 1
             if self._readers == 0:
+                if self._poison_on_drop:
+                    poison(tree_tensors(self.value))
                 self.value = None
 
-    def put(self, value: Any) -> None:
+    def put(self, value: Any, poison_on_drop: bool = False) -> None:
         self.value = value
+        self._poison_on_drop = poison_on_drop
         self.event.set()
 
     @staticmethod

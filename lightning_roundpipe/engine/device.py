@@ -6,6 +6,17 @@ ordering bugs would only show up on a GPU. Each stand-in stream is a thread with
 event is set when its stream reaches it; ``jitter`` adds random delays before every operation so a
 missing wait makes a test fail instead of passing by luck.
 
+``stress`` (CPU stand-ins only) adds two CUDA semantics a plain thread would hide:
+
+* **Late copies.** A copy an operation registers with :meth:`Stream.copy_late` is poisoned at once and
+  lands (re-read from its source) only :data:`STRESS_LANDING_DELAY` seconds later, when the stream
+  synchronizes or reaches its next recorded event: as on a GPU, the copy is complete only for whoever
+  waited for that event, and it reads its source when it lands, not when it was enqueued.
+* **Poisoned releases.** Tensors the engine frees (a stage's copy after its release, a microbatch's device
+  inputs and outputs after their last use, host staging after its last reader) are filled with NaN (a
+  sentinel for integers, see :func:`poison`), so a reader that was not ordered before the release sees
+  garbage, as it could on a GPU whose allocator reuses the memory.
+
 Every wait takes the engine's :class:`AbortSignal` and a timeout, so an error anywhere wakes every
 waiter and nothing hangs.
 
@@ -24,7 +35,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +106,29 @@ class HostEvent:
 
 _STOP = object()
 
+STRESS_LANDING_DELAY = 0.002
+"""Stress mode: seconds between a late copy's enqueue and its landing (see the module docstring)."""
+
+
+def poison(tensors: Iterable[torch.Tensor]) -> None:
+    """Stress mode: fill released tensors in place with NaN (floating point, complex), the smallest value
+    (integers) or ``True`` (booleans), so a read after the release gives a visibly wrong result."""
+    for tensor in tensors:
+        if tensor.is_floating_point() or tensor.is_complex():
+            value: float | bool | int = float("nan")
+        elif tensor.dtype is torch.bool:
+            value = True
+        else:
+            value = torch.iinfo(tensor.dtype).min
+        with _writable(tensor):
+            tensor.fill_(value)
+
+
+def _writable(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Where ``tensor`` may be written in place off the autograd graph: an inference tensor (made under the
+    caller's ``torch.inference_mode``) only in inference mode."""
+    return torch.inference_mode() if tensor.is_inference() else torch.no_grad()
+
 
 class Stream:
     """A device stream: operations run in order on the stream's own host thread.
@@ -104,13 +138,16 @@ class Stream:
     """
 
     def __init__(self, name: str, abort: AbortSignal, jitter: float = 0.0, seed: int = 0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, stress: bool = False) -> None:
         self.name = name
         self._abort = abort
         self._jitter = jitter
         self._random = random.Random(seed)
         self._device = device if device is not None and device.type == "cuda" else None
         self.cuda_stream = torch.cuda.Stream(device=self._device) if self._device is not None else None
+        self.stress = stress and self.cuda_stream is None  # CPU stand-ins only
+        self._landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # stress: late copies (source, target)
+        self._landing_since = 0.0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"roundpipe-{name}", daemon=True)
         self._thread.start()
@@ -123,7 +160,14 @@ class Stream:
         """An event that is set when the stream reaches this point (on CUDA: with a CUDA event recorded there)."""
         event = HostEvent(f"{name} (stream {self.name})")
         if self.cuda_stream is None:
-            self._queue.put(event.set)
+            if self.stress:
+                def land_then_set() -> None:
+                    self._land()  # the event is recorded only once the copies before it have landed
+                    event.set()
+
+                self._queue.put(land_then_set)
+            else:
+                self._queue.put(event.set)
             return event
         stream = self.cuda_stream
 
@@ -154,6 +198,29 @@ class Stream:
         operations on this stream, where a host buffer must be complete before others read it."""
         if self.cuda_stream is not None:
             self.cuda_stream.synchronize()
+        elif self.stress:
+            self._land()
+
+    def copy_late(self, sources: Iterable[torch.Tensor], targets: Iterable[torch.Tensor]) -> None:
+        """Stress mode (no-op otherwise): ``targets``, just copied from ``sources`` by an operation on this
+        stream, are poisoned now and land later, re-read from ``sources``, when this stream synchronizes or
+        reaches its next recorded event. Called only from operations on this stream."""
+        if not self.stress:
+            return
+        pairs = list(zip(sources, targets, strict=True))
+        poison(target for _, target in pairs)
+        if not self._landing:
+            self._landing_since = time.monotonic()
+        self._landing.extend(pairs)
+
+    def _land(self) -> None:
+        if not self._landing:
+            return
+        time.sleep(max(0.0, self._landing_since + STRESS_LANDING_DELAY - time.monotonic()))
+        for source, target in self._landing:
+            with _writable(target):
+                target.copy_(source.detach())
+        self._landing.clear()
 
     def stop(self) -> None:
         """Let the thread end after what is queued (after an abort: after the operation it is running)."""
@@ -290,7 +357,7 @@ class Device:
     """
 
     def __init__(self, index: int, torch_device: torch.device, abort: AbortSignal, *,
-                 budget: int | None, jitter: float, pin_memory: bool = True) -> None:
+                 budget: int | None, jitter: float, pin_memory: bool = True, stress: bool = False) -> None:
         if torch_device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"device {torch_device} is not supported: RoundPipe drives CUDA GPUs and CPU devices (simulated, "
@@ -302,14 +369,15 @@ class Device:
         self.torch_device = torch_device
         self.is_cuda = torch_device.type == "cuda"
         self.pin_downloads = self.is_cuda and pin_memory  # stage boundaries land in pinned host memory
+        self.stress = stress and not self.is_cuda  # late copies and poisoned releases (module docstring)
         self.residency = Residency(index, budget)
         self.counters = DeviceCounters()
         seed = 1000 * (index + 1)
         device = torch_device if self.is_cuda else None
-        self.param_stream = Stream(f"dev{index}-params", abort, jitter, seed, device)
-        self.act_stream = Stream(f"dev{index}-acts", abort, jitter, seed + 1, device)
-        self.compute_stream = Stream(f"dev{index}-compute", abort, jitter, seed + 2, device)
-        self.download_stream = Stream(f"dev{index}-download", abort, jitter, seed + 3, device)
+        self.param_stream = Stream(f"dev{index}-params", abort, jitter, seed, device, self.stress)
+        self.act_stream = Stream(f"dev{index}-acts", abort, jitter, seed + 1, device, self.stress)
+        self.compute_stream = Stream(f"dev{index}-compute", abort, jitter, seed + 2, device, self.stress)
+        self.download_stream = Stream(f"dev{index}-download", abort, jitter, seed + 3, device, self.stress)
 
     def stop(self) -> None:
         """Let the four stream threads end (see :meth:`Stream.stop`)."""

@@ -122,7 +122,7 @@ class RoundPipeEngine:
         timeline = self._timeline = Timeline(self.options.record_timeline)
         self.devices = [
             Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter,
-                   pin_memory=self.options.pin_memory)
+                   pin_memory=self.options.pin_memory, stress=self.options.stress)
             for index, device in enumerate(self.torch_devices)
         ]
         self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()

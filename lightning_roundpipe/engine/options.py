@@ -119,6 +119,12 @@ class EngineOptions:
     """Test mode: CPU stand-in streams sleep up to this many seconds before each operation, so an
     ordering bug (a missing wait) shows up on CPU instead of only on a GPU."""
 
+    stress: bool = False
+    """Test mode: CPU stand-in devices follow CUDA semantics strictly. Copies land late (visible only to
+    whoever waited for the event recorded after them) and released device buffers and host staging are
+    poisoned (NaN), so a missing wait or a buffer reused too early breaks the results on CPU. Ignored on
+    CUDA devices; no cost when off."""
+
     wait_timeout: float = 600.0
     """Seconds any internal wait may block before the engine gives up with an error instead of hanging."""
 
@@ -132,7 +138,7 @@ class EngineOptions:
         if self.recompute not in RECOMPUTE_GRAINS:
             raise OptionError("recompute", f"must be {' or '.join(map(repr, RECOMPUTE_GRAINS))}, "
                                            f"got {self.recompute!r}")
-        for flag in ("async_step", "pin_memory", "freeze_plan", "record_timeline"):
+        for flag in ("async_step", "pin_memory", "freeze_plan", "record_timeline", "stress"):
             check_flag(flag, getattr(self, flag))
         self.device_memory_limit = parse_bytes(self.device_memory_limit)
         if isinstance(self.replan_hysteresis, bool) or not isinstance(self.replan_hysteresis, (int, float)) or (

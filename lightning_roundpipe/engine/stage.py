@@ -125,6 +125,9 @@ class StageRunner:
                 params.append(copied)
             buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
                        for buffer in state.buffers]
+            if device.stress:  # the copies land late, at the synchronize below
+                device.param_stream.copy_late(
+                    [self._source(param) for param in state.params] + list(state.buffers), params + buffers)
             stage_copy.params[layer], stage_copy.buffers[layer] = params, buffers
             uploaded += tensors_nbytes(params) + tensors_nbytes(buffers)
             if differentiate:  # the gradients the job will accumulate on the device

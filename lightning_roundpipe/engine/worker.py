@@ -44,6 +44,11 @@ microbatches::
 
 A microbatch's upload, compute and download run on three threads; they pass the device tensors on
 through a :class:`_Handoff`, and each drops them as soon as the next one has them.
+
+In stress mode (``EngineOptions.stress``, CPU stand-ins only) every copy lands late (see ``device.py``)
+and what the engine releases is poisoned where it is released: a microbatch's device inputs after its
+compute, its device outputs after their download, a stage's copy at [8], and a downloaded host slot
+after its last counted reader's copy [4]. Tensors the outputs or the stage's copy still share are kept.
 """
 
 from __future__ import annotations
@@ -57,7 +62,15 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.engine.call import PipelineError, Slot
-from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, error_hint, join_until
+from lightning_roundpipe.engine.device import (
+    AbortSignal,
+    Device,
+    EngineAborted,
+    HostEvent,
+    error_hint,
+    join_until,
+    poison,
+)
 from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
 from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tensors_nbytes, tree_nbytes, tree_tensors
 from lightning_roundpipe.planning.schedule import StageKind
@@ -237,6 +250,12 @@ class Worker:
                         task.buffer_done[layer].set()  # [3] of the next job that writes these buffers
         runner.record_measurements(task, stage_copy)
         device.residency.release(stage_copy.nbytes, stage=True)
+        if device.stress:  # the stage's copy is released: nothing may read it any more
+            for params in stage_copy.params.values():
+                poison([grad for grad in (param.grad for param in params) if grad is not None])
+                poison(params)
+            for buffers in stage_copy.buffers.values():
+                poison(buffers)
         stage_copy.params.clear()
         stage_copy.buffers.clear()
         if task.needs_grad:
@@ -252,7 +271,7 @@ class Worker:
         device.compute_stream.wait_event(inputs_uploaded)  # [6]
         computed = self._enqueue_compute(task, stage_copy, microbatch, handoff, where)
         device.download_stream.wait_event(computed)  # [7]
-        self._enqueue_download(task, microbatch, handoff, where)
+        self._enqueue_download(task, stage_copy, microbatch, handoff, where)
 
     def _input_slots(self, task: Task, microbatch: int) -> _InputSlots:
         call, job = task.call, task.job
@@ -279,7 +298,10 @@ class Worker:
             target_device, asynchronous = device.torch_device, device.is_cuda
 
             def to_device(tree: Any) -> Any:
-                return copy_tree(tree, target_device, asynchronous)
+                copied = copy_tree(tree, target_device, asynchronous)
+                if acts.stress:  # lands late, at the synchronize below
+                    acts.copy_late(tree_tensors(tree), tree_tensors(copied))
+                return copied
 
             inputs = _DeviceInputs(
                 layer_input=to_device(slots.layer_input.value),
@@ -330,6 +352,11 @@ class Worker:
             stage_copy.compute_time += elapsed
             device.counters.compute_seconds += elapsed
             device.residency.release(inputs.nbytes)
+            if device.stress:  # released: poison what the outputs or the stage do not share
+                _poison_unshared(tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots,
+                                               inputs.target]),
+                                 [*tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots]),
+                                  *([outputs.loss] if outputs.loss is not None else []), *_stage_tensors(stage_copy)])
             del inputs  # the device inputs may be freed now
             outputs.nbytes = tree_nbytes([outputs.output, outputs.checkpoints, outputs.snapshots])
             device.residency.allocate(outputs.nbytes, f"the outputs of {job.label} microbatch {microbatch}")
@@ -339,7 +366,8 @@ class Worker:
         device.compute_stream.submit(_named(run, lambda: f"computing {where}"))
         return device.compute_stream.record(f"{where} computed")
 
-    def _enqueue_download(self, task: Task, microbatch: int, handoff: _Handoff, where: str) -> None:
+    def _enqueue_download(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
+                          where: str) -> None:
         """The microbatch's results into their host slots, which set the events other jobs wait for [4]."""
         runner, device, job, call = self.runner, self.device, task.job, task.call
         output_slot = call.outputs[job.index][microbatch]
@@ -354,18 +382,39 @@ class Worker:
                          for layer, buffers in outputs.snapshots.items()}
             loss = copy_tensor(outputs.loss, HOST) if outputs.loss is not None else None
             output = copy_tree(outputs.output, HOST, pin=pin)
+            stress = device.stress
+            if stress:  # the host copies land late, at the synchronize below
+                device.download_stream.copy_late(
+                    tree_tensors([outputs.checkpoints, outputs.snapshots, outputs.loss, outputs.output]),
+                    tree_tensors([checkpoints, snapshots, loss, output]))
             device.download_stream.synchronize()  # every host copy complete before another thread reads it
             for layer, value in checkpoints.items():
-                call.checkpoints[(layer, microbatch)].put(value)
+                call.checkpoints[(layer, microbatch)].put(value, poison_on_drop=stress)
             for layer, value in snapshots.items():
-                call.snapshots[(layer, microbatch)].put(value)
+                call.snapshots[(layer, microbatch)].put(value, poison_on_drop=stress)
             if loss is not None:
                 call.fused_loss.losses[microbatch].put(loss)
-            output_slot.put(output)
+            output_slot.put(output, poison_on_drop=stress)
             device.residency.release(outputs.nbytes)
+            if stress:  # downloaded: the device outputs are released (the stage's copy is released later)
+                _poison_unshared(tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss]),
+                                 _stage_tensors(stage_copy))
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 
         device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}"))
+
+
+def _stage_tensors(stage_copy: StageCopy) -> list[torch.Tensor]:
+    """The tensors of a stage's copy on its device, gradients included."""
+    tensors = [tensor for tensors in (*stage_copy.params.values(), *stage_copy.buffers.values()) for tensor in tensors]
+    return tensors + [tensor.grad for tensor in tensors if tensor.grad is not None]
+
+
+def _poison_unshared(released: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+    """Stress mode: poison the ``released`` tensors whose memory none of ``kept`` shares (a layer may return
+    its input, or a view of it, and a ``NoGrad`` travels on unchanged)."""
+    shared = {tensor.untyped_storage().data_ptr() for tensor in kept}
+    poison([tensor for tensor in released if tensor.untyped_storage().data_ptr() not in shared])
 
 
 def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[], None]:
