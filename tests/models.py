@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_roundpipe import pipeline_loss
+from lightning_roundpipe import pipeline_loss, token_count
 
 VOCAB, WIDTH, CONTEXT = 17, 16, 8
 
@@ -136,6 +136,22 @@ def async_reference(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Te
     state = {**dict(zip(names, (m.detach() for m in masters), strict=True)),
              **{name: b.detach() for name, b in compute.named_buffers()}}
     return state, losses
+
+
+def transparency_case(model_name: str):
+    """``(model, batch maker, samples per batch, loss function, the engine's loss weight)`` of a transparency
+    case: ``bn`` (BatchNorm, a per-sample mean loss) or ``gpt`` (a token-mean loss with ignored targets)."""
+    if model_name == "bn":
+        return bn_model(), bn_batch, 11, F.cross_entropy, None
+    return tiny_gpt(), gpt_batch, 7, gpt_loss, token_count(-100)
+
+
+def microbatch_weights(model_name: str, target: torch.Tensor, sizes: list[int]) -> list[float]:
+    """What each microbatch of ``target`` weighs in a :func:`transparency_case`'s whole-batch loss, counted
+    independently of the package: its samples (``bn``) or its valid tokens (``gpt``)."""
+    if model_name == "bn":
+        return [float(s) for s in sizes]
+    return [float((chunk != -100).sum()) for chunk in torch.split(target, sizes)]
 
 
 def split_sizes(samples: int, parts: int) -> list[int]:

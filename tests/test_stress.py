@@ -9,37 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from lightning_roundpipe import EngineOptions, RoundPipeEngine, token_count
+from lightning_roundpipe import EngineOptions, RoundPipeEngine
 from lightning_roundpipe.engine import device as device_module
 from lightning_roundpipe.engine.device import Stream, poison
 from tests.models import (
     async_reference,
-    bn_batch,
     bn_model,
     gpt_batch,
-    gpt_loss,
     make_optimizer,
+    microbatch_weights,
     reference_microbatch_step,
     split_sizes,
     tiny_gpt,
+    transparency_case,
 )
 from tests.numerics import assert_float64_equal, assert_states_float64_equal, double, state, to_double
 
 STEPS = 3
-
-
-def _case(model_name: str):
-    if model_name == "bn":
-        return bn_model(), bn_batch, 11, F.cross_entropy, None
-    return tiny_gpt(), gpt_batch, 7, gpt_loss, token_count(-100)
-
-
-def _weights(model_name: str, target: torch.Tensor, sizes: list[int]) -> list[float]:
-    if model_name == "bn":
-        return [float(s) for s in sizes]
-    return [float((chunk != -100).sum()) for chunk in torch.split(target, sizes)]
 
 
 def _batches(batch, samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -52,7 +39,7 @@ def _sync_reference(model, model_name, batch, samples, loss_fn, sizes):
     losses = []
     for inputs, target in _batches(batch, samples):
         losses.append(reference_microbatch_step(reference, inputs, target, loss_fn,
-                                                _weights(model_name, target, sizes), sizes))
+                                                microbatch_weights(model_name, target, sizes), sizes))
         optimizer.step()
         optimizer.zero_grad()
     return state(reference), losses
@@ -104,7 +91,7 @@ def _assert_equal(losses: torch.Tensor, model, reference) -> None:
 @pytest.mark.parametrize("model_name,devices,microbatches,recompute",
                          [("gpt", 2, 2, "stage"), ("gpt", 3, 4, "layer"), ("bn", 2, 4, "layer"), ("bn", 3, 3, "stage")])
 def test_sync_fused_path_under_stress_equals_plain_pytorch(model_name, devices, microbatches, recompute, jitter):
-    model, batch, samples, loss_fn, weight_fn = _case(model_name)
+    model, batch, samples, loss_fn, weight_fn = transparency_case(model_name)
     sizes = split_sizes(samples, microbatches)
     reference = _sync_reference(model, model_name, batch, samples, loss_fn, sizes)
     model = double(model)
@@ -117,7 +104,7 @@ def test_sync_fused_path_under_stress_equals_plain_pytorch(model_name, devices, 
 @pytest.mark.parametrize("model_name,devices,microbatches,recompute",
                          [("gpt", 2, 4, "layer"), ("bn", 3, 3, "stage")])
 def test_transparent_path_under_stress_equals_plain_pytorch(model_name, devices, microbatches, recompute):
-    model, batch, samples, loss_fn, _ = _case(model_name)
+    model, batch, samples, loss_fn, _ = transparency_case(model_name)
     sizes = split_sizes(samples, microbatches)
     reference = _transparent_reference(model, batch, samples, loss_fn, sizes)
     model = double(model)
@@ -129,10 +116,10 @@ def test_transparent_path_under_stress_equals_plain_pytorch(model_name, devices,
 @pytest.mark.parametrize("model_name,devices,microbatches,recompute",
                          [("gpt", 2, 3, "layer"), ("bn", 3, 4, "stage")])
 def test_async_under_stress_equals_one_step_delayed_reference(model_name, devices, microbatches, recompute):
-    model, batch, samples, loss_fn, weight_fn = _case(model_name)
+    model, batch, samples, loss_fn, weight_fn = transparency_case(model_name)
     sizes = split_sizes(samples, microbatches)
     reference = async_reference(double(model), _batches(batch, samples), loss_fn, sizes, "sgd",
-                                weights=lambda target: _weights(model_name, target, sizes))
+                                weights=lambda target: microbatch_weights(model_name, target, sizes))
     model = double(model)
     options = EngineOptions(num_microbatches=microbatches, recompute=recompute, num_stages=2, async_step=True,
                             stress=True)
@@ -173,7 +160,7 @@ def test_stress_is_off_by_default_and_ignored_without_it():
 def _defective_outcome(stress: bool) -> tuple[bool, torch.Tensor | None]:
     """Train the gpt model on 2 devices, 4 microbatches, fused path, under whatever defect the caller
     patched in. Returns whether it raised nothing and equals plain PyTorch, and the losses if it ran."""
-    model, batch, samples, loss_fn, weight_fn = _case("gpt")
+    model, batch, samples, loss_fn, weight_fn = transparency_case("gpt")
     sizes = split_sizes(samples, 4)
     reference = _sync_reference(model, "gpt", batch, samples, loss_fn, sizes)
     model = double(model)

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from lightning_roundpipe import EngineOptions, RoundPipeEngine, token_count
+from lightning_roundpipe import EngineOptions, RoundPipeEngine
 from tests.models import (
     async_reference,
-    bn_batch,
-    bn_model,
     clone,
-    gpt_batch,
-    gpt_loss,
     make_optimizer,
+    microbatch_weights,
     reference_microbatch_step,
     split_sizes,
-    tiny_gpt,
+    transparency_case,
 )
 from tests.numerics import (
     assert_close_to_reference,
@@ -43,18 +39,6 @@ from tests.numerics import (
 STEPS = 5
 CHECKS = [pytest.param("float64", 0.0, id="f64-steady"), pytest.param("float64", 0.002, id="f64-jitter"),
           pytest.param("float32", 0.0, id="f32")]
-
-
-def _case(model_name: str):
-    if model_name == "bn":
-        return bn_model(), bn_batch, 11, F.cross_entropy, None
-    return tiny_gpt(), gpt_batch, 7, gpt_loss, token_count(-100)
-
-
-def _weights(model_name: str, target: torch.Tensor, sizes: list[int]) -> list[float]:
-    if model_name == "bn":
-        return [float(s) for s in sizes]
-    return [float((chunk != -100).sum()) for chunk in torch.split(target, sizes)]
 
 
 def _batches(batch, samples: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,7 +71,7 @@ def _sync_reference(model, model_name, batch, samples, loss_fn, sizes, optimizer
     losses = []
     for inputs, target in _batches(batch, samples, dtype):
         losses.append(reference_microbatch_step(reference, inputs, target, loss_fn,
-                                                _weights(model_name, target, sizes), sizes))
+                                                microbatch_weights(model_name, target, sizes), sizes))
         optimizer.step()
         optimizer.zero_grad()
     return state(reference), losses
@@ -101,7 +85,7 @@ def _sync_reference(model, model_name, batch, samples, loss_fn, sizes, optimizer
 @pytest.mark.parametrize("model_name", ["bn", "gpt"])
 def test_sync_fused_path_equals_plain_pytorch(model_name, devices, microbatches, recompute, optimizer_kind,
                                               precision, jitter):
-    model, batch, samples, loss_fn, weight_fn = _case(model_name)
+    model, batch, samples, loss_fn, weight_fn = transparency_case(model_name)
     sizes = split_sizes(samples, microbatches)
     dtypes = [torch.float64] if precision == "float64" else [torch.float32, torch.float64]
     references = {dtype: _sync_reference(model, model_name, batch, samples, loss_fn, sizes, optimizer_kind, dtype)
@@ -143,7 +127,7 @@ def _transparent_reference(model, batch, samples, loss_fn, sizes, dtype):
 @pytest.mark.parametrize("model_name", ["bn", "gpt"])
 def test_transparent_path_equals_plain_pytorch(model_name, devices, microbatches, recompute, precision, jitter):
     """Calling the trunk and then ``loss.backward()`` gives the whole-batch gradients."""
-    model, batch, samples, loss_fn, _ = _case(model_name)
+    model, batch, samples, loss_fn, _ = transparency_case(model_name)
     sizes = split_sizes(samples, microbatches)
     dtypes = [torch.float64] if precision == "float64" else [torch.float32, torch.float64]
     references = {dtype: _transparent_reference(model, batch, samples, loss_fn, sizes, dtype) for dtype in dtypes}
@@ -167,12 +151,12 @@ def test_transparent_path_equals_plain_pytorch(model_name, devices, microbatches
 @pytest.mark.parametrize("model_name", ["bn", "gpt"])
 def test_async_equals_one_step_delayed_reference(model_name, devices, microbatches, recompute, optimizer_kind,
                                                  precision, jitter):
-    model, batch, samples, loss_fn, weight_fn = _case(model_name)
+    model, batch, samples, loss_fn, weight_fn = transparency_case(model_name)
     sizes = split_sizes(samples, microbatches)
     dtypes = [torch.float64] if precision == "float64" else [torch.float32, torch.float64]
     references = {dtype: async_reference(clone(model) if dtype == torch.float32 else double(model),
                                          _batches(batch, samples, dtype), loss_fn, sizes, optimizer_kind,
-                                         weights=lambda target: _weights(model_name, target, sizes))
+                                         weights=lambda target: microbatch_weights(model_name, target, sizes))
                   for dtype in dtypes}
     model = _in(precision, model)
     optimizer = make_optimizer(optimizer_kind, model.parameters())
