@@ -111,6 +111,19 @@ def reference_microbatch_step(model: nn.Module, inputs: torch.Tensor, target: to
     return loss_value
 
 
+def reference_transparent_step(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, loss_fn,
+                               sizes: list[int]) -> float:
+    """Plain PyTorch for the transparent path: the loss of the merged microbatch outputs, then each
+    microbatch's backward from its share of the output gradient. Returns the loss."""
+    outputs = [model(x) for x in torch.split(inputs, sizes)]
+    detached = [output.detach().requires_grad_(True) for output in outputs]
+    loss = loss_fn(torch.cat(detached), target)
+    loss.backward()
+    for output, leaf in zip(outputs, detached, strict=True):
+        output.backward(leaf.grad)
+    return loss.item()
+
+
 def async_reference(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn, sizes: list[int],
                     optimizer_kind: str, weights=None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch of ``async_step``'s formula, independent of the engine: iteration k computes g(k) on

@@ -20,6 +20,7 @@ from tests.models import (
     make_optimizer,
     microbatch_weights,
     reference_microbatch_step,
+    reference_transparent_step,
     split_sizes,
     tiny_gpt,
     transparency_case,
@@ -50,15 +51,9 @@ def _transparent_reference(model, batch, samples, loss_fn, sizes):
     optimizer = make_optimizer("sgd", reference.parameters())
     losses = []
     for inputs, target in _batches(batch, samples):
-        outputs = [reference(x) for x in torch.split(inputs, sizes)]
-        detached = [output.detach().requires_grad_(True) for output in outputs]
-        loss = loss_fn(torch.cat(detached), target)
-        loss.backward()
-        for output, leaf in zip(outputs, detached, strict=True):
-            output.backward(leaf.grad)
+        losses.append(reference_transparent_step(reference, inputs, target, loss_fn, sizes))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
     return state(reference), losses
 
 
