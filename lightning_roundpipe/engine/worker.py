@@ -251,11 +251,7 @@ class Worker:
         runner.record_measurements(task, stage_copy)
         device.residency.release(stage_copy.nbytes, stage=True)
         if device.stress:  # the stage's copy is released: nothing may read it any more
-            for params in stage_copy.params.values():
-                poison([grad for grad in (param.grad for param in params) if grad is not None])
-                poison(params)
-            for buffers in stage_copy.buffers.values():
-                poison(buffers)
+            poison(_stage_tensors(stage_copy))
         stage_copy.params.clear()
         stage_copy.buffers.clear()
         if task.needs_grad:
