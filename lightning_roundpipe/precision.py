@@ -9,20 +9,46 @@ engine's thread, once the pipeline's gradients are final. This module does the s
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_roundpipe.engine.engine import RoundPipeEngine
+from lightning_roundpipe.engine.options import EngineOptions, OptionError
 
 
 def loss_scaler(plugin: Precision) -> torch.amp.GradScaler | None:
     """The 16-bit loss scaler of ``plugin`` (``MixedPrecision`` with ``16-mixed``), else ``None``."""
     return getattr(plugin, "scaler", None)
+
+
+def autocast_dtype_name(plugin: Precision) -> Literal["bfloat16", "float16"] | None:
+    """The dtype ``plugin`` runs the forward under autocast in (``"bfloat16"`` for ``bf16-mixed``,
+    ``"float16"`` for ``16-mixed``), as :class:`EngineOptions` names it; ``None`` without autocast."""
+    if not isinstance(plugin, MixedPrecision):
+        return None
+    return "bfloat16" if plugin.precision == "bf16-mixed" else "float16"
+
+
+def resolve_transport(options: EngineOptions, plugin: Precision) -> EngineOptions:
+    """``options`` with ``transport_dtype="auto"`` made the autocast dtype of ``plugin`` (``"off"`` without
+    autocast). An explicit dtype must be that one: outside autocast in it, low-precision weights would
+    change the results (async mode would widen rounded weights)."""
+    autocast = autocast_dtype_name(plugin)
+    chosen = options.transport_dtype
+    if chosen == "auto":
+        return dataclasses.replace(options, transport_dtype=autocast or "off")
+    if chosen not in ("off", autocast):
+        runs = f"runs autocast in {autocast}" if autocast else "runs no autocast"
+        raise OptionError("transport_dtype", f"is {chosen!r} but the Trainer's precision "
+                                             f"({getattr(plugin, 'precision', type(plugin).__name__)}) {runs}; use "
+                                             "transport_dtype='auto' (the precision's dtype) or 'off'")
+    return options
 
 
 def backward_scale(plugin: Precision, module: LightningModule | None) -> float:

@@ -183,8 +183,10 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "num_microbatches": ("4", 4),
     "num_stages": ("6", 6),
     "async_step": ("true", True),
+    "host_optimizer": ("fused", "fused"),
     "recompute": ("layer", "layer"),
     "pin_memory": ("false", False),
+    "transport_dtype": ("off", "off"),
     "device_memory_limit": ("2MiB", 2 * 2**20),
     "freeze_plan": ("true", True),
     "replan_hysteresis": ("0.25", 0.25),
@@ -229,6 +231,7 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
     ("wait_timeout", 0.0, "0", "must be a number of seconds > 0, got 0.0"),
     ("timeline_steps", 0, "0", "must be a positive int (or None for every step), got 0"),
     ("preflight", "maybe", "maybe", "must be one of 'refuse', 'warn', 'off', got 'maybe'"),
+    ("transport_dtype", "int8", "int8", "must be one of 'auto', 'off', 'bfloat16', 'float16', got 'int8'"),
     ("ring", [-1], "[-1]",
      "must be a non-empty list of device indices (ints >= 0), e.g. [0, 0], or None for each device once; got [-1]"),
     ("pipeline", "", "''", "must be a dotted attribute path such as 'net' or 'model.blocks', or None to find the "

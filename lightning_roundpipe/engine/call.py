@@ -48,6 +48,13 @@ class CallContext:
         return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, training,
                            random_layers)
 
+    def autocast_dtype(self, device_type: str) -> torch.dtype | None:
+        """The dtype autocast runs the call in on ``device_type`` devices; None without autocast there."""
+        for kind, enabled, dtype in self.autocast:
+            if kind == device_type and enabled:
+                return dtype
+        return None
+
     @contextmanager
     def applied(self, grad: bool):
         with ExitStack() as stack:

@@ -36,7 +36,6 @@ from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge,
 from lightning_roundpipe.engine.optim import (
     GradWindow,
     HostOptimizer,
-    PublishedWeights,
     snapshot_param_groups,
     step_with_groups,
 )
@@ -44,6 +43,12 @@ from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.pinned import PinnedStorages
 from lightning_roundpipe.engine.stage import StageRunner, Task
 from lightning_roundpipe.engine.transfer import differentiable_leaves
+from lightning_roundpipe.engine.transport import (
+    UploadSources,
+    autocast_only_weights,
+    layer_device_bytes,
+    transport_torch_dtype,
+)
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, costs_from_bytes, stage_memory_budget
@@ -77,8 +82,13 @@ class RoundPipeEngine:
         self.options = options or EngineOptions()
         self.num_devices = len(self.torch_devices)
         self.num_microbatches = self.options.microbatches_for(self.num_devices)
-        initial = costs_from_bytes([s.param_bytes() for s in self.trunk.states],
-                                   [s.grad_bytes() for s in self.trunk.states])
+        # the dtype autocast-only weights travel in (``transport.py``), and the bytes a layer takes on a device
+        self.transport = transport_torch_dtype(self.options.transport_dtype)
+        low_precision = autocast_only_weights(self.trunk, self.transport) if self.transport is not None else set()
+        self.layer_device_bytes = [layer_device_bytes(state, low_precision, self.transport)
+                                   for state in self.trunk.states]
+        initial = costs_from_bytes([params for params, _ in self.layer_device_bytes],
+                                   [grads for _, grads in self.layer_device_bytes])
         limit = self.options.device_memory_limit_bytes
         if limit is None and any(device.type == "cuda" for device in self.torch_devices):
             limit = self._cuda_budget()
@@ -97,7 +107,7 @@ class RoundPipeEngine:
         self._timeline: Timeline | None = None
         self.devices: list[Device] = []
         self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
-        self._published: PublishedWeights | None = None  # async mode: the weights devices read
+        self._sources: UploadSources | None = None  # what devices upload: published and low-precision copies
         self._pinned = PinnedStorages()
         self._runner: StageRunner | None = None
         self._workers: list[Worker] = []
@@ -126,14 +136,15 @@ class RoundPipeEngine:
             for index, device in enumerate(self.torch_devices)
         ]
         self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
-        published = PublishedWeights(self.trunk.parameters()) if self.options.async_step else None
-        self._published = published
+        sources = self._sources = UploadSources(self.trunk, async_step=self.options.async_step,
+                                                transport=self.transport)
         if self.options.pin_memory and any(device.is_cuda for device in self.devices):
-            # what uploads read: the weights (or async's published copy) and the buffers, pinned in place
-            sources = [param if published is None else published.source(param) for param in self.trunk.parameters()]
-            self._pinned.pin([*sources, *(b for state in self.trunk.states for b in state.buffers)])
+            # what uploads read (the masters, async's published copy, the low-precision copies) and the
+            # buffers, pinned in place
+            uploaded = [sources.source(param, low_precision=True) for param in self.trunk.parameters()]
+            self._pinned.pin([*uploaded, *(b for state in self.trunk.states for b in state.buffers)])
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
-                                   self.base_seed, published, measure=not self.options.freeze_plan)
+                                   self.base_seed, sources, measure=not self.options.freeze_plan)
         self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, timeline)
         self._metrics_mark = (timeline.now(), {"compute": 0.0, "uploaded": 0.0, "optimizer": 0.0, "exposed": 0.0})
@@ -462,18 +473,18 @@ class RoundPipeEngine:
         returns the event of its end. ``published_here``: the window's gradients are already in
         ``param.grad`` (published on this thread for ``before_step``); ``proceed=False`` skips the update."""
         groups = snapshot_param_groups(optimizer)  # hyperparameters as they are now
+        fused = self.options.host_optimizer == "fused"
         # an LR scheduler checks that a step preceded its own
         optimizer._opt_called = True  # type: ignore[attr-defined]
         number = self._step
-        published_weights = self._published  # async mode only
-        published = None if published_weights is None else HostEvent(
-            f"the weights published by optimizer step {number}")
+        sources = self._started_part(self._sources)
+        published = HostEvent(f"the weights published by optimizer step {number}") if self.options.async_step else None
         finished = HostEvent(f"optimizer step {number}")
 
         def wait_for_gradients() -> None:
-            if published_weights is not None and published is not None:
+            if published is not None:
                 window.wait_uploads()  # every read of the published copy by this iteration is done
-                published_weights.publish(self.trunk.parameters())
+                sources.refresh(self.trunk.trainable_parameters())
                 published.set()
             if not published_here:
                 window.wait_complete()
@@ -483,11 +494,13 @@ class RoundPipeEngine:
                 window.publish()  # after wait_complete above, and after the previous step (one thread)
             if proceed:
                 try:
-                    step_with_groups(optimizer, groups)
+                    step_with_groups(optimizer, groups, fused=fused)
                 except Exception as error:
                     raise PipelineError(
                         f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
                         f"the optimizer thread: {error}") from error
+                if published is None:  # sync: the low-precision copies the next uploads read, cast once
+                    sources.refresh(params)
             for param in params:
                 param.grad = None
 
@@ -522,14 +535,14 @@ class RoundPipeEngine:
             return
         estimate = self.planner.estimate
         measured = []
-        for index, state in enumerate(self.trunk.states):
+        for index, (param_bytes, grad_bytes) in enumerate(self.layer_device_bytes):
             fwd = sum(forward.get(index, [0.0])) / max(1, len(forward.get(index, [])))
             bwd = sum(backward.get(index, [0.0])) / max(1, len(backward.get(index, [])))
             if index not in forward and estimate is not None:
                 fwd = estimate[index].forward
             if index not in backward:
                 bwd = 2.0 * fwd
-            measured.append(LayerCost(max(fwd, 1e-9), max(bwd, 1e-9), state.param_bytes(), state.grad_bytes()))
+            measured.append(LayerCost(max(fwd, 1e-9), max(bwd, 1e-9), param_bytes, grad_bytes))
         self.planner.observe(measured)
         self.planner.replan()
 

@@ -5,10 +5,11 @@ never read them while a step may be writing:
 
 * ``sync``: every upload after a step waits for that step to finish, so results are exactly those
   of plain training. The step itself still runs off the main thread.
-* ``async`` (the paper's schedule): devices read a *published* copy of the weights. Step k first
-  publishes the masters (which hold W(k-1)) once every upload of iteration k has read the old copy,
-  then computes W(k) = step(W(k-1), g(k)). Iteration k+1 waits only for the publish, so it runs on
-  W(k-1) while step k runs: exactly one step stale, whatever the timing.
+* ``async`` (the paper's schedule): devices read a *published* copy of the weights
+  (``transport.UploadSources``, which also holds the low-precision copies devices read under mixed
+  precision). Step k first publishes the masters (which hold W(k-1)) once every upload of iteration k
+  has read the old copy, then computes W(k) = step(W(k-1), g(k)). Iteration k+1 waits only for the
+  publish, so it runs on W(k-1) while step k runs: exactly one step stale, whatever the timing.
 
 Gradients from the devices accumulate in a :class:`GradWindow` (one per optimizer step), never in
 ``param.grad`` directly, so the next iteration's gradients cannot mix into a step in flight.
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, EngineAborted, HostEvent
+from lightning_roundpipe.engine.host_step import use_fused
 from lightning_roundpipe.observe.trace import Timeline
 
 
@@ -56,12 +58,15 @@ class GradWindow:
         with self._lock:
             self.upload_events.append(upload_done)
 
-    def add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a gradient computed on a device (already copied to the host) into the window."""
+    def add(self, param: nn.Parameter, grad: torch.Tensor, *, borrowed: bool = False) -> None:
+        """Add a gradient computed on a device (already copied to the host) into the window, in the
+        parameter's dtype (a low-precision gradient is summed in the master's precision). ``borrowed``:
+        ``grad`` is a staging buffer the caller reuses, so the window keeps a copy, never ``grad`` itself."""
         with self._lock:
             existing = self._grads.get(id(param))
             if existing is None:
-                self._grads[id(param)] = grad
+                own = borrowed or grad.dtype != param.dtype
+                self._grads[id(param)] = grad.to(param.dtype, copy=True) if own else grad
                 self._params[id(param)] = param
             else:
                 existing.add_(grad)
@@ -118,14 +123,18 @@ def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return groups
 
 
-def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict], *, fused: bool = False) -> None:
     """Run ``optimizer``'s step arithmetic with ``groups`` as its param groups.
 
     The step runs on a shallow twin of the optimizer that shares its state and hooks but has its own
     ``param_groups``: the main thread may meanwhile write ``lr`` into the real groups (a scheduler
     step) without changing this step. The class's ``step`` is called directly because an LR scheduler
-    replaces the instance's ``step`` with a wrapper bound to the original.
+    replaces the instance's ``step`` with a wrapper bound to the original. ``fused`` (the engine's
+    ``host_optimizer="fused"``): the groups torch's fused CPU kernel may step get ``fused=True``, in these
+    copies only (:func:`~lightning_roundpipe.engine.host_step.use_fused`).
     """
+    if fused:
+        groups = use_fused(optimizer, groups)
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
     twin.param_groups = groups
@@ -194,22 +203,3 @@ class HostOptimizer:
         self.busy_seconds += self._timeline.now() - start
         self._timeline.add(-1, -1, label, 0, "optimizer", start)
         done.set()
-
-
-class PublishedWeights:
-    """Async mode's copy of the trainable weights that devices read (W(k-2) during iteration k)."""
-
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
-        self._copies = {id(p): p.detach().clone() for p in params if p.requires_grad}
-
-    def source(self, param: nn.Parameter) -> torch.Tensor:
-        """What a device uploads for ``param``: the published copy, or the module's own frozen tensor."""
-        copy = self._copies.get(id(param))
-        return param.detach() if copy is None else copy
-
-    def publish(self, params: Iterable[nn.Parameter]) -> None:
-        with torch.no_grad():
-            for param in params:
-                copy = self._copies.get(id(param))
-                if copy is not None:
-                    copy.copy_(param.detach())

@@ -20,7 +20,7 @@ from lightning_roundpipe.engine import replica as replicas
 from lightning_roundpipe.engine.call import Call, PipelineError
 from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, as_layer_input, single_argument
-from lightning_roundpipe.engine.optim import GradWindow, PublishedWeights
+from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
 from lightning_roundpipe.engine.transfer import (
     clone_tree,
@@ -29,6 +29,7 @@ from lightning_roundpipe.engine.transfer import (
     tensors_nbytes,
     tree_map,
 )
+from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 from lightning_roundpipe.planning.schedule import Job, StageKind
 
@@ -74,12 +75,12 @@ class StageRunner:
     """Runs stage jobs' device-side steps; shared by the workers of one engine."""
 
     def __init__(self, trunk: Trunk, num_devices: int, recompute: str, timeline: Timeline, base_seed: int,
-                 published: PublishedWeights | None, measure: bool) -> None:
+                 sources: UploadSources, measure: bool) -> None:
         self.trunk = trunk
         self.recompute = recompute
         self.timeline = timeline
         self.base_seed = base_seed
-        self._published = published
+        self._sources = sources
         self._replicas: list[dict[int, nn.Module]] = [{} for _ in range(num_devices)]
         self._pairs: list[dict[int, list[tuple[nn.Module, nn.Module]]]] = [{} for _ in range(num_devices)]
         self._measure = measure
@@ -104,9 +105,6 @@ class StageRunner:
             cache[layer] = replica
         return cache[layer]
 
-    def _source(self, param: nn.Parameter) -> torch.Tensor:
-        return self._published.source(param) if self._published is not None else param.detach()
-
     def upload_stage(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
         """Copy the job's parameters and buffers to the device into ``stage_copy`` (made earlier by the
         worker, which hands it to the job before the copy has run); runs on the parameter stream."""
@@ -114,26 +112,37 @@ class StageRunner:
         # on a GPU every copy is enqueued at once and the stream synchronized once, below: the host source
         # (the published copy in async mode) may be rewritten as soon as this upload reports done
         asynchronous = device.is_cuda
-        uploaded = gradients = 0
+        sources = self._sources
+        low_precision = (sources.transport is not None
+                         and task.call.context.autocast_dtype(device.torch_device.type) == sources.transport)
+        uploaded = 0
+        widen: list[tuple[int, int, torch.dtype]] = []  # (layer, position, dtype): async copies run outside autocast
         for layer in task.job.layers:
             state = self.trunk.states[layer]
-            params = []
-            for param in state.params:
-                copied = copy_tensor(self._source(param), device.torch_device, non_blocking=asynchronous)
-                if differentiate and param.requires_grad:
-                    copied.requires_grad_(True)
-                params.append(copied)
+            host = [sources.source(param, low_precision) for param in state.params]
+            params = [copy_tensor(source, device.torch_device, non_blocking=asynchronous) for source in host]
             buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
                        for buffer in state.buffers]
             if device.stress:  # the copies land late, at the synchronize below
-                device.param_stream.copy_late(
-                    [self._source(param) for param in state.params] + list(state.buffers), params + buffers)
+                device.param_stream.copy_late(host + list(state.buffers), params + buffers)
+            if not low_precision:
+                widen += [(layer, position, param.dtype) for position, (param, copied)
+                          in enumerate(zip(state.params, params, strict=True)) if copied.dtype != param.dtype]
             stage_copy.params[layer], stage_copy.buffers[layer] = params, buffers
             uploaded += tensors_nbytes(params) + tensors_nbytes(buffers)
-            if differentiate:  # the gradients the job will accumulate on the device
-                gradients += state.grad_bytes()
         device.param_stream.synchronize()
-        stage_copy.nbytes = uploaded + gradients
+        for layer, position, dtype in widen:  # after the copies have landed
+            stage_copy.params[layer][position] = stage_copy.params[layer][position].to(dtype)
+        resident = 0
+        for layer in task.job.layers:
+            for param, copied in zip(self.trunk.states[layer].params, stage_copy.params[layer], strict=True):
+                # a differentiating job's leaves collect its gradients on the device, in their own dtype
+                copies = 2 if differentiate and param.requires_grad else 1
+                if copies == 2:
+                    copied.requires_grad_(True)
+                resident += copies * tensors_nbytes([copied])
+            resident += tensors_nbytes(stage_copy.buffers[layer])
+        stage_copy.nbytes = resident
         device.residency.allocate(stage_copy.nbytes, f"the parameters of stage {task.job.label}", stage=True)
         device.counters.uploaded_param_bytes += uploaded
 

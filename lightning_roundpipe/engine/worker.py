@@ -73,6 +73,7 @@ from lightning_roundpipe.engine.device import (
 )
 from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
 from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tensors_nbytes, tree_nbytes, tree_tensors
+from lightning_roundpipe.engine.transport import GradStaging
 from lightning_roundpipe.planning.schedule import StageKind
 
 
@@ -132,6 +133,10 @@ class Worker:
         # released[k] [1] by this device's job sequence number, the last three
         self._uploads: dict[int, tuple[StageCopy, HostEvent]] = {}
         self._released: dict[int, HostEvent] = {}
+        # gradients download into one reused host buffer: pinned on CUDA, and in stress mode on CPU stand-ins
+        # (which poison it once the window has copied out of it)
+        reuse = device.pin_downloads or device.stress
+        self._grad_staging = GradStaging(pin=device.pin_downloads) if reuse else None
         self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
         self._thread.start()
 
@@ -235,11 +240,7 @@ class Worker:
         # released below, also for a forward stage that downloads nothing that would wait for it
         device.download_stream.synchronize()
         if task.needs_grad:
-            for layer in job.layers:
-                host_params = runner.trunk.states[layer].params
-                for param, copied in zip(host_params, stage_copy.params[layer], strict=True):
-                    if param.requires_grad and copied.grad is not None:
-                        task.window.add(param, copy_tensor(copied.grad, HOST))
+            self._download_gradients(task, stage_copy)
         if job.kind is not StageKind.BACKWARD:  # a backward job recomputes on snapshots and writes no buffer
             with torch.no_grad():
                 for layer in job.layers:
@@ -257,6 +258,29 @@ class Worker:
         if task.needs_grad:
             task.window.job_finished()
         runner.timeline.add(device.index, job.index, job.label, -1, "release", start)
+
+    def _download_gradients(self, task: Task, stage_copy: StageCopy) -> None:
+        """The job's gradients into the step's window: every copy enqueued at once (into the reused staging
+        buffer where there is one), one synchronize, then the window sums them in the masters' dtype."""
+        device = self.device
+        pairs = [(param, copied.grad) for layer in task.job.layers
+                 for param, copied in zip(self.runner.trunk.states[layer].params, stage_copy.params[layer],
+                                          strict=True)
+                 if param.requires_grad and copied.grad is not None]
+        grads = [grad for _, grad in pairs]
+        staging = self._grad_staging
+        if staging is not None:
+            host = staging.views(grads)
+            for target, grad in zip(host, grads, strict=True):
+                target.copy_(grad, non_blocking=True)
+        else:
+            host = [copy_tensor(grad, HOST) for grad in grads]
+        device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
+        device.download_stream.synchronize()
+        for (param, _), grad in zip(pairs, host, strict=True):
+            task.window.add(param, grad, borrowed=staging is not None)
+        if device.stress and staging is not None:
+            poison(host)  # the window has its copies: the next job may overwrite the staging buffer
 
     # ------------------------------------------------------------------ one microbatch
     def _enqueue_microbatch(self, task: Task, stage_copy: StageCopy, microbatch: int) -> None:

@@ -1,0 +1,163 @@
+"""What devices upload for each weight, and in which dtype.
+
+PCIe bytes decide tokens/s in this design, so under mixed precision the weights that autocast would
+cast anyway travel already cast. A weight qualifies when every place it sits in the trunk is the
+``weight`` or ``bias`` of a module whose forward is the stock ``nn.Linear`` or ``nn.Conv1d/2d/3d`` one:
+autocast runs those ops in its low-precision dtype and casts all three operands first, so a weight
+uploaded in that dtype gives the same result, bit for bit, with half the bytes on the bus and on the
+device. Everything else (norms, embeddings, a weight some other module also reads) is uploaded as stored.
+
+The host keeps one low-precision copy of each such weight, made with one cast per optimizer step rather
+than one per upload, and devices read it:
+
+* sync mode: the optimizer thread refreshes the copy right after the step, before the uploads that
+  wait for the step's weights run (2 bytes per parameter on the host, for bfloat16 and float16). A
+  master written outside a step (a callback swapping in averaged weights, ``load_state_dict``) is seen by
+  its version counter and cast again at its next upload, so sync mode stays exact;
+* async mode: the copy *is* the published copy of ``optim.py`` (refreshed at publish), so one copy
+  serves both jobs and costs nothing extra; the other trainable weights keep a published copy in their
+  own dtype.
+
+Gradients of low-precision weights are computed, and summed over a job's microbatches, in that dtype on
+the device, as under plain autocast (where the cast's gradient is the low-precision one); the host adds
+them into float32 (``GradWindow``).
+
+A call that does not run under autocast in the transport dtype (an evaluation outside the precision
+context, say) uploads full precision: the masters in sync mode, the published copy widened back in async
+mode.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.engine.layers import LayerState, Trunk
+
+_AUTOCAST_FORWARDS = frozenset({nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward})
+"""Module forwards that use their ``weight`` and ``bias`` in one autocast-listed op (a matmul or a conv)."""
+
+
+
+def transport_torch_dtype(name: str) -> torch.dtype | None:
+    """The dtype an ``EngineOptions.transport_dtype`` names: None for ``"off"``, and for ``"auto"``, which
+    only the strategy resolves (it knows the precision)."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+
+
+def autocast_only_weights(trunk: Trunk, dtype: torch.dtype) -> set[int]:
+    """The ids of the trunk parameters every use of which is a stock Linear or Conv's ``weight`` or ``bias``
+    (so autocast casts them to ``dtype`` before using them), stored wider than ``dtype``."""
+    eligible: dict[int, bool] = {}
+    for layer, state in zip(trunk.layers, trunk.states, strict=True):
+        for param, slots in zip(state.params, state.param_slots, strict=True):
+            cast_by_autocast = param.is_floating_point() and param.element_size() > dtype.itemsize and all(
+                slot.name in ("weight", "bias")
+                and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS
+                for slot in slots)
+            # a parameter shared between layers qualifies only if it does at every slot of every layer
+            eligible[id(param)] = eligible.get(id(param), True) and cast_by_autocast
+    return {key for key, ok in eligible.items() if ok}
+
+
+def layer_device_bytes(state: LayerState, low_precision: set[int], transport: torch.dtype | None) -> tuple[int, int]:
+    """One upload of a layer under autocast in the ``transport`` dtype, ``low_precision`` being the ids of
+    :func:`autocast_only_weights`: its parameter and buffer bytes on the device, and the bytes of the
+    gradients a differentiating job keeps there."""
+    def size(param: nn.Parameter) -> int:
+        itemsize = transport.itemsize if transport is not None and id(param) in low_precision else param.element_size()
+        return param.numel() * itemsize
+
+    params = sum(size(param) for param in state.params)
+    buffers = sum(buffer.numel() * buffer.element_size() for buffer in state.buffers)
+    return params + buffers, sum(size(param) for param in state.params if param.requires_grad)
+
+
+class UploadSources:
+    """The host tensors devices upload each trunk parameter from.
+
+    ``async_step``: trainable weights are read from a published copy (see ``optim.py``), never from the
+    masters the optimizer writes. ``transport``: the low-precision dtype of autocast-only weights (see the
+    module docstring), or None to upload every weight as stored.
+    """
+
+    def __init__(self, trunk: Trunk, *, async_step: bool, transport: torch.dtype | None) -> None:
+        self.transport = transport
+        self._low = autocast_only_weights(trunk, transport) if transport is not None else set()
+        self._async = async_step
+        self._copies: dict[int, torch.Tensor] = {}
+        # sync mode: the master's version counter when its low-precision copy was made
+        self._versions: dict[int, int] = {}
+        self._lock = threading.Lock()  # two devices may upload a weight shared by their stages at once
+        with torch.no_grad():
+            for param in trunk.parameters():
+                if id(param) in self._low:
+                    self._copies[id(param)] = param.detach().to(transport, copy=True)
+                    self._versions[id(param)] = param._version
+                elif async_step and param.requires_grad:
+                    self._copies[id(param)] = param.detach().clone()
+
+    def is_low_precision(self, param: nn.Parameter) -> bool:
+        return id(param) in self._low
+
+    def source(self, param: nn.Parameter, low_precision: bool) -> torch.Tensor:
+        """What to upload for ``param``. ``low_precision``: the call runs under autocast in the transport
+        dtype. Otherwise the result may still be a low-precision copy in async mode: widen it on the device
+        (the published weights are only kept in that dtype)."""
+        copy = self._copies.get(id(param))
+        if copy is None or (not low_precision and not (self._async and param.requires_grad)):
+            return param.detach()
+        if not self._async and param._version != self._versions[id(param)]:
+            self.refresh([param])  # written since its copy was made, outside an optimizer step
+        return copy
+
+    def refresh(self, params: Iterable[nn.Parameter]) -> None:
+        """Copy the masters of ``params`` into their upload copies, casting where the copy is low precision:
+        after a sync step, or at an async publish."""
+        with torch.no_grad(), self._lock:
+            for param in params:
+                copy = self._copies.get(id(param))
+                if copy is not None:
+                    copy.copy_(param.detach())
+                    if id(param) in self._versions:
+                        self._versions[id(param)] = param._version
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Every host tensor uploads may read (to pin): the copies, and the masters uploaded as stored."""
+        return list(self._copies.values())
+
+    def nbytes(self) -> int:
+        """Host bytes of the copies."""
+        return sum(copy.untyped_storage().nbytes() for copy in self._copies.values())
+
+
+class GradStaging:
+    """One host buffer that a device's gradients download into, job after job (pinned for CUDA devices):
+    a non-blocking copy into pinned memory runs at full bus speed, and reusing it spares the page faults
+    of fresh memory every step. The download thread owns it; the gradient window copies out of it before
+    the next job's gradients arrive."""
+
+    _ALIGN = 64  # bytes: every view starts on a cache line
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._buffer: torch.Tensor | None = None
+
+    def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host tensors shaped like ``tensors``, carved out of the buffer (grown if too small)."""
+        sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // self._ALIGN) * self._ALIGN
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # freed before its successor is allocated
+            self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        return [self._buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+                for tensor, offset, size in zip(tensors, offsets, sizes, strict=True)]
+
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()

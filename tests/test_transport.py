@@ -1,0 +1,190 @@
+"""The low-precision transport (``engine/transport.py``): under mixed precision the weights autocast casts
+anyway travel already cast.
+
+Where the tolerances come from. Autocast casts a float32 weight to bfloat16 (or float16) by IEEE
+round-to-nearest-even before its matmul; the transport makes that same cast on the host, once per step.
+The device then runs the same kernels on the same values, and the gradient of the low-precision weight is
+the low-precision gradient autocast's cast would have received. So with one microbatch the results are
+bitwise those of Lightning's own ``bf16-mixed`` (no tolerance: the spread of Lightning ``bf16-mixed``
+against itself under another kernel set is not needed, the comparison is exact on every kernel set). With
+several microbatches the gradients are summed over the microbatches in bfloat16 on the device, as the
+reference sums over one batch in bfloat16 inside its matmul: the results must stay within what
+``bf16-mixed`` itself changes against ``32-true``.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_roundpipe import EngineOptions, RoundPipeEngine, RoundPipeStrategy
+from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.options import OptionError
+from lightning_roundpipe.engine.transport import GradStaging, autocast_only_weights
+from tests.models import Classifier, bn_batch, bn_model, classifier_data, clone
+from tests.numerics import assert_states_equal
+
+
+# ---------------------------------------------------------------------------------------------- which weights
+def test_only_weights_used_solely_by_stock_linear_and_conv_modules_travel_in_low_precision():
+    class Doubled(nn.Linear):  # its own forward: autocast may never see the weight in a matmul
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    embedding = nn.Embedding(10, 8)
+    tied_head = nn.Linear(8, 10, bias=False)
+    tied_head.weight = embedding.weight          # also an embedding table: not autocast-only
+    shared = nn.Linear(8, 8)                     # a Linear in two layers: autocast-only at both
+    conv = nn.Conv1d(8, 8, 3)
+    norm = nn.LayerNorm(8)
+    doubled = Doubled(8, 8)
+    half = nn.Linear(8, 8).to(torch.bfloat16)    # already stored in the transport dtype: nothing to gain
+    trunk = Trunk([nn.Sequential(embedding, norm), nn.Sequential(shared, conv), nn.Sequential(shared, doubled),
+                   half, tied_head])
+    expected = {id(shared.weight), id(shared.bias), id(conv.weight), id(conv.bias)}
+    assert autocast_only_weights(trunk, torch.bfloat16) == expected
+    # float16 is as narrow as bfloat16: the same weights
+    assert autocast_only_weights(trunk, torch.float16) == expected
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def _fit(module: pl.LightningModule, strategy, precision: str, devices: int = 1) -> pl.Trainer:
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, precision=precision,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, classifier_data())
+    return trainer
+
+
+def _uploaded_param_bytes(trainer: pl.Trainer) -> int:
+    return sum(device.counters.uploaded_param_bytes for device in trainer.strategy.engine.devices)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_bf16_transport_halves_uploaded_bytes_and_equals_lightnings_bf16_mixed(fused, async_step):
+    """Classifier's trunk is Linear layers only, so every uploaded byte is a transported weight or bias:
+    exactly half the bytes of float32 uploads."""
+    modules = {name: Classifier("adamw", fused) for name in ("reference", "on", "off")}
+    _fit(modules["reference"], "auto", "bf16-mixed")
+    trainers = {name: _fit(modules[name], RoundPipeStrategy(num_microbatches=1, num_stages=2, async_step=async_step,
+                                                           transport_dtype="auto" if name == "on" else "off"),
+                           "bf16-mixed", devices=2)
+                for name in ("on", "off")}
+    on, off = _uploaded_param_bytes(trainers["on"]), _uploaded_param_bytes(trainers["off"])
+    assert off > 0 and on * 2 == off
+    if async_step:  # one step stale: equal to each other, not to plain training
+        assert modules["on"].losses == modules["off"].losses
+        assert_states_equal(modules["on"], modules["off"])
+        return
+    for name in ("on", "off"):  # one microbatch: bitwise (module docstring)
+        assert modules[name].losses == modules["reference"].losses
+        assert_states_equal(modules[name], modules["reference"])
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([param.detach().double().flatten() for param in module.parameters()])
+
+
+def test_with_more_microbatches_bf16_transport_stays_within_bf16_mixeds_own_spread():
+    """Four microbatches: the gradients are summed over microbatches on the device in bfloat16. The
+    distance to Lightning's bf16-mixed must stay below bf16-mixed's own distance to 32-true (each over all
+    the weights after 6 AdamW steps), and the transport must not move further from 32-true than bf16-mixed."""
+    reference32, reference16, ours = Classifier("adamw"), Classifier("adamw"), Classifier("adamw")
+    _fit(reference32, "auto", "32-true")
+    _fit(reference16, "auto", "bf16-mixed")
+    _fit(ours, RoundPipeStrategy(num_microbatches=4, num_stages=2), "bf16-mixed", devices=2)
+    spread = (_flat(reference16) - _flat(reference32)).norm()
+    assert (_flat(ours) - _flat(reference16)).norm() <= spread
+    assert (_flat(ours) - _flat(reference32)).norm() <= 2 * spread
+
+
+@pytest.mark.parametrize("transport,precision,message", [
+    ("float16", "bf16-mixed", "runs autocast in bfloat16"),
+    ("bfloat16", "32-true", "runs no autocast"),
+])
+def test_a_transport_dtype_that_is_not_the_precisions_is_refused(transport, precision, message):
+    with pytest.raises(OptionError, match=message):
+        _fit(Classifier(), RoundPipeStrategy(num_microbatches=1, transport_dtype=transport), precision)
+
+
+def test_a_bad_transport_dtype_is_refused_naming_the_choices():
+    with pytest.raises(OptionError, match="`transport_dtype` must be one of 'auto', 'off', 'bfloat16', 'float16'"):
+        EngineOptions(transport_dtype="int8")
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+def _train(model: nn.Module, options: EngineOptions, steps: int = 3, write=None) -> list[torch.Tensor]:
+    """``steps`` SGD steps on the CPU under bf16 autocast; ``write(model)`` runs between steps, after the
+    step has finished (a write outside any optimizer step)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    with RoundPipeEngine(model, 2, options) as engine:
+        for step in range(steps):
+            inputs, target = bn_batch(8, seed=step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(engine.forward_backward(inputs, target, F.cross_entropy))
+            engine.step(optimizer)
+            engine.wait_for_steps()
+            if write is not None:
+                write(model)
+    return losses
+
+
+def _halve_first_weight(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+
+
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_engine_transport_equals_float32_uploads_under_autocast(async_step):
+    """The cast the host makes once equals the cast autocast makes on the device: with one microbatch (no
+    sum of low-precision gradients over microbatches) bitwise the same training, sync and async. In sync
+    mode also after a write to the masters outside any step (the copy is cast again at its next upload)."""
+    write = None if async_step else _halve_first_weight
+    results = {}
+    for transport in ("off", "bfloat16"):
+        model = bn_model()
+        options = EngineOptions(num_microbatches=1, num_stages=2, async_step=async_step, transport_dtype=transport)
+        results[transport] = (_train(model, options, write=write), model)
+    (losses_off, off), (losses_on, on) = results["off"], results["bfloat16"]
+    assert torch.equal(torch.stack(losses_on), torch.stack(losses_off))
+    assert_states_equal(on, off)
+
+
+def test_a_call_outside_autocast_uploads_full_precision():
+    """Sync mode uploads the masters, so the output is the model's own; async mode only keeps the
+    published copy in bfloat16 and widens it, so the output is that of the model with those weights
+    rounded to bfloat16."""
+    model = bn_model().eval()
+    inputs, _ = bn_batch(8, seed=0)
+    rounded = clone(model)
+    with torch.no_grad():
+        for layer in (rounded[0], rounded[3], rounded[6]):
+            layer.weight.copy_(layer.weight.bfloat16())
+            layer.bias.copy_(layer.bias.bfloat16())
+    for async_step, reference in ((False, model), (True, rounded)):
+        options = EngineOptions(num_microbatches=2, num_stages=2, async_step=async_step, transport_dtype="bfloat16")
+        with torch.no_grad(), RoundPipeEngine(model, 2, options) as engine:
+            output = engine(inputs)
+            expected = reference(inputs)
+        assert output.dtype == torch.float32
+        assert torch.equal(output, expected)
+
+
+def test_grad_staging_views_are_shaped_aligned_and_reused():
+    staging = GradStaging(pin=False)
+    grads = [torch.ones(3, 5, dtype=torch.bfloat16), torch.ones(7), torch.ones(2, dtype=torch.float64)]
+    views = staging.views(grads)
+    assert [(view.shape, view.dtype) for view in views] == [(grad.shape, grad.dtype) for grad in grads]
+    pointers = [view.data_ptr() for view in views]
+    assert all(pointer % 64 == 0 for pointer in pointers)
+    for view, grad in zip(views, grads, strict=True):
+        view.copy_(grad * 2)
+    # the second job's views reuse the same memory (no overlap between a job's own views)
+    assert [view.data_ptr() for view in staging.views(grads)] == pointers
+    assert all(torch.equal(view, grad * 2) for view, grad in zip(views, grads, strict=True))
+    assert staging.nbytes() == 64 + 64 + 64
