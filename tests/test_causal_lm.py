@@ -94,7 +94,7 @@ class CausalLMModule(pl.LightningModule):
         self.val_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
-        loss = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        loss = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                           labels=batch["labels"]).loss
         self.losses.append(loss.item())
         self.log("train_loss", loss)
@@ -110,12 +110,33 @@ class CausalLMModule(pl.LightningModule):
         return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def _fit(module: pl.LightningModule, strategy, devices: int = 1, precision: str = "32-true") -> pl.Trainer:
+def _fit(module: pl.LightningModule, strategy, devices: int = 1, precision: str = "32-true",
+         padding: str = "padded") -> pl.Trainer:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=1, num_sanity_val_steps=0, precision=precision)
-    trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6), DataLoader(PaddedTokens(6, seed=4), batch_size=6))
+    train, val = PaddedTokens(), PaddedTokens(6, seed=4)
+    if padding != "padded":
+        train, val = Unpadded(train, with_mask=padding == "ones"), Unpadded(val, with_mask=padding == "ones")
+    trainer.fit(module, DataLoader(train, batch_size=6), DataLoader(val, batch_size=6))
     return trainer
+
+
+class Unpadded(Dataset):
+    """``PaddedTokens`` with every token attended: an attention mask of ones, or none at all."""
+
+    def __init__(self, padded: PaddedTokens, with_mask: bool) -> None:
+        self.padded, self.with_mask = padded, with_mask
+
+    def __len__(self) -> int:
+        return len(self.padded)
+
+    def __getitem__(self, index: int):
+        item = dict(self.padded[index])
+        mask = item.pop("attention_mask")
+        if self.with_mask:
+            item["attention_mask"] = torch.ones_like(mask)
+        return item
 
 
 def _eager_attention_in_the_inputs_dtype(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -149,7 +170,7 @@ class Float64Reference(CausalLMModule):
             base.set_attn_implementation(EAGER_FLOAT64)
 
     def _loss(self, batch) -> torch.Tensor:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
         shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
 
@@ -162,12 +183,13 @@ class Float64Reference(CausalLMModule):
         self.val_losses.append(self._loss(batch).item())
 
 
-def _references(model: torch.nn.Module, module_type=None) -> tuple[CausalLMModule, CausalLMModule]:
+def _references(model: torch.nn.Module, module_type=None, padding: str = "padded"
+                ) -> tuple[CausalLMModule, CausalLMModule]:
     """Lightning's default strategy on copies of ``model``: ``module_type`` in float32, and its float64
     counterpart in float64."""
     reference, reference64 = (module_type or CausalLMModule)(copy.deepcopy(model)), Float64Reference(copy.deepcopy(model))
-    _fit(reference, "auto")
-    _fit(reference64, "auto", precision="64-true")
+    _fit(reference, "auto", padding=padding)
+    _fit(reference64, "auto", precision="64-true", padding=padding)
     assert next(reference64.parameters()).dtype == torch.float64
     return reference, reference64
 
@@ -266,9 +288,10 @@ def test_lora_base_stays_in_its_stored_dtype_on_the_host_and_the_devices(caplog)
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     with caplog.at_level("INFO", logger="lightning_roundpipe"):
         trainer.fit(module, DataLoader(PaddedTokens(), batch_size=6))
-    # hooks fire in the device replicas: the weights they computed with are the uploaded copies
+    # hooks fire in the device replicas: the weights they computed with are the uploaded copies; the float32
+    # adapters are Linear weights that autocast casts anyway, so they travel in bfloat16 (transport_dtype)
     assert seen["base"] == (torch.bfloat16, False)
-    assert seen["adapter"] == (torch.float32, True)
+    assert seen["adapter"] == (torch.bfloat16, True)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert all(p.dtype == torch.bfloat16 for p in frozen) and all(p.dtype == torch.float32 for p in trainable)
@@ -353,3 +376,143 @@ def test_hugging_face_gradient_checkpointing_is_flagged_as_redundant():
     model.gradient_checkpointing_enable()
     with pytest.warns(UserWarning, match="gradient_checkpointing_disable"):
         causal_lm_preset(model)
+
+
+# ---------------------------------------------------------------------------- masks without host reads (C5)
+def _positions(batch: int, length: int, restart: int | None = None) -> torch.Tensor:
+    positions = torch.arange(length).repeat(batch, 1)
+    if restart is not None:  # two sequences packed into each row
+        positions[:, restart:] -= restart
+    return positions
+
+
+def test_mask_facts_are_found_on_the_host():
+    from lightning_roundpipe.hf.causal_lm import MaskFacts, mask_facts
+
+    ones, padded = torch.ones(3, 8, dtype=torch.long), torch.ones(3, 8, dtype=torch.long)
+    padded[1, :2] = 0
+    four_d = torch.ones(3, 1, 8, 8, dtype=torch.bool)
+    assert mask_facts(ones, None) == (None, MaskFacts(padded=False, packed=False))  # ones: transformers' None
+    assert mask_facts(ones, _positions(3, 8, restart=4)) == (None, MaskFacts(padded=False, packed=False))
+    mask, facts = mask_facts(padded, _positions(3, 8, restart=4))
+    assert mask is padded and facts == MaskFacts(padded=True, packed=False)
+    assert mask_facts(None, None) == (None, MaskFacts(padded=False, packed=False))
+    assert mask_facts(None, _positions(3, 8)) == (None, MaskFacts(padded=False, packed=False))
+    assert mask_facts(None, _positions(3, 8) + 5) == (None, MaskFacts(padded=False, packed=False))  # an offset
+    assert mask_facts(None, _positions(3, 8, restart=4)) == (None, MaskFacts(padded=False, packed=True))
+    mask, facts = mask_facts(four_d, None)
+    assert mask is four_d and facts == MaskFacts()  # a prepared mask is transformers' to read
+
+
+def tiny_qwen3_sliding() -> torch.nn.Module:
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=1, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _refuse_host_reads(monkeypatch) -> None:
+    """Make every read of a tensor's value into Python fail, and transformers' two readers of masks."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host (a device sync on an accelerator)")
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", refuse)
+    monkeypatch.setattr(transformers.masking_utils, "fast_all", refuse)
+
+
+MASK_MODELS = {"llama_sdpa": lambda: tiny_llama(tied=False), "qwen3_eager": tiny_qwen3,
+               "qwen3_sdpa_sliding": tiny_qwen3_sliding}
+
+
+@pytest.mark.parametrize("inputs", ["none", "mask_padded", "mask_ones", "positions", "mask_ones_packed_positions"])
+@pytest.mark.parametrize("family", sorted(MASK_MODELS))
+def test_the_preset_reads_no_tensor_on_the_host_and_equals_the_model(family, inputs, monkeypatch):
+    """The embedding layer builds the masks (and the rest of the layers run) without reading a tensor into
+    Python, given the facts the model's call finds on the host; the logits equal the model's own, bitwise."""
+    from lightning_roundpipe.hf.causal_lm import causal_lm_preset, mask_facts
+
+    model = MASK_MODELS[family]().eval()
+    layers = causal_lm_preset(model)
+    ids = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = position_ids = None
+    if inputs.startswith("mask"):
+        mask = torch.ones_like(ids)
+        if inputs == "mask_padded":
+            mask[1, :3] = 0  # left padding
+            mask[2, 7:] = 0  # right padding
+    if inputs == "positions":
+        position_ids = _positions(3, 10) + 2
+    if inputs == "mask_ones_packed_positions":  # with a mask, transformers does not look for packing
+        position_ids = _positions(3, 10, restart=6)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        dispatched, facts = mask_facts(mask, position_ids)
+        with monkeypatch.context() as patch:
+            _refuse_host_reads(patch)
+            state = layers[0](ids, dispatched, position_ids, None, facts)
+            for layer in layers[1:]:
+                state = layer(state)
+    assert torch.equal(state, expected)
+
+
+@pytest.mark.parametrize("family", sorted(MASK_MODELS))
+def test_without_facts_no_position_ids_are_read(family, monkeypatch):
+    """Called without facts (the engine used directly) and without position ids, the embedding layer passes
+    none to transformers' mask builder: an arange would make it look for packed sequences on the device."""
+    from lightning_roundpipe.hf.causal_lm import causal_lm_preset
+
+    model = MASK_MODELS[family]().eval()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        embedding, *rest = causal_lm_preset(model)
+        with monkeypatch.context() as patch:
+            _refuse_host_reads(patch)
+            state = embedding(ids)
+        for layer in rest:
+            state = layer(state)
+    assert torch.equal(state, expected)
+
+
+def test_packed_sequences_are_left_to_transformers():
+    """Position ids that restart within a row (packed sequences, no attention mask) reach transformers' mask
+    builder, which keeps the sequences apart: the logits equal the model's, not those of one long sequence."""
+    from lightning_roundpipe.hf.causal_lm import causal_lm_preset, mask_facts
+
+    model = tiny_llama(tied=False).eval()
+    layers = causal_lm_preset(model)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
+    packed = _positions(2, 10, restart=6)
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=packed, use_cache=False).logits
+        dispatched, facts = mask_facts(None, packed)
+        assert dispatched is None and facts.packed
+        state = layers[0](ids, None, packed, None, facts)
+        for layer in layers[1:]:
+            state = layer(state)
+        unpacked = model(input_ids=ids, position_ids=packed, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    assert torch.equal(state, expected)
+    assert not torch.allclose(expected[:, 6:], unpacked[:, 6:])  # packing did change the second sequence
+
+
+@pytest.mark.parametrize("padding", ["padded", "ones", "none"])
+def test_training_builds_masks_without_transformers_host_reads(padding, monkeypatch):
+    """Through the strategy, the microbatches' masks are built (forward and the backward stages' recomputes)
+    without transformers' readers of the mask and the position ids, and training equals Lightning's."""
+    model = tiny_llama(tied=True)
+    reference, reference64 = _references(model, padding=padding)
+    calls: list[str] = []
+    masking = transformers.masking_utils
+    for name in ("find_packed_sequence_indices", "fast_all"):
+        original = getattr(masking, name)
+        monkeypatch.setattr(masking, name, lambda *a, _name=name, _original=original, **k: (
+            calls.append(_name), _original(*a, **k))[1])
+    module = CausalLMModule(model)
+    _fit(module, RoundPipeStrategy(num_microbatches=3, num_stages=2), devices=2, padding=padding)
+    monkeypatch.undo()
+    assert calls == []
+    _assert_same_training(module, reference, reference64)

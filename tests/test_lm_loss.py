@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_roundpipe.hf.lm_loss import DEFAULT_CHUNK_BYTES, chunk_rows, chunked_lm_loss
+from lightning_roundpipe.hf import lm_loss
+from lightning_roundpipe.hf.lm_loss import (
+    DEFAULT_CHUNK_BYTES,
+    chunk_rows,
+    chunk_rows_for_memory,
+    chunked_lm_loss,
+    default_chunk_rows,
+)
 from tests.numerics import assert_close_to_reference, assert_float64_equal
 
 IGNORE = -100
@@ -169,6 +176,103 @@ def test_chunk_rows():
     assert chunk_rows(32768, 4 * MiB) == 32  # 32 rows * 32768 * 4 B = 4 MiB
     assert chunk_rows(10**9, 4 * MiB) == 1  # never zero rows
     assert chunk_rows(128_256) == DEFAULT_CHUNK_BYTES // (128_256 * 4)
+
+
+GiB = 2**30
+BF16_128K_ROW = 128_256 * (2 + 2 * 4)  # bytes per row: bf16 logits, their float32 copy, one float32 buffer
+
+
+@pytest.mark.parametrize(("available", "vocab", "dtype", "rows"), [
+    # available bytes / 8 // row bytes, clamped to [32, 4096], rounded down to a power of two
+    (48 * GiB, 128_256, torch.bfloat16, 4096),       # 6_442_450_944 // 1_282_560 = 5023 -> the 4096 cap
+    (8 * GiB, 128_256, torch.bfloat16, 512),         # 1_073_741_824 // 1_282_560 = 837 -> 512
+    (1 * GiB, 128_256, torch.bfloat16, 64),          # 134_217_728 // 1_282_560 = 104 -> 64
+    (100 * MiB, 128_256, torch.bfloat16, 32),        # 13_107_200 // 1_282_560 = 10 -> the 32 floor
+    (0, 128_256, torch.bfloat16, 32),                # nothing free: the floor, not zero rows
+    (-5, 128_256, torch.bfloat16, 32),               # (a budget already overdrawn)
+    (8 * GiB, 128_256, torch.float32, 512),          # row 128_256 * 12 = 1_539_072: 1_073_741_824 // it = 697
+    (4 * GiB, 32_000, torch.float16, 1024),          # row 320_000: 536_870_912 // 320_000 = 1677 -> 1024
+    (2048 * 320_000 * 8, 32_000, torch.float16, 2048),      # exactly 2048 rows
+    (2048 * 320_000 * 8 - 1, 32_000, torch.float16, 1024),  # one byte short: 2047 -> 1024
+    (1 * GiB, 50, torch.float64, 4096),              # row 50 * (8 + 2 * 8) = 1200: 111_848 -> the cap
+])
+def test_chunk_rows_for_memory(available, vocab, dtype, rows):
+    assert chunk_rows_for_memory(available, vocab, dtype) == rows
+
+
+def test_default_chunk_rows_measures_cuda_memory_only(monkeypatch):
+    from lightning_roundpipe.engine import device as device_module
+
+    asked = []
+
+    def budget(device, sharing):
+        asked.append((device, sharing))
+        return 8 * GiB
+
+    monkeypatch.setattr(device_module, "cuda_memory_budget", budget)
+    cuda = torch.device("cuda", 0)  # only its type is looked at: no GPU needed
+    assert default_chunk_rows(cuda, 128_256, torch.bfloat16) == 512
+    assert asked == [(cuda, 1)]
+    assert default_chunk_rows(torch.device("cpu"), 128_256, torch.bfloat16) == chunk_rows(128_256) == 130
+    assert asked == [(cuda, 1)]  # the CPU size is fixed
+
+
+def test_chunk_size_defaults_to_default_chunk_rows(monkeypatch):
+    """Without ``chunk_bytes`` the loss asks :func:`default_chunk_rows` (with the compute dtype) and
+    computes exactly what the same explicit chunking computes."""
+    V = 300
+    h0, w0, b0, labels = _case((5, 9), 16, V, torch.float32, seed=6)
+    asked = []
+
+    def rows(device, vocab_size, compute_dtype):
+        asked.append((device.type, vocab_size, compute_dtype))
+        return 8
+
+    monkeypatch.setattr(lm_loss, "default_chunk_rows", rows)
+    results = []
+    for chunk_bytes in (None, 8 * V * 4):
+        h, w, b = _leaves(h0, w0, b0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = chunked_lm_loss(h, w, labels, bias=b, chunk_bytes=chunk_bytes)
+        loss.sum().backward()
+        results.append([loss.detach(), *_grads(h, w, b)])
+    assert asked == [("cpu", V, torch.bfloat16)]
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [7, 1000], ids=["chunks", "one_chunk"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_weight_under_autocast_gets_a_bf16_gradient(rows, bias):
+    """A head weight (and bias) uploaded already in the autocast dtype: the same loss as the float32 weight
+    that autocast casts to those very values, and a gradient in bfloat16 that is the float32 weight's
+    gradient rounded once. Both sum the chunks' products in float32 from the same bfloat16 operands, so
+    the arithmetic is the same and the equalities are exact."""
+    V = 1000
+    h0, w0, b0, labels = _case((6, 11), 32, V, torch.float32, bias=bias, seed=7)
+    w0 = w0.bfloat16().float()  # values a bfloat16 weight can hold: autocast's cast of them changes nothing
+    b0 = None if b0 is None else b0.bfloat16().float()
+    grad_out = torch.rand(labels.shape, generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        h, w, b = _leaves(h0, w0.to(dtype), None if b0 is None else b0.to(dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = chunked_lm_loss(h, w, labels, bias=b, chunk_bytes=rows * V * 4)
+        loss.backward(grad_out)  # outside autocast, as the engine's backward stages may run
+        runs[dtype] = loss.detach(), *_grads(h, w, b)
+    (loss32, gh32, gw32, gb32), (loss16, gh16, gw16, gb16) = runs[torch.float32], runs[torch.bfloat16]
+    assert loss16.dtype == torch.float32 and torch.equal(loss16, loss32)
+    assert gh16.dtype == torch.float32 and torch.equal(gh16, gh32)
+    assert gw16.dtype == torch.bfloat16 and torch.equal(gw16, gw32.bfloat16())
+    if bias:
+        assert gb16.dtype == torch.bfloat16 and torch.equal(gb16, gb32.bfloat16())
+    # and the float32 gradient is that of the bfloat16 logits (not of float32 ones): see the test above
+    rh, rw = _leaves(h0, w0)
+    logits = F.linear(rh.bfloat16(), rw.bfloat16(), None if b0 is None else b0.bfloat16()).float()  # as autocast
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    ref.backward(grad_out.flatten())
+    torch.testing.assert_close(loss32, ref.detach().view(labels.shape), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(gw32, rw.grad, rtol=2e-2, atol=1e-3)
 
 
 def _peak_allocated_bytes(fn) -> int:

@@ -5,7 +5,9 @@ The model is cut into its natural layers without changing it:
 - an *embedding* layer: token embeddings, plus what every decoder layer reads and nothing
   differentiates (the attention masks, the rotary cos/sin tables, the position ids and the labels),
   computed once per microbatch and carried in a :class:`~lightning_roundpipe.engine.transfer.NoGrad`, so
-  backward stages reuse them when they recompute;
+  backward stages reuse them when they recompute. Building the masks reads no device tensor on the host
+  (see :class:`MaskFacts`): what transformers would learn by reading the mask or the position ids on the
+  device (is there padding? are sequences packed?) is found on the host before the batch is dispatched;
 - one layer per decoder block;
 - a *head*: the final norm and either the logits (no labels) or, with labels, each sample's summed
   token loss and token count from :func:`~lightning_roundpipe.hf.lm_loss.chunked_lm_loss`, which never
@@ -29,7 +31,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -132,13 +134,55 @@ def causal_lm_preset(module: nn.Module, chunk_bytes: int | None = None) -> list[
         for index, layer in enumerate(base.layers[: model.config.num_hidden_layers])
     ]
     embedding = CausalLMEmbedding(base, sorted({block.attention_type for block in blocks}))
-    kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    return [embedding, *blocks, CausalLMHead(base.norm, model.lm_head, **kwargs)]
+    return [embedding, *blocks, CausalLMHead(base.norm, model.lm_head, chunk_bytes)]
+
+
+# ---------------------------------------------------------------------------- the masks' host-side facts
+class MaskFacts(NamedTuple):
+    """What the host knows about a batch's attention mask and position ids, so that transformers' mask
+    builders need not read them on the device.
+
+    transformers decides some things about the masks with Python ``if``s on tensor values: with an attention
+    mask and ``sdpa``, "no padding, so rely on ``is_causal``" (``fast_all(mask)``); without one but with
+    position ids, "packed sequences" (``find_packed_sequence_indices``, then ``.all()``). On an accelerator
+    each is a host sync in the compute thread, once per microbatch of the first stage and again in every
+    recompute of the embedding. :func:`mask_facts` learns them on the host from the whole batch, before it
+    is dispatched; ``None`` is "not known" (the tensor was not on the host): transformers then reads it itself.
+    """
+
+    padded: bool | None = None  # the attention mask has a zero (a masked token) somewhere in the batch
+    packed: bool | None = None  # the position ids restart within a row (packed sequences, no attention mask)
+
+
+def mask_facts(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor | None, MaskFacts]:
+    """The attention mask to dispatch (``None`` in place of one without padding) and the :class:`MaskFacts`
+    of a batch, read on the host (tensors elsewhere are left for transformers to read).
+
+    A mask of ones is dropped: transformers builds the same masks from ``None`` (the plain causal mask, or
+    ``is_causal`` under ``sdpa``). Without padding the position ids are then not packed sequences either,
+    as transformers only looks for packing when no attention mask is given. With padding, ``sdpa`` needs
+    a mask in every microbatch, as it has for the whole batch outside the pipeline."""
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.device.type != "cpu":
+            return attention_mask, MaskFacts()  # a prepared 4-D mask is used as given; a device one is not read
+        if bool(attention_mask.all()):
+            return None, MaskFacts(padded=False, packed=False)
+        return attention_mask, MaskFacts(padded=True, packed=False)
+    if position_ids is None:
+        return None, MaskFacts(padded=False, packed=False)
+    if position_ids.device.type != "cpu":
+        return None, MaskFacts(padded=False)
+    # transformers' criterion (find_packed_sequence_indices): a position that does not follow the previous one
+    return None, MaskFacts(padded=False, packed=bool((position_ids.diff(dim=-1) != 1).any()))
 
 
 # ---------------------------------------------------------------------------- the layers
 class CausalLMEmbedding(nn.Module):
-    """Token embeddings, and the per-microbatch values every later layer reads (in a ``NoGrad``)."""
+    """Token embeddings, and the per-microbatch values every later layer reads (in a ``NoGrad``).
+
+    ``facts`` (:func:`mask_facts`) spare the mask builders their device reads. Without them the masks are
+    still built without any when no position ids are given, else as transformers builds them."""
 
     def __init__(self, base: Any, attention_types: list[str]) -> None:
         super().__init__()
@@ -148,12 +192,17 @@ class CausalLMEmbedding(nn.Module):
         self.mask_builders = {kind: _mask_builder(kind) for kind in attention_types}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                facts: MaskFacts | None = None):
+        facts = facts or MaskFacts()
         hidden = self.embed_tokens(input_ids)
+        # transformers reads the position ids (on the device) for packed sequences when no attention mask is
+        # given; they matter only if packed, and default ones (an arange) never are
+        packed_positions = position_ids if attention_mask is None and facts.packed is not False else None
+        masks = {kind: build(self.config, hidden, attention_mask, packed_positions, padded=facts.padded)
+                 for kind, build in self.mask_builders.items()}
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        masks = {kind: build(self.config, hidden, attention_mask, position_ids)
-                 for kind, build in self.mask_builders.items()}
         cos, sin = self.rotary_emb(hidden, position_ids)
         return hidden, NoGrad(masks=masks, cos=cos, sin=sin, position_ids=position_ids, labels=labels)
 
@@ -180,9 +229,12 @@ class CausalLMBlock(nn.Module):
 
 
 class CausalLMHead(nn.Module):
-    """The final norm, then the logits (no labels) or each sample's (summed token loss, token count)."""
+    """The final norm, then the logits (no labels) or each sample's (summed token loss, token count).
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, chunk_bytes: int = 64 * 2**20) -> None:
+    ``chunk_bytes``: see :func:`~lightning_roundpipe.hf.lm_loss.chunked_lm_loss` (``None``: sized from the
+    device's free memory on CUDA)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, chunk_bytes: int | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
@@ -206,8 +258,12 @@ class CausalLMHead(nn.Module):
 
 
 def _mask_builder(attention_type: str) -> Callable[..., Any]:
-    """``build(config, inputs_embeds, attention_mask, position_ids)`` for one attention type, calling
-    transformers' own mask function with the argument names this release uses."""
+    """``build(config, inputs_embeds, attention_mask, position_ids, padded=None)`` for one attention type,
+    calling transformers' own mask function with the argument names this release uses.
+
+    ``padded=True`` (the batch's mask has a zero) disallows the ``is_causal`` skip: deciding it would read
+    the mask on the device (``fast_all``), and with padding in the batch a mask is what the whole batch
+    gets outside the pipeline too."""
     from transformers import masking_utils
 
     functions = {"full_attention": masking_utils.create_causal_mask,
@@ -219,11 +275,13 @@ def _mask_builder(attention_type: str) -> Callable[..., Any]:
     names = set(inspect.signature(function).parameters)
 
     def build(config: Any, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor) -> Any:
+              position_ids: torch.Tensor | None, padded: bool | None = None) -> Any:
         values = {"config": config, "inputs_embeds": embeds, "input_embeds": embeds,
                   "attention_mask": attention_mask, "cache": None, "past_key_values": None,
                   "position_ids": position_ids,
                   "cache_position": torch.arange(embeds.shape[1], device=embeds.device)}
+        if padded and attention_mask is not None:
+            values["allow_is_causal_skip"] = False
         return function(**{name: value for name, value in values.items() if name in names})
 
     return build
@@ -258,12 +316,13 @@ class CausalLMForward(PipelinedForward):
         input_ids = _refuse_unsupported(input_ids, use_cache, unsupported)
         if position_ids is not None and position_ids.shape[0] == 1 and input_ids.shape[0] > 1:
             position_ids = position_ids.expand(input_ids.shape[0], -1)  # split into microbatches on dim 0
+        attention_mask, facts = mask_facts(attention_mask, position_ids)  # on the host, before dispatch
         loss = logits = None
         if labels is None:
-            logits = self.engine(input_ids, attention_mask, position_ids, None)
+            logits = self.engine(input_ids, attention_mask, position_ids, None, facts)
         else:
             shifted = shift_labels(labels)
-            inputs = (input_ids, attention_mask, position_ids, shifted)
+            inputs = (input_ids, attention_mask, position_ids, shifted, facts)
             if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
                 loss = self.engine.forward_backward(inputs, shifted, summed_token_loss,
                                                     loss_weight=token_count(IGNORE_INDEX),
