@@ -10,9 +10,10 @@ the fused loss. The same run is done in sync mode and in async mode, from the sa
 ``torch.set_num_threads(1)``: two devices, one compute thread each, on a 2-core machine.
 
 Device memory: the engine's own accounting (``engine.peak_resident_bytes()``): per device, the bytes of
-the resident stages' parameters, gradients and buffers plus the stage-boundary activations in flight.
-It does not see the activations a stage's autograd keeps *inside* a job (the recompute's saved
-tensors, the logits of the fused stage), so it is a lower bound of a real GPU's peak.
+the resident stages' parameters, gradients and buffers, the stage-boundary activations in flight, and
+what a stage's autograd keeps *inside* a job (the recompute's saved tensors, the fused stage's logits),
+counted as it is saved. It does not see temporaries that are never saved, nor a GPU's kernel workspaces
+and allocator rounding (the engine reserves a fixed figure for those on GPUs, not on CPU stand-ins).
 
 Host memory: the package keeps no host-byte accounting, so this script measures what is allocated on
 the host, by category, from the live objects (a sampler thread, every ``--interval`` seconds, plus a
@@ -327,7 +328,8 @@ def main() -> int:
           f"devices; {args.steps} steps per mode")
     results = {mode: run(mode, args, limit) for mode in ("sync", "async")}
 
-    print("\nDevice memory (engine accounting: resident stages + stage-boundary activations in flight)")
+    print("\nDevice memory (engine accounting: resident stages + stage-boundary activations in flight + what "
+          "the compute keeps for backward)")
     print(f"{'mode':<6} {'device':>6} {'peak':>12} {'limit':>12} {'peak/limit':>10}")
     device_ok = True
     for mode, result in results.items():

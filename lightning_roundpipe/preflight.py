@@ -22,22 +22,34 @@ the engine's plan and the optimizers (before their first step), what the host wi
 What the machine allows (:func:`lightning_roundpipe.hostmem.read_host_limits`): ``MemAvailable`` and the cgroup
 limit of this process (v2 ``memory.max`` minus ``memory.current``, v1 ``memory.limit_in_bytes`` minus
 ``memory.usage_in_bytes``; reclaimable inactive file cache is not counted as used), whichever is smaller,
-and the locked-memory limit (``RLIMIT_MEMLOCK``, for the weights pinned on CUDA devices; pinning is not
-used on CPU devices). The new allocations must fit in what is available now. (When resuming with
+and, on CUDA devices, the host tensors uploads read (registered with CUDA in place, so never paged out: a
+warning when they exceed half of what is available; ``RLIMIT_MEMLOCK`` does not apply, as the driver pins
+the pages itself, not through ``mlock``). The new allocations must fit in what is available now. (When resuming with
 ``ckpt_path``, Lightning has loaded the checkpoint before the strategy sets up, so the figure is lower than
 it will be once the checkpoint is restored and freed: the check is pessimistic then.)
 
 Device side: each device holds the stage it runs and the one it prefetches, every layer of a training
 stage with its gradients; with ``device_memory_limit`` set, a layer must fit in the planner's stage
-budget (:func:`check_layers`, run before the planner), and twice the largest stage in the limit.
+budget (:func:`check_layers`, run before the planner), and twice the largest stage in the limit. On a GPU
+the limit also holds a fixed reserve for kernel workspaces (``partition.CUDA_WORKSPACE_RESERVE``), shown
+in the table. What a stage's compute keeps for backward depends on the batch: the engine measures it and
+its planner sizes stages with it (``engine/activations.py``).
 
 Everything here reads sizes and hyperparameters only: nothing proportional to the model is allocated.
+
+The host optimizer (training with ``host_optimizer`` given): each optimizer's step is timed once on at most
+4M scratch parameters in a throwaway optimizer of its class and hyperparameters
+(:func:`lightning_roundpipe.engine.host_step.measure_step`, a few tenths of a second at most; the user's
+optimizer and its state are only read). The plan logs ns per parameter and the extrapolated seconds per
+step for the trainable parameters, and what torch's fused kernel would take where ``host_optimizer="fused"``
+would use it: sync mode waits for the host step every iteration, so a user sees when it is the bottleneck.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import textwrap
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,10 +58,17 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
+from lightning_roundpipe.engine.host_step import SCRATCH_ELEMENTS, StepFigure, measure_step
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
-from lightning_roundpipe.planning.partition import ACTIVATION_RESERVE, Plan, format_layers, stage_memory_budget
+from lightning_roundpipe.planning.partition import (
+    ACTIVATION_RESERVE,
+    Plan,
+    format_layers,
+    stage_memory_budget,
+    workspace_reserve,
+)
 
 __all__ = [
     "DeviceMemoryError", "HostMemoryError", "MemoryPlan", "PreflightError", "Problem", "check_layers", "enforce",
@@ -156,22 +175,23 @@ def _layer_need(trunk: Trunk, index: int) -> tuple[int, int]:
     return state.param_bytes(), state.grad_bytes()
 
 
-def _smallest_limit_for(need: int) -> int:
+def _smallest_limit_for(need: int, workspace: int = 0) -> int:
     """The smallest ``device_memory_limit`` whose stage budget holds ``need`` bytes in half of it."""
-    limit = max(1, math.ceil(2 * need / (1.0 - ACTIVATION_RESERVE)))
-    while (stage_memory_budget(limit) or 0) / 2 < need:
+    limit = max(1, math.ceil(2 * need / (1.0 - ACTIVATION_RESERVE)) + workspace)
+    while (stage_memory_budget(limit, workspace) or 0) / 2 < need:
         limit += 1
     return limit
 
 
-def check_layers(trunk: Trunk, device_memory_limit: int | None) -> str | None:
+def check_layers(trunk: Trunk, device_memory_limit: int | None, device_type: str = "cpu") -> str | None:
     """A message if some layer cannot fit on a device under ``device_memory_limit``, else ``None``.
 
     A layer is never split, and every layer runs in a backward or the fused stage with its gradients, so
     ``parameters + buffers + gradients`` of one layer must fit in half the planner's stage budget (the
-    other half holds the prefetched stage). Run before the planner, which would fail on the same layer
-    with a terser message."""
-    budget = stage_memory_budget(device_memory_limit)
+    other half holds the prefetched stage), which on a GPU leaves out the workspace reserve. Run before
+    the planner, which would fail on the same layer with a terser message."""
+    workspace = workspace_reserve(device_type)
+    budget = stage_memory_budget(device_memory_limit, workspace)
     if budget is None:
         return None
     cap = budget / 2
@@ -184,10 +204,12 @@ def check_layers(trunk: Trunk, device_memory_limit: int | None) -> str | None:
         f"RoundPipe pre-flight: layer {worst} ({type(trunk.layers[worst]).__name__}) needs "
         f"{format_bytes(weights + grads)} on a device (parameters and buffers {format_bytes(weights)} + "
         f"gradients {format_bytes(grads)}), but with device_memory_limit={format_bytes(device_memory_limit)} "
-        f"({device_memory_limit:,} bytes) a stage may use at most {format_bytes(int(cap))}: a quarter of the "
-        "limit is kept for activations and the rest is split between the running stage and the prefetched "
+        f"({device_memory_limit:,} bytes) a stage may use at most {format_bytes(int(cap))}: "
+        + (f"{format_bytes(workspace)} of the limit is kept for kernel workspaces, a quarter of the rest for "
+           "activations" if workspace else "a quarter of the limit is kept for activations")
+        + " and the rest is split between the running stage and the prefetched "
         f"one. The layer is short by {format_bytes(weights + grads - int(cap))}. Raise `device_memory_limit` "
-        f"to at least {format_bytes(_smallest_limit_for(weights + grads))}. More devices or stages do not "
+        f"to at least {format_bytes(_smallest_limit_for(weights + grads, workspace))}. More devices or stages do not "
         "help (a layer is never split across stages), and neither does `recompute` (it saves activations, "
         "not weights): split the layer into smaller layers (more children of the nn.Sequential), freeze some "
         "of its parameters (frozen ones have no gradient), or store it in a smaller dtype "
@@ -218,7 +240,7 @@ def _heaviest_window(sizes: Sequence[int], width: int) -> int:
 class Problem:
     """Something that does not fit: ``kind`` says where, ``message`` what, by how much, and what to change."""
 
-    kind: Literal["device", "host", "memlock"]
+    kind: Literal["device", "host"]
     message: str
 
 
@@ -248,7 +270,7 @@ class MemoryPlan:
     checkpoint_save_bytes: int        # 0: saves stream into the file
     # the machine
     limits: HostLimits
-    pinned_bytes: int                 # CUDA devices with pin_memory: host weights to pin (0 on CPU devices)
+    pinned_bytes: int                 # CUDA devices with pin_memory: what the engine registers (0 on CPU devices)
     # device side (per device)
     device_memory_limit: int | None
     stage_budget: int | None          # what the planner lets two stages use
@@ -257,6 +279,8 @@ class MemoryPlan:
     largest_layer: tuple[int, int]    # (layer index, parameters + buffers + gradients)
     problems: list[Problem] = field(default_factory=list)  # any refuses
     warnings: list[str] = field(default_factory=list)
+    workspace_bytes: int = 0          # per device, kept for kernel workspaces (GPUs: partition.CUDA_WORKSPACE_RESERVE)
+    host_steps: list[StepFigure] = field(default_factory=list)  # the measured host optimizer step, per optimizer
 
     @property
     def resident_bytes(self) -> int:
@@ -340,9 +364,9 @@ class MemoryPlan:
                      "-" + format_bytes(-headroom) if headroom < 0 else format_bytes(headroom),
                      "for activations, batches and everything else"))
         if self.device_type == "cpu":
-            pinned = f"not used on CPU devices (RLIMIT_MEMLOCK {format_bytes(self.limits.memlock)})"
-        else:
-            pinned = f"RLIMIT_MEMLOCK {format_bytes(self.limits.memlock)}"
+            pinned = "not used on CPU devices"
+        else:  # the driver pins the pages itself: RLIMIT_MEMLOCK does not count them
+            pinned = "weights (or async's published copy) and buffers, registered in place; not reclaimable"
         rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
         return rows
 
@@ -372,6 +396,9 @@ class MemoryPlan:
         rows.append(("running + prefetched stage", format_bytes(self.device_stage_bytes), limit_note))
         index, nbytes = self.largest_layer
         rows.append((f"largest layer ({index})", format_bytes(nbytes), "parameters, buffers and gradients"))
+        if self.workspace_bytes:
+            rows.append(("kernel workspaces", format_bytes(self.workspace_bytes),
+                         "cuBLAS workspaces and the streams' memory pools, reserved before any stage"))
         return rows
 
     def table(self) -> str:
@@ -385,16 +412,21 @@ class MemoryPlan:
                 lines.append(f"  {item}")
             else:
                 lines.append(f"    {item:<{width}}  {value:>{amount}}  {note}".rstrip())
+        for figure in self.host_steps:
+            lines.append(textwrap.fill(figure.describe(), width=120, initial_indent="  ", subsequent_indent="    "))
         return "\n".join(lines)
 
 
 def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequence[Any], *,
                 devices: Sequence[torch.device], async_step: bool = False, recompute: str = "stage",
                 device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
-                trainer_fn: str | None = None, limits: HostLimits | None = None) -> MemoryPlan:
+                trainer_fn: str | None = None, limits: HostLimits | None = None,
+                host_optimizer: str | None = None) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
-    predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`."""
+    predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
+    ``host_optimizer`` (the engine option) times each optimizer's host step (``plan.host_steps``) when
+    training and the plan fits; ``None``: not measured."""
     limits = read_host_limits() if limits is None else limits
     params = list(module.parameters())  # each once, tied weights too
     by_dtype: dict[str, int] = {}
@@ -423,7 +455,10 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     stages = _stage_footprint(trunk, plan, training, len(devices))
     resident_copies = stages.resident_copies
     device_copies = resident_copies if device_type == "cpu" else 0
-    pinned = resident_copies if device_type == "cuda" and pin_memory else 0
+    # what the engine's start() registers: every trunk weight (async: the published copy, the same size) and buffer
+    pinned = 0
+    if device_type == "cuda" and pin_memory:
+        pinned = tensors_nbytes(trunk.parameters()) + tensors_nbytes(b for state in trunk.states for b in state.buffers)
 
     if not training:
         activation_layers: list[int] = []
@@ -442,12 +477,25 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         optimizer_notes=notes, optimizer_state_assumed=assumed, published_bytes=published,
         device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
         checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
-        stage_budget=stage_memory_budget(device_memory_limit), largest_stages=stages.largest,
+        stage_budget=stage_memory_budget(device_memory_limit, workspace_reserve(device_type)),
+        workspace_bytes=workspace_reserve(device_type), largest_stages=stages.largest,
         device_stage_bytes=2 * max(size for _, size in stages.largest.values()),
         largest_layer=(worst_layer, layer_sizes[worst_layer]),
     )
     _judge(memory_plan, trunk)
+    if training and host_optimizer is not None and memory_plan.fits:
+        memory_plan.host_steps = _measure_host_steps(optimizers, host_optimizer, memory_plan.headroom)
     return memory_plan
+
+
+def _measure_host_steps(optimizers: Sequence[Any], host_optimizer: str, headroom: int | None) -> list[StepFigure]:
+    """:func:`~lightning_roundpipe.engine.host_step.measure_step` for each optimizer, on fewer scratch
+    parameters when the host is short of memory (none at all when it has under 16 MB to spare)."""
+    # the scratch holds a parameter, its gradient and up to three state buffers, 8 bytes each at most
+    elements = SCRATCH_ELEMENTS if headroom is None else min(SCRATCH_ELEMENTS, headroom // (4 * 5 * 8))
+    if elements < 100_000:
+        return []
+    return [measure_step(optimizer, host_optimizer, max_elements=elements) for optimizer in optimizers]
 
 
 class _StageFootprint(NamedTuple):
@@ -478,19 +526,21 @@ def _stage_footprint(trunk: Trunk, plan: Plan, training: bool, num_devices: int)
 
 def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
     """Fill ``plan.problems`` (refused) and ``plan.warnings`` (logged)."""
-    layer_problem = check_layers(trunk, plan.device_memory_limit)
+    layer_problem = check_layers(trunk, plan.device_memory_limit, plan.device_type)
     if layer_problem is not None:
         plan.problems.append(Problem("device", layer_problem))
-    elif plan.device_memory_limit is not None and plan.device_stage_bytes > plan.device_memory_limit:
+    elif (plan.device_memory_limit is not None
+          and plan.device_stage_bytes + plan.workspace_bytes > plan.device_memory_limit):
         kind, (layers, nbytes) = max(plan.largest_stages.items(), key=lambda item: item[1][1])
         plan.problems.append(Problem(
             "device",
             f"RoundPipe pre-flight: the largest stage ({kind}, layers {format_layers(layers)}) needs "
             f"{format_bytes(nbytes)} "
             f"on a device, and a device holds two stages (the running one and the prefetched one): "
-            f"{format_bytes(plan.device_stage_bytes)}, over device_memory_limit="
-            f"{format_bytes(plan.device_memory_limit)} by "
-            f"{format_bytes(plan.device_stage_bytes - plan.device_memory_limit)}. "
+            f"{format_bytes(plan.device_stage_bytes)}"
+            + (f", and {format_bytes(plan.workspace_bytes)} of kernel workspaces" if plan.workspace_bytes else "")
+            + f", over device_memory_limit={format_bytes(plan.device_memory_limit)} by "
+            f"{format_bytes(plan.device_stage_bytes + plan.workspace_bytes - plan.device_memory_limit)}. "
             "Use smaller stages (`num_stages='auto'` or a larger chunk count instead of an explicit Plan) or "
             "raise `device_memory_limit`.",
         ))
@@ -501,14 +551,14 @@ def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
             "RoundPipe pre-flight: the optimizer state of " + ", ".join(
                 note.split(":")[0] for note in plan.optimizer_notes if "unknown, assumed 2x" in note)
             + " is unknown; the plan assumes two buffers the size of each trainable parameter")
-    memlock = plan.limits.memlock
-    if plan.pinned_bytes and memlock is not None and plan.pinned_bytes > memlock:
-        plan.problems.append(Problem(
-            "memlock",
-            f"RoundPipe pre-flight: pin_memory=True would pin about {format_bytes(plan.pinned_bytes)} of host "
-            f"weights in place, over the locked-memory limit (RLIMIT_MEMLOCK) of {format_bytes(memlock)}. Raise "
-            "it (`ulimit -l unlimited`, or the container's memlock ulimit) or pass pin_memory=False.",
-        ))
+    available = plan.limits.mem_available
+    if plan.pinned_bytes and available is not None and plan.pinned_bytes > available // 2:
+        # pinned pages cannot be reclaimed or swapped: the rest of the machine has that much less to work with
+        plan.warnings.append(
+            f"RoundPipe pre-flight: pin_memory=True pins {format_bytes(plan.pinned_bytes)} of host weights and "
+            f"buffers, over half of MemAvailable ({format_bytes(available)}); the kernel cannot reclaim pinned "
+            "pages. Pass pin_memory=False if the host runs short (uploads then go through a staging copy)."
+        )
 
 
 def _host_message(plan: MemoryPlan) -> str:
@@ -545,11 +595,11 @@ def _host_message(plan: MemoryPlan) -> str:
     )
 
 
-def enforce_layers(trunk: Trunk, device_memory_limit: int | None, mode: str) -> None:
+def enforce_layers(trunk: Trunk, device_memory_limit: int | None, mode: str, device_type: str = "cpu") -> None:
     """Act on :func:`check_layers` as ``mode`` says (the ``preflight`` option): run before the planner."""
     if mode == "off":
         return
-    problem = check_layers(trunk, device_memory_limit)
+    problem = check_layers(trunk, device_memory_limit, device_type)
     if problem is not None:
         _refuse_or_warn(problem, mode, DeviceMemoryError)
 

@@ -62,8 +62,8 @@ class RoundPipeStrategy(ParallelStrategy):
         num_microbatches: microbatches per batch. Default: devices + 1.
         num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
         async_step: ``False``: exact sync step. ``True``: the paper's one-step-stale update.
-        host_optimizer: ``"exact"``: the optimizer steps as built. ``"fused"``: Adam, AdamW and SGD built with
-            ``fused``/``foreach`` unset step with torch's fused CPU kernel (faster; equal within float rounding).
+        host_optimizer: ``"exact"``: torch's fused CPU kernel only where it is bitwise the default (SGD without
+            momentum). ``"fused"``: also Adam, AdamW and SGD with momentum (faster; equal within float rounding).
         recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
         pin_memory: CUDA: pin the host weights in place for fast uploads.
         transport_dtype: under ``bf16-mixed``/``16-mixed`` (``"auto"``), upload the Linear and Conv weights in
@@ -234,7 +234,7 @@ class RoundPipeStrategy(ParallelStrategy):
         # pre-flight, before any thread starts: a layer too large for the device budget first (the planner
         # would refuse it tersely), then, with the plan and the optimizers known, the whole memory plan
         self.memory_plan = None
-        preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode)
+        preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type)
         engine = RoundPipeEngine(trunk, devices, options)  # plans; threads start below
         if fitting:
             self.setup_optimizers(trainer)
@@ -243,7 +243,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
                 async_step=options.async_step, recompute=options.recompute,
                 device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
-                trainer_fn=str(trainer.state.fn.value))
+                trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer)
             preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
         if self.options.timeline:

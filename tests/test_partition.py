@@ -270,6 +270,7 @@ def test_planner_hysteresis() -> None:
     # of 3, so the cut is at 3), backward likewise; predicted 5 * 3 = 15 against the current plan's
     # 5 * 3.2 = 16 (its stages [2,3,4]): 6.25% better, under the 10% hysteresis.
     planner.observe(five(1.2))
+    planner.observe(five(1.2))  # two agreeing observations: settled
     assert planner.estimate == five(1.2)
     assert predicted_cost(START, five(1.2), 1) == pytest.approx(16.0)
     assert planner.replan() is False and planner.plan == START
@@ -277,6 +278,7 @@ def test_planner_hysteresis() -> None:
     eager = Planner(2, 6, 1, hysteresis=0.05)
     eager.initial(five(1.0))
     eager.observe(five(1.0))
+    eager.observe(five(1.2))
     eager.observe(five(1.2))
     assert eager.replan() is True and sizes(eager.plan)[0] == [3, 2]
 
@@ -289,6 +291,8 @@ def test_planner_large_change_replans() -> None:
     planner = Planner(2, 6, 1)
     planner.initial(five(1.0))
     planner.observe(five(1.0))
+    planner.observe(five(3.0))
+    assert planner.replan() is False  # one observation after the warm-up: not settled yet
     planner.observe(five(3.0))
     assert planner.replan() is True
     assert planner.plan == Plan.from_sizes([3, 2], 1, [2, 3])
@@ -311,12 +315,14 @@ def test_planner_frozen_and_explicit() -> None:
     frozen.initial(five(1.0))
     frozen.observe(five(1.0))
     frozen.observe(five(3.0))
+    frozen.observe(five(3.0))
     assert frozen.replan() is False and frozen.plan == START
 
     explicit = Plan.from_sizes([4, 1], 1, [5])
     planner = Planner(explicit, 6, 1)
     assert planner.plan == explicit and planner.initial(five(1.0)) == explicit
     planner.observe(five(1.0))
+    planner.observe(five(9.0))
     planner.observe(five(9.0))
     assert planner.replan() is False and planner.plan == explicit
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -273,18 +274,23 @@ def test_the_real_machine_is_read():
     assert limits.available is not None and 0 <= limits.available <= limits.mem_available
 
 
-def test_pinned_staging_is_checked_against_memlock_on_cuda_devices_only():
+def test_pinned_weights_ignore_memlock_and_warn_only_when_over_half_of_memavailable():
+    """The driver pins registered pages itself (not through mlock), so RLIMIT_MEMLOCK refuses nothing; what the
+    engine registers (every trunk weight and buffer) is reported, with a warning when it nears MemAvailable."""
     model = _model()
     trunk = build_trunk(model)
     plan = RoundPipeEngine(trunk, 2).plan
-    tight = HostLimits(mem_available=2**40, memlock=64)
     cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    pinned = plan_memory(model, trunk, plan, [], devices=cuda, limits=tight)
-    assert pinned.pinned_bytes > 64 and pinned.device_copy_bytes == 0
-    assert [problem.kind for problem in pinned.problems] == ["memlock"]
-    assert "RLIMIT_MEMLOCK" in pinned.problems[0].message and "pin_memory=False" in pinned.problems[0].message
-    assert plan_memory(model, trunk, plan, [], devices=cuda, limits=tight, pin_memory=False).fits
-    cpu = plan_memory(model, trunk, plan, [], devices=[torch.device("cpu")] * 2, limits=tight)
+    registered = _nbytes(trunk.parameters()) + sum(b.numel() * b.element_size() for s in trunk.states for b in s.buffers)
+    tight_memlock = plan_memory(model, trunk, plan, [], devices=cuda, limits=HostLimits(mem_available=2**40, memlock=64))
+    assert tight_memlock.fits and not tight_memlock.warnings and tight_memlock.device_copy_bytes == 0
+    assert tight_memlock.pinned_bytes == registered > 64
+    assert "RLIMIT_MEMLOCK" not in tight_memlock.table()
+    short = plan_memory(model, trunk, plan, [], devices=cuda, limits=HostLimits(mem_available=registered))
+    assert any("over half of MemAvailable" in w and "pin_memory=False" in w for w in short.warnings), short.warnings
+    unpinned = plan_memory(model, trunk, plan, [], devices=cuda, limits=HostLimits(mem_available=registered), pin_memory=False)
+    assert unpinned.pinned_bytes == 0 and not any("MemAvailable" in w for w in unpinned.warnings)
+    cpu = plan_memory(model, trunk, plan, [], devices=[torch.device("cpu")] * 2, limits=PLENTY)
     assert cpu.fits and cpu.pinned_bytes == 0 and "not used on CPU devices" in cpu.table()
 
 
@@ -490,3 +496,113 @@ def test_an_explicit_plan_whose_two_stages_exceed_the_limit_is_refused():
     auto = RoundPipeEngine(trunk, 2, lightning_roundpipe.EngineOptions(device_memory_limit=limit)).plan
     assert plan_memory(model, trunk, auto, [], devices=[torch.device("cpu")] * 2, device_memory_limit=limit,
                        limits=PLENTY).fits
+
+
+# ---------------------------------------------------------------------------- the host optimizer step
+def _one_line(text: str) -> str:
+    return " ".join(text.split())  # the plan wraps the host optimizer's sentences
+
+
+def _logged_plan(caplog) -> str:
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RoundPipe memory plan")]
+    assert len(logged) == 1
+    return _one_line(logged[0])
+
+
+def test_fit_logs_the_measured_host_optimizer_step_and_the_fused_alternative(monkeypatch, caplog):
+    _fake_host(monkeypatch, 2**40)
+    module = Classifier()
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
+        _trainer(strategy).fit(module, _loader())
+    assert strategy.memory_plan is not None
+    (figure,) = strategy.memory_plan.host_steps
+    count = sum(p.numel() for p in module.parameters())
+    assert (figure.optimizer, figure.kernel, figure.params, figure.sample) == ("AdamW", "default", count, count)
+    assert figure.threads == torch.get_num_threads()
+    assert figure.seconds_per_param and figure.seconds_per_param > 0
+    assert figure.fused_seconds_per_param and figure.fused_seconds_per_param > 0
+    logged = _logged_plan(caplog)
+    assert "host optimizer step: AdamW (torch's per-tensor loop): ~" in logged
+    assert f"per step for {count:,} trainable parameters (measured at setup on {count:,} scratch parameters" in logged
+    assert "host_optimizer='fused' (torch's fused kernel, equal within float rounding, not bitwise) would take" \
+        in logged
+    assert module.steps == 2
+
+
+def test_with_host_optimizer_fused_the_plan_times_the_fused_kernel(monkeypatch, caplog):
+    _fake_host(monkeypatch, 2**40)
+    strategy = RoundPipeStrategy(num_microbatches=2, host_optimizer="fused")
+    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
+        _trainer(strategy, max_steps=1).fit(Classifier(), _loader())
+    assert strategy.memory_plan is not None
+    (figure,) = strategy.memory_plan.host_steps
+    assert figure.kernel == "fused" and figure.fused_seconds_per_param is None
+    logged = _logged_plan(caplog)
+    assert "host optimizer step: AdamW (fused kernel): ~" in logged and "would take" not in logged
+
+
+def test_sgd_without_momentum_is_timed_on_the_fused_kernel_exact_mode_gives_it():
+    model = _model()
+    (figure,) = _plan(model, [torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)],
+                      host_optimizer="exact").host_steps
+    assert figure.kernel == "fused" and figure.fused_seconds_per_param is None
+    (figure,) = _plan(model, [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)],
+                      host_optimizer="exact").host_steps
+    assert figure.kernel == "default" and figure.fused_seconds_per_param is not None
+
+
+def test_measuring_the_host_step_leaves_the_users_optimizer_untouched():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, amsgrad=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    torch.nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3)).backward()
+    optimizer.step()
+    scheduler.step()
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    members = [list(map(id, group["params"])) for group in optimizer.param_groups]
+    saved = copy.deepcopy(optimizer.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    attributes = dict(optimizer.__dict__)
+
+    plan = _plan(model, [optimizer], host_optimizer="exact")
+
+    (figure,) = plan.host_steps
+    assert figure.seconds_per_param and figure.fused_seconds_per_param
+    assert [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups] == groups
+    assert [list(map(id, group["params"])) for group in optimizer.param_groups] == members
+    state = optimizer.state_dict()
+    assert state["param_groups"] == saved["param_groups"]
+    assert state["state"].keys() == saved["state"].keys()
+    for index, entry in saved["state"].items():
+        assert entry.keys() == state["state"][index].keys()
+        for key, value in entry.items():
+            assert torch.equal(state["state"][index][key], value), (index, key)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights, strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert optimizer.__dict__.keys() == attributes.keys() and optimizer.step is attributes.get("step", optimizer.step)
+
+
+def test_an_optimizer_it_cannot_build_is_reported_not_measured():
+    class NeedsMore(torch.optim.SGD):
+        def __init__(self, params, schedule):  # an argument no param group holds
+            super().__init__(params, lr=0.1)
+
+    model = _model()
+    plan = _plan(model, [NeedsMore(model.parameters(), schedule=[1, 2])], host_optimizer="exact")
+    (figure,) = plan.host_steps
+    assert figure.seconds_per_param is None and "TypeError" in figure.problem
+    assert "host optimizer step: NeedsMore (its own step): not measured (a scratch NeedsMore failed" in \
+        _one_line(plan.table())
+
+
+def test_the_host_step_is_measured_only_when_asked_for_training_with_room():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert _plan(model, [optimizer]).host_steps == []                                  # not asked
+    assert _plan(model, [optimizer], host_optimizer="exact", training=False).host_steps == []
+    needed = _plan(model, [optimizer]).new_bytes
+    tight = HostLimits(mem_available=needed + 2**20)  # fits, with 1 MiB to spare: no room for a scratch
+    assert _plan(model, [optimizer], host_optimizer="exact", limits=tight).host_steps == []
+    assert "host optimizer" not in _plan(model, [optimizer]).table()

@@ -13,6 +13,7 @@ import torch
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
 from lightning_roundpipe.engine import device as device_module
 from lightning_roundpipe.engine.device import Stream, poison
+from lightning_roundpipe.engine.optim import GradWindow
 from tests.models import (
     async_reference,
     bn_model,
@@ -214,3 +215,19 @@ def test_a_buffer_released_before_its_copy_landed_fails_under_stress(monkeypatch
     assert losses is not None and not torch.isfinite(losses).any(), "the engine should run on, on poison"
     correct, _ = _defective_outcome(stress=False)
     assert correct, "without stress, the defect should go unseen on CPU"
+
+
+def test_a_gradient_window_that_keeps_the_staging_buffer_fails_under_stress(monkeypatch):
+    """The gradient window adopts the reused download buffer instead of copying out of it: the next job's
+    gradients would overwrite it on a GPU. Certain: in stress mode the worker poisons the staging buffer
+    once the window has added it, so the adopted gradients are NaN, and so is every weight they step."""
+    original = GradWindow.add
+
+    def add(self, param, grad, *, borrowed=False):
+        original(self, param, grad, borrowed=False)  # the defect: a borrowed buffer kept as the window's own
+
+    monkeypatch.setattr(GradWindow, "add", add)
+    correct, _ = _defective_outcome(stress=True)
+    assert not correct
+    correct, _ = _defective_outcome(stress=False)
+    assert correct, "without stress the CPU stand-ins download into fresh memory: the defect goes unseen"

@@ -204,7 +204,7 @@ class Config:
     seed: int = 0
     sample_tokens: int = 200
     sample_prompt: str = "def "
-    torch_threads: int = 1
+    torch_threads: Optional[int] = None  # null: 1 on CPU devices, torch's default (every core) on GPUs
 
 
 def register() -> None:
@@ -255,6 +255,8 @@ def validate(cfg: DictConfig) -> None:
               "ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt, or null to start afresh")
     if cfg.sample_tokens < 0:
         _fail("sample_tokens", f"must be at least 0, got {cfg.sample_tokens}")
+    if cfg.torch_threads is not None and cfg.torch_threads < 1:
+        _fail("torch_threads", f"must be at least 1 (or null for the accelerator's default), got {cfg.torch_threads}")
 
 
 def _validate_roundpipe(strategy: DictConfig) -> None:

@@ -109,6 +109,17 @@ def _instantiate_each(cfg: DictConfig, group: str) -> list[Any]:
     return built
 
 
+def intra_op_threads(cfg: DictConfig) -> int:
+    """``torch_threads``, or when it is null: 1 on CPU devices (each simulated device computes on its own
+    thread, so more would oversubscribe the cores), else torch's default (every core: the host optimizer
+    step and the gradient sums are the CPU's work, and a single thread makes the step the bottleneck)."""
+    if cfg.torch_threads is not None:
+        return int(cfg.torch_threads)
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or accelerator == "auto" and not torch.cuda.is_available()
+    return 1 if on_cpu else torch.get_num_threads()
+
+
 def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summary:
     """Validate ``cfg``, build everything with ``instantiate``, train, sample, and return the summary.
 
@@ -122,7 +133,7 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summar
     output_dir = pathlib.Path(cfg.output_dir)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.torch_threads)
+    torch.set_num_threads(intra_op_threads(cfg))
     try:
         datamodule = instantiate(cfg.data)
         model = instantiate(cfg.model)

@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_roundpipe.engine.timing import CudaStreamTimer, HostStreamTimer, StreamTimer
+from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE
+
 
 class EngineAborted(RuntimeError):
     """Raised in waits once the engine has failed or is shutting down."""
@@ -286,8 +289,9 @@ def join_until(thread: threading.Thread, deadline: float) -> str | None:
 def cuda_memory_budget(device: torch.device, sharing: int) -> int:
     """What one ring member may use of ``device`` when no ``device_memory_limit`` is given: what this
     process can still allocate there (free memory plus torch's cached blocks, capped by a per-process
-    memory fraction, which ``mem_get_info`` ignores), less 10% for kernels' workspaces, split between the
-    ``sharing`` ring members on this GPU."""
+    memory fraction, which ``mem_get_info`` ignores), less 10% for what the accounting cannot see (the
+    allocator's rounding and fragmentation, deferred frees), split between the ``sharing`` ring members on
+    this GPU. Kernel workspaces are accounted within it (see :class:`Device`)."""
     free, total = torch.cuda.mem_get_info(device)
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
@@ -338,7 +342,7 @@ class DeviceCounters:
     summed by :attr:`uploaded_bytes`.
     """
 
-    compute_seconds: float = 0.0            # compute stream: time busy computing
+    compute_seconds: float = 0.0            # download stream: device time computing, added as each job finishes
     uploaded_param_bytes: int = 0           # parameter stream: parameters and buffers copied to the device
     uploaded_activation_bytes: int = 0      # activation stream: inputs, checkpoints, snapshots, targets
     weight_wait_seconds: float = 0.0        # parameter stream: uploads blocked waiting for an optimizer step
@@ -354,6 +358,10 @@ class Device:
 
     Streams: parameter upload, activation upload, compute, download. Activation uploads have their
     own stream so a large parameter prefetch never delays an input the compute stream is about to use.
+
+    On a GPU the residency holds :data:`~lightning_roundpipe.planning.partition.CUDA_WORKSPACE_RESERVE` from
+    the start: what kernels and the allocator keep beyond tensors. ``compute_timer`` times the compute
+    stream's operations in device time (``timing.py``).
     """
 
     def __init__(self, index: int, torch_device: torch.device, abort: AbortSignal, *,
@@ -371,6 +379,8 @@ class Device:
         self.pin_downloads = self.is_cuda and pin_memory  # stage boundaries land in pinned host memory
         self.stress = stress and not self.is_cuda  # late copies and poisoned releases (module docstring)
         self.residency = Residency(index, budget)
+        if self.is_cuda:
+            self.residency.allocate(CUDA_WORKSPACE_RESERVE, "kernel workspaces (cuBLAS) and the streams' memory pools")
         self.counters = DeviceCounters()
         seed = 1000 * (index + 1)
         device = torch_device if self.is_cuda else None
@@ -378,6 +388,9 @@ class Device:
         self.act_stream = Stream(f"dev{index}-acts", abort, jitter, seed + 1, device, self.stress)
         self.compute_stream = Stream(f"dev{index}-compute", abort, jitter, seed + 2, device, self.stress)
         self.download_stream = Stream(f"dev{index}-download", abort, jitter, seed + 3, device, self.stress)
+        cuda_compute = self.compute_stream.cuda_stream
+        self.compute_timer: StreamTimer = (CudaStreamTimer(cuda_compute) if cuda_compute is not None
+                                           else HostStreamTimer())
 
     def stop(self) -> None:
         """Let the four stream threads end (see :meth:`Stream.stop`)."""

@@ -51,7 +51,15 @@ from lightning_roundpipe.engine.transport import (
 )
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
-from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, costs_from_bytes, stage_memory_budget
+from lightning_roundpipe.planning.partition import (
+    LayerCost,
+    Plan,
+    Planner,
+    autocast_copy_bytes,
+    costs_from_bytes,
+    stage_memory_budget,
+    workspace_reserve,
+)
 from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
@@ -94,7 +102,8 @@ class RoundPipeEngine:
             limit = self._cuda_budget()
         self.device_budget = limit
         # stages get what remains after a reserve for the microbatch activations in flight
-        stage_budget = stage_memory_budget(limit)
+        on_gpu = any(device.type == "cuda" for device in self.torch_devices)
+        stage_budget = stage_memory_budget(limit, workspace_reserve("cuda" if on_gpu else "cpu"))
         self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
                                memory_budget=stage_budget,
                                hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)
@@ -310,7 +319,12 @@ class RoundPipeEngine:
         ``bubble_ratio``: share of device time not spent computing over that wall time; ``uploaded_bytes``:
         host-to-device traffic; ``optimizer_seconds``: host step time; ``optimizer_exposed_seconds``: device
         time spent waiting for a step's weights (the part of the step the pipeline did not hide);
-        ``peak_device_bytes``: the largest resident bytes on any device so far.
+        ``peak_device_bytes``: the largest resident bytes on any device so far (accounted: stages, stage-boundary
+        activations, what the compute keeps for backward and, on GPUs, the workspace reserve).
+
+        Compute time is device time (``timing.py``), counted when a job finishes: a job still running is counted
+        in a later call. On CUDA devices the allocator's own figures per GPU come next to the accounted peak
+        (see :meth:`cuda_memory_figures`).
         """
         optimizer = self._started_part(self._optimizer, "pipeline metrics")
         now = self.timeline.now()
@@ -330,7 +344,26 @@ class RoundPipeEngine:
             "optimizer_seconds": totals["optimizer"] - last["optimizer"],
             "optimizer_exposed_seconds": (totals["exposed"] - last["exposed"]) / self.num_devices,
             "peak_device_bytes": float(max(self.peak_resident_bytes())),
+            **self.cuda_memory_figures(),
         }
+
+    def cuda_memory_figures(self) -> dict[str, float]:
+        """Per GPU of the ring (``cuda<i>_...``), the caching allocator's peaks next to what the engine accounted
+        there: ``max_reserved_bytes``, what the allocator held from the driver (the figure an out-of-memory error
+        is about); ``max_allocated_bytes``, what tensors used; ``accounted_peak_bytes``, the sum of the accounted
+        peaks of the ring members on that GPU (:meth:`peak_resident_bytes`; they need not peak at once, so it
+        bounds their joint peak); and ``alloc_retries``, how often the allocator freed its cache and retried an
+        allocation (a device-wide synchronization: a silent slowdown near the limit). Peaks count from the
+        process's start or the last ``torch.cuda.reset_peak_memory_stats``. Empty without CUDA devices."""
+        self._check_started("memory figures")
+        figures: dict[str, float] = {}
+        for index in sorted({device.torch_device.index for device in self.devices if device.is_cuda}):
+            members = [device for device in self.devices if device.is_cuda and device.torch_device.index == index]
+            figures[f"cuda{index}_max_reserved_bytes"] = float(torch.cuda.max_memory_reserved(index))
+            figures[f"cuda{index}_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(index))
+            figures[f"cuda{index}_accounted_peak_bytes"] = float(sum(member.residency.peak for member in members))
+            figures[f"cuda{index}_alloc_retries"] = float(torch.cuda.memory_stats(index).get("num_alloc_retries", 0))
+        return figures
 
     def peak_resident_bytes(self) -> list[int]:
         """Per device, the most bytes it held at once so far."""
@@ -473,7 +506,7 @@ class RoundPipeEngine:
         returns the event of its end. ``published_here``: the window's gradients are already in
         ``param.grad`` (published on this thread for ``before_step``); ``proceed=False`` skips the update."""
         groups = snapshot_param_groups(optimizer)  # hyperparameters as they are now
-        fused = self.options.host_optimizer == "fused"
+        host_kernels = self.options.host_optimizer
         # an LR scheduler checks that a step preceded its own
         optimizer._opt_called = True  # type: ignore[attr-defined]
         number = self._step
@@ -494,7 +527,7 @@ class RoundPipeEngine:
                 window.publish()  # after wait_complete above, and after the previous step (one thread)
             if proceed:
                 try:
-                    step_with_groups(optimizer, groups, fused=fused)
+                    step_with_groups(optimizer, groups, host_kernels=host_kernels)
                 except Exception as error:
                     raise PipelineError(
                         f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
@@ -530,21 +563,39 @@ class RoundPipeEngine:
 
     # ------------------------------------------------------------------ planning
     def _replan(self) -> None:
-        forward, backward = self._started_part(self._runner).take_measurements()
-        if not forward or self.options.freeze_plan:
+        """After each step, what the planner learns from the jobs finished so far: first what layers keep for
+        backward (memory: a plan that no longer fits is replaced at once), then the times of each step measured
+        whole, in device time (``timing.py``). The planner discards the warm-up step and changes the plan only
+        once its observations agree (see :class:`~lightning_roundpipe.planning.partition.Planner`)."""
+        runner = self._started_part(self._runner)
+        if self.options.freeze_plan:
             return
-        estimate = self.planner.estimate
-        measured = []
-        for index, (param_bytes, grad_bytes) in enumerate(self.layer_device_bytes):
-            fwd = sum(forward.get(index, [0.0])) / max(1, len(forward.get(index, [])))
-            bwd = sum(backward.get(index, [0.0])) / max(1, len(backward.get(index, [])))
-            if index not in forward and estimate is not None:
-                fwd = estimate[index].forward
-            if index not in backward:
-                bwd = 2.0 * fwd
-            measured.append(LayerCost(max(fwd, 1e-9), max(bwd, 1e-9), param_bytes, grad_bytes))
-        self.planner.observe(measured)
+        activations = runner.take_activation_bytes()
+        if activations:
+            self.planner.observe_activations(activations)
+        for times in runner.take_step_times():
+            measured = []
+            for index, (param_bytes, grad_bytes) in enumerate(self.layer_device_bytes):
+                forward, backward = times.forward[index], times.backward[index]
+                measured.append(LayerCost(max(sum(forward) / len(forward), 1e-9),
+                                          max(sum(backward) / len(backward), 1e-9), param_bytes, grad_bytes))
+            self.planner.observe(measured)
         self.planner.replan()
+
+    def _estimate_autocast_copies(self, context: CallContext) -> None:
+        """Before anything is measured: what autocast's weight copies will take in the fused and backward
+        stages (:func:`~lightning_roundpipe.planning.partition.autocast_copy_bytes` of the float32 weights
+        that do not travel in autocast's dtype already), so that the first plan leaves room for them."""
+        dtype = context.autocast_dtype(self.torch_devices[0].type)
+        estimate: dict[int, int] = {}
+        if dtype is not None:
+            sources = self._started_part(self._sources)
+            transported = sources.transport == dtype
+            for index, state in enumerate(self.trunk.states):
+                cast = sum(param.numel() * param.element_size() for param in state.params
+                           if param.dtype == torch.float32 and not (transported and sources.is_low_precision(param)))
+                estimate[index] = autocast_copy_bytes(cast, autocast_itemsize=dtype.itemsize)
+        self.planner.observe_activations(estimate, measured=False)
 
     # ------------------------------------------------------------------ dispatch
     def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
@@ -567,6 +618,8 @@ class RoundPipeEngine:
                     stacklevel=3,
                 )
             chunks = split(inputs, sizes)
+        if checkpoints and not self.planner.activations_observed and not self.options.freeze_plan:
+            self._estimate_autocast_copies(context)
         plan = self.planner.plan
         layers: set[int] = set()
         if checkpoints:

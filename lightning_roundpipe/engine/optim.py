@@ -4,7 +4,8 @@ The module's parameters are the master weights; the user's optimizer steps them 
 never read them while a step may be writing:
 
 * ``sync``: every upload after a step waits for that step to finish, so results are exactly those
-  of plain training. The step itself still runs off the main thread.
+  of plain training (with ``host_optimizer="fused"``, up to the fused kernels' float rounding). The step
+  itself still runs off the main thread.
 * ``async`` (the paper's schedule): devices read a *published* copy of the weights
   (``transport.UploadSources``, which also holds the low-precision copies devices read under mixed
   precision). Step k first publishes the masters (which hold W(k-1)) once every upload of iteration k
@@ -123,18 +124,18 @@ def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return groups
 
 
-def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict], *, fused: bool = False) -> None:
+def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict], *, host_kernels: str | None = None) -> None:
     """Run ``optimizer``'s step arithmetic with ``groups`` as its param groups.
 
     The step runs on a shallow twin of the optimizer that shares its state and hooks but has its own
     ``param_groups``: the main thread may meanwhile write ``lr`` into the real groups (a scheduler
     step) without changing this step. The class's ``step`` is called directly because an LR scheduler
-    replaces the instance's ``step`` with a wrapper bound to the original. ``fused`` (the engine's
-    ``host_optimizer="fused"``): the groups torch's fused CPU kernel may step get ``fused=True``, in these
-    copies only (:func:`~lightning_roundpipe.engine.host_step.use_fused`).
+    replaces the instance's ``step`` with a wrapper bound to the original. ``host_kernels`` (the engine's
+    ``host_optimizer``; ``None``: as built): the groups it steps with torch's fused CPU kernel get
+    ``fused=True``, in these copies only (:func:`~lightning_roundpipe.engine.host_step.use_fused`).
     """
-    if fused:
-        groups = use_fused(optimizer, groups)
+    if host_kernels is not None:
+        groups = use_fused(optimizer, groups, host_kernels)
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
     twin.param_groups = groups

@@ -88,13 +88,14 @@ class EngineOptions:
     iteration k runs on W(k-2) and W(k) = step(W(k-1), g(k)), so the host step overlaps device work."""
 
     host_optimizer: HostKernels = "exact"
-    """How the host steps a ``torch.optim`` ``Adam``, ``AdamW`` or ``SGD`` built with ``fused`` and ``foreach``
-    unset (on CPU parameters torch then loops over per-tensor operations). ``"exact"``: as built, so sync
-    training stays bitwise plain training. ``"fused"``: with torch's fused CPU kernel, set in the step's own
-    copy of the param groups (the optimizer's ``param_groups`` and ``state_dict()`` stay as built, and the
-    state is the same either way): about 2.5x faster for AdamW at one thread, equal to the default path
-    within float rounding but not bitwise (a few ulps on about 0.01% of the elements); fp32/fp64
-    parameters only. The pre-flight log shows the measured step time of both
+    """Which kernel steps a ``torch.optim`` ``Adam``, ``AdamW`` or ``SGD`` built with ``fused`` and
+    ``foreach`` unset (on CPU parameters torch then loops over per-tensor operations). ``"exact"``: torch's
+    fused CPU kernel only where it is bitwise that loop (``SGD`` without momentum: 2x faster with weight
+    decay), so sync training stays bitwise plain training. ``"fused"``: also ``Adam``, ``AdamW`` and
+    ``SGD`` with momentum, about 3x faster for AdamW, equal within float rounding but not bitwise (about
+    0.01% of the elements differ, by about one ulp). fp32/fp64 parameters only; ``fused=True`` is set in
+    the step's own copy of the param groups, so the optimizer's ``param_groups``, ``state_dict()`` and
+    state stay as plain training makes them. The pre-flight log shows the measured step time
     (:mod:`lightning_roundpipe.engine.host_step`)."""
 
     recompute: Recompute = "stage"
@@ -119,19 +120,24 @@ class EngineOptions:
 
     device_memory_limit: int | str | None = None
     """Per-device memory budget in bytes or as ``"20GiB"`` (a string is parsed to bytes when the options
-    are made): stage parameters, gradients and buffers, plus the stage-boundary activations in flight.
-    The planner fits two stages (running and prefetched) in three quarters of it and leaves the rest to
-    activations. ``None``: on GPUs 90% of what the process can still allocate there (free memory, capped
-    by ``torch.cuda.set_per_process_memory_fraction``), split between ring members that share a GPU;
-    unlimited on CPU devices, where a set limit is the simulated budget the residency accounting
-    enforces."""
+    are made): stage parameters, gradients and buffers, the stage-boundary activations in flight, what a
+    fused or backward stage's compute keeps for backward (saved activations and autocast's weight copies,
+    measured as they are saved) and, on GPUs, a fixed reserve for kernel workspaces (136 MiB per ring
+    member, ``partition.CUDA_WORKSPACE_RESERVE``). The planner fits two stages (running and prefetched),
+    with what their compute keeps for backward, in three quarters of what the workspace reserve leaves and
+    keeps the rest for the activations in flight. ``None``: on GPUs 90% of what the process can still
+    allocate there (free memory, capped by ``torch.cuda.set_per_process_memory_fraction``), split between
+    ring members that share a GPU; unlimited on CPU devices, where a set limit is the simulated budget the
+    residency accounting enforces."""
 
     freeze_plan: bool = False
-    """Keep the first plan: never replan from measured times (deterministic timelines)."""
+    """Keep the first plan: never replan, neither from measured times nor from the activation bytes measured
+    (deterministic timelines)."""
 
     replan_hysteresis: float = 0.1
     """Adopt a new plan only when its predicted iteration time is this fraction better; replanning
-    happens only between steps."""
+    happens only between steps, from device time (CUDA events on GPUs), once the measurements are
+    trusted: the first step's are discarded (warm-up) and two later steps must agree within 25%."""
 
     seed: int | None = None
     """Base seed for per-(step, call, layer, microbatch) randomness. ``None``: ``torch.initial_seed()``."""

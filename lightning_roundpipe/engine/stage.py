@@ -4,10 +4,15 @@
 read weights from) and computes one microbatch of a forward, fused or backward job. It runs on the
 devices' compute and parameter streams; the worker decides when. A :class:`StageCopy` is one job's
 copy of its stage's tensors on one device (a plan's stage is only a range of layers).
+
+Measurements are device time (``timing.py``): each layer call and each microbatch's compute is a span of
+the device's compute stream, resolved when the job finishes (:meth:`StageRunner.record_measurements`), and
+what a differentiating job's layers keep for backward is counted as they save it (``activations.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -17,11 +22,13 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine import replica as replicas
+from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.call import Call, PipelineError
 from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, as_layer_input, single_argument
 from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
+from lightning_roundpipe.engine.timing import Span
 from lightning_roundpipe.engine.transfer import (
     clone_tree,
     copy_tensor,
@@ -67,8 +74,26 @@ class StageCopy:
     params: dict[int, list[torch.Tensor]] = field(default_factory=dict)    # per layer, in LayerState order
     buffers: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # per layer, in LayerState order
     nbytes: int = 0                      # accounted on the device from upload to release, gradients included
-    forward_time: dict[int, float] = field(default_factory=dict)  # per layer, summed over microbatches
-    compute_time: float = 0.0            # all compute of the job, summed over microbatches
+    device: Device | None = None         # the device it is on (set by the worker that makes it)
+    # device-time spans of the compute stream (timing.py), resolved when the job finishes
+    layer_spans: list[tuple[int, Span]] = field(default_factory=list)    # (layer, span) per layer call
+    compute_spans: list[tuple[int, Span]] = field(default_factory=list)  # (microbatch, span) per compute
+    forward_time: dict[int, float] = field(default_factory=dict)  # per layer, summed over microbatches (resolved)
+    compute_time: float = 0.0            # all compute of the job, summed over microbatches (resolved)
+    activations: ActivationMeter | None = None  # differentiating job: what the computing microbatch keeps for backward
+    activation_bytes: dict[int, int] = field(default_factory=dict)  # per layer, the most one microbatch kept
+
+
+@dataclass
+class StepTimes:
+    """One optimizer step's measured per-layer times per microbatch, in device time (for the planner)."""
+
+    forward: dict[int, list[float]] = field(default_factory=dict)
+    backward: dict[int, list[float]] = field(default_factory=dict)
+
+    def complete(self, num_layers: int) -> bool:
+        """Every layer has been measured forward and backward."""
+        return all(layer in self.forward and layer in self.backward for layer in range(num_layers))
 
 
 class StageRunner:
@@ -85,17 +110,31 @@ class StageRunner:
         self._pairs: list[dict[int, list[tuple[nn.Module, nn.Module]]]] = [{} for _ in range(num_devices)]
         self._measure = measure
         self._measure_lock = threading.Lock()
-        self._measured_forward: dict[int, list[float]] = {}
-        self._measured_backward: dict[int, list[float]] = {}
+        self._step_times: dict[int, StepTimes] = {}     # by optimizer step, until taken
+        self._steps_taken = -1                          # the last step taken: later samples of it are dropped
+        self._activation_bytes: dict[int, int] = {}     # per layer, the most one microbatch kept, until taken
         self._warned_writes: set[int] = set()  # layers warned about writing state in forward
         self._warn_lock = threading.Lock()
 
-    def take_measurements(self) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
-        """Per-layer forward and backward times per microbatch since the last call (for the planner)."""
+    def take_step_times(self) -> list[StepTimes]:
+        """The times of the steps measured whole (every layer forward and backward) since the last call, in
+        step order, each once. A step that has finished measuring is taken even if a job of it is still to
+        report; what such jobs report later is dropped, and so are older steps never measured whole (a step
+        that ran no backward, say)."""
         with self._measure_lock:
-            measured = self._measured_forward, self._measured_backward
-            self._measured_forward, self._measured_backward = {}, {}
-        return measured
+            complete = sorted(step for step, times in self._step_times.items() if times.complete(len(self.trunk)))
+            if not complete:
+                return []
+            self._steps_taken = complete[-1]
+            taken = [self._step_times[step] for step in complete]
+            self._step_times = {step: times for step, times in self._step_times.items() if step > self._steps_taken}
+        return taken
+
+    def take_activation_bytes(self) -> dict[int, int]:
+        """Per layer measured since the last call, the most one microbatch's compute kept for backward."""
+        with self._measure_lock:
+            taken, self._activation_bytes = self._activation_bytes, {}
+        return taken
 
     def replica(self, device: Device, layer: int) -> nn.Module:
         cache = self._replicas[device.index]
@@ -200,14 +239,17 @@ class StageRunner:
         call = task.call
         args, kwargs = layer_input
         module = self.replica(device, layer)
-        start = self.timeline.now()
+        timer = device.compute_timer if self._measure else None  # per-layer times serve the planner only
+        started = timer.start() if timer is not None else None
+        meter = stage_copy.activations
         try:
-            if layer in call.context.random_layers:
-                seed = layer_seed(self.base_seed, call.step, call.index, layer, microbatch)
-                with seeded(seed, device.torch_device):
+            with meter.saving(layer) if meter is not None else contextlib.nullcontext():
+                if layer in call.context.random_layers:
+                    seed = layer_seed(self.base_seed, call.step, call.index, layer, microbatch)
+                    with seeded(seed, device.torch_device):
+                        output = module(*args, **kwargs)
+                else:
                     output = module(*args, **kwargs)
-            else:
-                output = module(*args, **kwargs)
         except EngineAborted:
             raise
         except Exception as error:
@@ -216,8 +258,8 @@ class StageRunner:
                 f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
                 f"{error_hint(error)}"
             ) from error
-        elapsed = self.timeline.now() - start
-        stage_copy.forward_time[layer] = stage_copy.forward_time.get(layer, 0.0) + elapsed
+        if timer is not None:
+            stage_copy.layer_spans.append((layer, timer.stop(started)))
         return output
 
     def forward_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
@@ -263,8 +305,10 @@ class StageRunner:
             for layer in task.job.layers:
                 value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
             output = single_argument(value)
+            meter = stage_copy.activations  # what the loss saves for backward counts as the last layer's
             try:
-                loss = fused.loss_fn(output, target)
+                with meter.saving(task.job.layers[-1]) if meter is not None else contextlib.nullcontext():
+                    loss = fused.loss_fn(output, target)
             except Exception as error:
                 raise PipelineError(
                     f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
@@ -276,6 +320,8 @@ class StageRunner:
             weight = fused.scales[microbatch]
             if weight != 0.0 and loss.requires_grad:
                 (loss.reshape(()) * (weight * fused.backward_scale)).backward()
+                if meter is not None:
+                    meter.release()  # the backward has freed what the forward saved
         return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
 
     def backward_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
@@ -304,20 +350,44 @@ class StageRunner:
                 pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if stage_copy.activations is not None:
+                    stage_copy.activations.release()  # the group's backward has freed what its recompute saved
                 grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
         return grads
 
     def record_measurements(self, task: Task, stage_copy: StageCopy) -> None:
-        """Per-layer times per microbatch from a finished job, compute only (waits excluded). A backward
-        or fused job's time beyond its layers' forward calls is split among them by forward time."""
-        if not self._measure or not stage_copy.forward_time:
+        """Resolve a finished job's device-time spans: the device's compute time (pipeline metrics), the
+        timeline's compute events and, unless the plan is frozen, per-layer times per microbatch (compute
+        only, waits excluded) and what the layers kept for backward, for the planner. A backward or fused
+        job's time beyond its layers' forward calls is split among them by forward time.
+
+        Called when the job finishes, on its download stream after that stream has synchronized: the stream
+        waited for the job's compute on the GPU, so its CUDA events are complete and resolve at no cost."""
+        job = task.job
+        compute_spans, stage_copy.compute_spans = stage_copy.compute_spans, []
+        layer_spans, stage_copy.layer_spans = stage_copy.layer_spans, []
+        for microbatch, span in compute_spans:
+            start, end = span.bounds()
+            stage_copy.compute_time += end - start
+            self.timeline.add_span(job.device, job.index, job.label, microbatch, job.kind.name.lower(), start, end)
+        if stage_copy.device is not None:
+            stage_copy.device.counters.compute_seconds += stage_copy.compute_time
+        for layer, span in layer_spans:
+            start, end = span.bounds()
+            stage_copy.forward_time[layer] = stage_copy.forward_time.get(layer, 0.0) + (end - start)
+        if not self._measure:
             return
         microbatches = task.call.num_microbatches
         forward_total = sum(stage_copy.forward_time.values())
         beyond_forward = max(stage_copy.compute_time - forward_total, 0.0)
         with self._measure_lock:
+            for layer, nbytes in stage_copy.activation_bytes.items():
+                self._activation_bytes[layer] = max(self._activation_bytes.get(layer, 0), nbytes)
+            if not stage_copy.forward_time or task.call.step <= self._steps_taken:
+                return
+            times = self._step_times.setdefault(task.call.step, StepTimes())
             for layer, forward in stage_copy.forward_time.items():
-                self._measured_forward.setdefault(layer, []).append(forward / microbatches)
+                times.forward.setdefault(layer, []).append(forward / microbatches)
                 if task.kind is not StageKind.FORWARD:
                     backward = beyond_forward * forward / (forward_total or 1.0)
-                    self._measured_backward.setdefault(layer, []).append(backward / microbatches)
+                    times.backward.setdefault(layer, []).append(backward / microbatches)

@@ -33,7 +33,9 @@ microbatches::
     layers' buffers has copied them back to the host (its [8]).
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
     backward job, its checkpoints and buffer snapshots: host slots another device's download fills.
-    Each slot is consumed after its copy, which drops the host value after its last counted reader.
+    Each slot is consumed after its copy, which drops the host value after its last counted reader. On a
+    GPU the copy is only enqueued then (no host sync): the host memory outlives it (see ``upload``), so
+    a stage boundary costs one host sync, the producer's [7], not two.
 [5] Parameters and buffers are on the device: bind them into the device's layer replicas.
 [6] Microbatch m computes once its own inputs are there. They have their own stream, so a long
     parameter prefetch never delays them, and input m+1 uploads while m computes.
@@ -44,6 +46,12 @@ microbatches::
 
 A microbatch's upload, compute and download run on three threads; they pass the device tensors on
 through a :class:`_Handoff`, and each drops them as soon as the next one has them.
+
+Each microbatch's compute (and, for the planner, each layer call) is a device-time span of the compute
+stream (``timing.py``: CUDA events on a GPU), resolved at [8], when the events are complete; the compute
+events of the timeline and the device's compute seconds come from those spans. While a fused or backward
+microbatch computes, what its layers save for backward is held in the device's residency
+(``activations.py``) until its backward frees it.
 
 In stress mode (``EngineOptions.stress``, CPU stand-ins only) every copy lands late (see ``device.py``)
 and what the engine releases is poisoned where it is released: a microbatch's device inputs after its
@@ -61,6 +69,7 @@ from typing import Any
 
 import torch
 
+from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.call import PipelineError, Slot
 from lightning_roundpipe.engine.device import (
     AbortSignal,
@@ -192,7 +201,7 @@ class Worker:
             stream.submit(lambda: self._wait_for_weights(weights_ready))  # [2]
         for event in task.buffer_waits:
             stream.wait_event(event)  # [3]
-        stage_copy = StageCopy()
+        stage_copy = StageCopy(device=self.device)
         job = task.job
         stream.submit(_named(lambda: self._upload_params(task, stage_copy),
                              lambda: f"uploading the parameters of stage {job.label} (job {job.index}) to device "
@@ -329,7 +338,12 @@ class Worker:
                 snapshots={layer: to_device(slot.value) for layer, slot in slots.snapshots},
                 target=to_device(call.fused_loss.targets[microbatch]) if job.kind is StageKind.FUSED else None,
             )
-            acts.synchronize()  # the host sources may be dropped right below
+            if not device.is_cuda:
+                acts.synchronize()  # stand-ins: the late copies land before the host sources are dropped below
+            # on CUDA no host sync: a source may be dropped while its copy runs, as torch's caching host
+            # allocator keeps a pinned block (every download lands in one) until the copies recorded on it
+            # have run, and a pageable source is staged before the copy call returns; the compute stream
+            # waits for the copies on the GPU ([6])
             for slot in slots.all():
                 slot.consume()  # copied: the host copy is dropped once its last counted reader has it
             tensors = tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target])
@@ -353,9 +367,14 @@ class Worker:
         runner, device, job, call = self.runner, self.device, task.job, task.call
 
         def run() -> None:
-            start = runner.timeline.now()
             inputs, handoff.inputs = handoff.inputs, None
             assert inputs is not None, "the compute ran before its inputs were uploaded"  # [6]
+            if task.needs_grad:  # what the layers save for backward is held in the residency until freed
+                stage_copy.activations = ActivationMeter(device.residency, [
+                    *_stage_tensors(stage_copy),
+                    *tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target])])
+            timer = device.compute_timer  # device time, resolved when the job finishes (timing.py)
+            started = timer.start()
             if job.kind is StageKind.FORWARD:
                 with call.context.applied(grad=False):
                     output, checkpoints, snapshots = runner.forward_microbatch(
@@ -368,9 +387,12 @@ class Worker:
             else:
                 outputs = _DeviceOutputs(runner.backward_microbatch(
                     device, task, stage_copy, microbatch, inputs.checkpoints, inputs.snapshots, inputs.layer_input))
-            elapsed = runner.timeline.now() - start
-            stage_copy.compute_time += elapsed
-            device.counters.compute_seconds += elapsed
+            stage_copy.compute_spans.append((microbatch, timer.stop(started)))
+            meter, stage_copy.activations = stage_copy.activations, None
+            if meter is not None:
+                meter.release()  # what no backward freed went with the compute's autograd graph
+                for layer, nbytes in meter.by_layer.items():
+                    stage_copy.activation_bytes[layer] = max(stage_copy.activation_bytes.get(layer, 0), nbytes)
             device.residency.release(inputs.nbytes)
             if device.stress:  # released: poison what the outputs or the stage do not share
                 _poison_unshared(tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots,
@@ -381,7 +403,6 @@ class Worker:
             outputs.nbytes = tree_nbytes([outputs.output, outputs.checkpoints, outputs.snapshots])
             device.residency.allocate(outputs.nbytes, f"the outputs of {job.label} microbatch {microbatch}")
             handoff.outputs = outputs
-            runner.timeline.add(device.index, job.index, job.label, microbatch, job.kind.name.lower(), start)
 
         device.compute_stream.submit(_named(run, lambda: f"computing {where}"))
         return device.compute_stream.record(f"{where} computed")

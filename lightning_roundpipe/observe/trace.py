@@ -14,6 +14,10 @@ a time, so events of one track never overlap)::
     forward, fused, backward      compute               (device d, "compute")
     download, release             downloads, gradients  (device d, "download")
     optimizer                     the host optimizer step (device -1, "host optimizer")
+
+Compute events are device time (``engine/timing.py``): on a GPU the span the GPU ran the microbatch, measured
+with CUDA events and placed on the host clock, added once the job has finished; other events are the host
+thread's span of the operation (uploads and downloads include their wait for the copy to complete).
 """
 
 from __future__ import annotations
@@ -111,6 +115,15 @@ class Timeline:
     def add(self, device: int, job: int, label: str, microbatch: int, kind: str, start: float) -> None:
         if self.enabled:
             event = TimelineEvent(device, job, label, microbatch, kind, start, self.now())
+            with self._lock:
+                self._events.append(event)
+
+    def add_span(self, device: int, job: int, label: str, microbatch: int, kind: str, start: float,
+                 end: float) -> None:
+        """An event measured elsewhere and added later (a device-time span, ``engine/timing.py``): ``start``
+        and ``end`` on the host clock, ``time.perf_counter()`` seconds."""
+        if self.enabled:
+            event = TimelineEvent(device, job, label, microbatch, kind, start - self._origin, end - self._origin)
             with self._lock:
                 self._events.append(event)
 

@@ -12,15 +12,17 @@ even as possible with the lighter ones at the shallow end (no short leftover sta
 
 Costs: a forward stage costs the sum of its layers' ``forward``; the fused stage and a (recomputing)
 backward stage cost the sum of ``forward + backward``. Memory: a forward stage needs its layers'
-``param_bytes`` on the device, the fused and backward stages ``param_bytes + grad_bytes``; each must
-fit in half of the memory budget, because one stage runs while the next one is prefetched.
+``param_bytes`` on the device, the fused and backward stages ``param_bytes + grad_bytes +
+activation_bytes`` (what their compute keeps for backward); each must fit in half of the memory budget,
+because one stage runs while the next one is prefetched.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,13 +35,16 @@ class LayerCost:
     recomputing backward stage costs ``forward + backward`` per layer and the fused stage (never
     recomputed) costs ``forward + backward`` too. ``param_bytes`` is what uploading the layer costs
     in device memory; ``grad_bytes`` the extra bytes its trainable parameters' gradients take in a
-    backward stage.
+    backward stage; ``activation_bytes`` what its compute keeps for backward per microbatch in a fused or
+    backward stage (saved activations, autocast's weight copies), which the stage holds on top (summed over
+    its layers: with ``recompute="layer"`` that is an upper bound).
     """
 
     forward: float
     backward: float
     param_bytes: int = 0
     grad_bytes: int = 0
+    activation_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,11 +136,12 @@ def _stage_cap(costs: Sequence[LayerCost], memory_budget: int | None) -> float:
         raise ValueError(f"memory_budget must be positive or None (unlimited), got {memory_budget}")
     cap = memory_budget / 2
     for i, c in enumerate(costs):
-        # Every layer sits in a backward or the fused stage, so its gradients must fit too.
-        need = c.param_bytes + c.grad_bytes
+        # Every layer sits in a backward or the fused stage, so its gradients and activations must fit too.
+        need = c.param_bytes + c.grad_bytes + c.activation_bytes
         if need > cap:
             raise ValueError(
-                f"layer {i} needs {need} bytes on a device (parameters + gradients) but a stage may "
+                f"layer {i} needs {need} bytes on a device (parameters + gradients"
+                f"{' + activations kept for backward' if c.activation_bytes else ''}) but a stage may "
                 f"use at most {memory_budget // 2} bytes, half of the memory budget of {memory_budget} bytes (the "
                 f"other half holds the next stage's prefetch); raise `device_memory_limit` or split "
                 f"the layer"
@@ -176,11 +182,13 @@ def _split(costs: Sequence[LayerCost]) -> tuple[list[float], list[float], list[i
     if not costs:
         raise ValueError("cannot partition a model with no layers")
     for i, c in enumerate(costs):
-        if not all(math.isfinite(v) and v >= 0 for v in (c.forward, c.backward, c.param_bytes, c.grad_bytes)):
+        values = (c.forward, c.backward, c.param_bytes, c.grad_bytes, c.activation_bytes)
+        if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"layer {i} has a negative or non-finite cost: {c}")
     fwd = [c.forward for c in costs]
     both = [c.forward + c.backward for c in costs]
-    return fwd, both, [c.param_bytes for c in costs], [c.param_bytes + c.grad_bytes for c in costs]
+    return (fwd, both, [c.param_bytes for c in costs],
+            [c.param_bytes + c.grad_bytes + c.activation_bytes for c in costs])
 
 
 def costs_from_bytes(
@@ -411,15 +419,36 @@ def predicted_cost(plan: Plan, costs: Sequence[LayerCost], num_devices: int) -> 
     return max(plan.num_stages, num_devices) * _slowest(plan, fwd, both)
 
 
+def plan_fits(plan: Plan, costs: Sequence[LayerCost], memory_budget: int | None) -> bool:
+    """Whether every stage of ``plan`` fits in half of ``memory_budget``: a forward stage with its layers'
+    parameters, the fused and backward stages with their gradients and activations too."""
+    if memory_budget is None:
+        return True
+    _, _, fsize, bsize = _split(costs)
+    cap = memory_budget / 2
+    return (all(sum(fsize[i] for i in stage) <= cap for stage in plan.forward)
+            and all(sum(bsize[i] for i in stage) <= cap for stage in (plan.fused, *plan.backward)))
+
+
 class Planner:
     """Holds the current plan between iterations and re-plans from measured costs.
 
     ``mode``: ``"auto"`` (:func:`plan_auto`), an int (:func:`plan_chunks` with that many forward
     stages, re-balanced on replan) or an explicit :class:`Plan` (used as is, never changed).
-    Measured costs are smoothed per layer by an exponential moving average (``smoothing`` is the
-    weight of the past), bias-corrected like Adam's moments so early estimates are not pulled toward
-    zero. The first observation is discarded: it includes one-off warm-up (allocator, kernel
-    selection, caches). Byte counts always come from :meth:`initial`.
+
+    Times: the plan follows a measurement only once it can be trusted, or it would flap with noise. An
+    observation is one optimizer step's per-layer times (the engine measures them in device time, see
+    ``engine/timing.py``). The first ``warmup`` observations are discarded: they include one-off warm-up
+    (allocator growth, kernel selection and autotuning, caches). The rest are smoothed per layer by an
+    exponential moving average (``smoothing`` is the weight of the past), bias-corrected like Adam's
+    moments so early estimates are not pulled toward zero. A new plan is considered only once the last
+    ``settle`` observations agree, each within ``tolerance`` of their mean (the relative L1 distance of the
+    per-layer ``forward + backward`` times, so a layer weighs by its share of the work), and adopted only
+    if it is better by ``hysteresis``.
+
+    Bytes: parameter and gradient bytes come from :meth:`initial`; what each layer's compute keeps for
+    backward from :meth:`observe_activations`. A plan that no longer fits memory is replaced at once:
+    memory is a hard limit, not a matter of trust.
     """
 
     def __init__(
@@ -432,11 +461,16 @@ class Planner:
         hysteresis: float = 0.1,
         frozen: bool = False,
         smoothing: float = 0.9,
+        warmup: int = 1,
+        settle: int = 2,
+        tolerance: float = 0.25,
     ) -> None:
         if num_layers < 1 or num_devices < 1:
             raise ValueError(f"need num_layers >= 1 and num_devices >= 1, got {num_layers}, {num_devices}")
         if not 0 <= smoothing < 1 or hysteresis < 0:
             raise ValueError(f"need 0 <= smoothing < 1 and hysteresis >= 0, got {smoothing}, {hysteresis}")
+        if warmup < 0 or settle < 1 or tolerance < 0:
+            raise ValueError(f"need warmup >= 0, settle >= 1 and tolerance >= 0, got {warmup}, {settle}, {tolerance}")
         if isinstance(mode, Plan):
             try:
                 mode.validate(num_layers)
@@ -449,9 +483,15 @@ class Planner:
             _check_num_stages(mode, num_layers)
         self.mode, self.num_layers, self.num_devices = mode, num_layers, num_devices
         self.memory_budget, self.hysteresis, self.frozen, self.smoothing = memory_budget, hysteresis, frozen, smoothing
+        self.warmup, self.settle, self.tolerance = warmup, settle, tolerance
         self._plan: Plan | None = mode if isinstance(mode, Plan) else None
+        self._initial: list[LayerCost] | None = None
         self._bytes: list[tuple[int, int]] | None = None
+        self._activations = [0] * num_layers       # per layer: bytes its compute keeps for backward
+        self._measured_activations: set[int] = set()  # layers whose figure is measured (an estimate no longer counts)
+        self.activations_observed = False  # observe_activations has been called (an estimate, or measurements)
         self._ema: list[tuple[float, float]] = []
+        self._recent: deque[list[float]] = deque(maxlen=settle)  # the last observations' per-layer fwd+bwd times
         self._seen = 0  # observations, the discarded warm-up included
 
     def _make(self, costs: Sequence[LayerCost]) -> Plan:
@@ -468,6 +508,7 @@ class Planner:
     def initial(self, costs: Sequence[LayerCost]) -> Plan:
         """Plan from first estimates (usually :func:`costs_from_bytes`) and remember the byte counts."""
         self._check_len(costs)
+        self._initial = list(costs)
         self._bytes = [(c.param_bytes, c.grad_bytes) for c in costs]
         self._plan = self._make(costs)
         return self._plan
@@ -479,34 +520,89 @@ class Planner:
         return self._plan
 
     def observe(self, measured: Sequence[LayerCost]) -> None:
-        """Fold one iteration's measured per-layer times into the smoothed estimate."""
+        """Fold one step's measured per-layer times into the smoothed estimate (the first ``warmup`` are
+        discarded)."""
         self._check_len(measured)
         self._seen += 1
-        if self._seen == 1:
-            return  # warm-up iteration
+        if self._seen <= self.warmup:
+            return
         a = self.smoothing
         if not self._ema:
             self._ema = [(0.0, 0.0)] * self.num_layers
         self._ema = [(a * f + (1 - a) * m.forward, a * b + (1 - a) * m.backward)
                      for (f, b), m in zip(self._ema, measured, strict=True)]
+        self._recent.append([m.forward + m.backward for m in measured])
+
+    @property
+    def settled(self) -> bool:
+        """The last ``settle`` observations after warm-up agree: each within ``tolerance`` of their mean."""
+        if len(self._recent) < self.settle:
+            return False
+        mean = [sum(times) / len(times) for times in zip(*self._recent, strict=True)]
+        total = sum(mean)
+        return all(sum(abs(x - m) for x, m in zip(times, mean, strict=True)) <= self.tolerance * total
+                   for times in self._recent)
 
     @property
     def estimate(self) -> list[LayerCost] | None:
         """The bias-corrected smoothed costs, or ``None`` before the first post-warm-up observation."""
         if not self._ema or self._bytes is None:
             return None
-        norm = 1 - self.smoothing ** (self._seen - 1)
-        return [LayerCost(f / norm, b / norm, p, g) for (f, b), (p, g) in zip(self._ema, self._bytes, strict=True)]
+        norm = 1 - self.smoothing ** (self._seen - self.warmup)
+        return [LayerCost(f / norm, b / norm, p, g, act) for (f, b), (p, g), act
+                in zip(self._ema, self._bytes, self._activations, strict=True)]
+
+    @property
+    def activation_bytes(self) -> list[int]:
+        """Per layer, what its compute keeps for backward per microbatch, as far as known (0: nothing yet)."""
+        return list(self._activations)
+
+    def observe_activations(self, per_layer: Mapping[int, int], *, measured: bool = True) -> bool:
+        """Learn what layers' compute keeps for backward per microbatch (``layer -> bytes``): an estimate
+        (``measured=False``: :func:`autocast_copy_bytes` before anything ran, say), or a measurement, which
+        replaces the layer's estimate and then only grows (the largest batch so far). If the current plan no
+        longer fits the memory budget, one that does is adopted at once (warm-up, settling and hysteresis do
+        not apply to memory); when none does, the plan stays and the device accounting reports the shortfall
+        if it happens. Returns whether the plan changed."""
+        self.activations_observed = True
+        for layer, nbytes in per_layer.items():
+            if measured:
+                known = self._activations[layer] if layer in self._measured_activations else 0
+                self._activations[layer] = max(known, nbytes)
+                self._measured_activations.add(layer)
+            elif layer not in self._measured_activations:
+                self._activations[layer] = max(self._activations[layer], nbytes)
+        costs = self.estimate or self._initial_costs()
+        if self.frozen or isinstance(self.mode, Plan) or self._plan is None or costs is None:
+            return False
+        if plan_fits(self._plan, costs, self.memory_budget):
+            return False
+        try:
+            candidate = self._make(costs)
+        except ValueError:  # no plan fits: a layer alone is over half the budget
+            return False
+        changed, self._plan = candidate != self._plan, candidate
+        return changed
+
+    def _initial_costs(self) -> list[LayerCost] | None:
+        """The first estimates, with what is known of the activations."""
+        if self._initial is None:
+            return None
+        return [LayerCost(c.forward, c.backward, c.param_bytes, c.grad_bytes, act)
+                for c, act in zip(self._initial, self._activations, strict=True)]
 
     def replan(self) -> bool:
         """Between iterations only: adopt a plan built from the smoothed costs if its
         :func:`predicted_cost` beats the current plan's (under the same costs) by more than
         ``hysteresis`` (a fraction), so noise does not make the partition flap. Returns whether the
-        plan changed."""
+        plan changed. Nothing changes before the measured times have settled (see the class docstring)."""
         costs = self.estimate
-        if self.frozen or isinstance(self.mode, Plan) or costs is None or self._plan is None:
+        if self.frozen or isinstance(self.mode, Plan) or costs is None or self._plan is None or not self.settled:
             return False
-        candidate = self._make(costs)
+        try:
+            candidate = self._make(costs)
+        except ValueError:  # no plan fits memory with these activations: keep the current one
+            return False
         if candidate == self._plan:
             return False
         now = predicted_cost(self._plan, costs, self.num_devices)
@@ -517,12 +613,49 @@ class Planner:
 
 
 # ---------------------------------------------------------------------------- device memory budget
+# A device's budget is spent on: a fixed workspace reserve (GPUs only), the stage-boundary activations in
+# flight and the temporaries inside a layer's compute (ACTIVATION_RESERVE of the rest), and two stages, the
+# running one and the prefetched one, each with what its compute keeps for backward (LayerCost.activation_bytes).
 ACTIVATION_RESERVE = 0.25
-"""Share of ``device_memory_limit`` kept for stage-boundary activations; the planner fits two stages
-(the running one and the prefetched one) in the rest."""
+"""Share of the device budget, after the workspace reserve, kept for the stage-boundary activations in
+flight and for the temporaries of a layer's compute that are never saved for backward; the planner fits
+two stages (the running one and the prefetched one) in the rest."""
+
+_MiB = 2**20
+CUDA_WORKSPACE_RESERVE = 2 * (32 + 32) * _MiB + 4 * 2 * _MiB
+"""Bytes each ring member on a GPU keeps for what kernels and the allocator hold beyond tensors: 136 MiB.
+
+* cuBLAS and cuBLASLt each keep a workspace per (handle, stream): PyTorch's default is 32 MiB each on
+  Hopper and newer (less on older GPUs: the larger figure is the bound). Two threads launch matmuls on a
+  ring member's compute stream, each with its own handle (the compute stream's thread, and in backward
+  autograd's device thread): 2 x (32 + 32) MiB.
+* The caching allocator never lends a block one stream has freed to another stream, so each of the
+  member's four streams keeps at least one 2 MiB segment of its own: 4 x 2 MiB.
+
+CPU stand-ins reserve nothing: their budget simulates what the engine holds."""
 
 
-def stage_memory_budget(device_memory_limit: int | None) -> int | None:
+def workspace_reserve(device_type: str) -> int:
+    """The fixed reserve of a ring member on a ``device_type`` device (see :data:`CUDA_WORKSPACE_RESERVE`)."""
+    return CUDA_WORKSPACE_RESERVE if device_type == "cuda" else 0
+
+
+def autocast_copy_bytes(cast_bytes: int, *, stored_itemsize: int = 4, autocast_itemsize: int = 2) -> int:
+    """What autocast's weight copies take on a device while a fused or backward stage back-propagates.
+
+    With its cache off (as the engine runs it, see ``engine/call.py``) autocast casts a weight on every call,
+    and the op saves the copy for backward, so a differentiating stage keeps a copy of every weight it casts
+    until its backward frees it (about half of the stage's float32 weight bytes for bfloat16). A forward stage
+    runs without autograd: each copy is freed after its op. ``cast_bytes``: the stored bytes of the weights
+    autocast still casts: by default every float32 parameter, less those that arrive already in autocast's
+    dtype (``EngineOptions.transport_dtype``)."""
+    return cast_bytes * autocast_itemsize // stored_itemsize
+
+
+def stage_memory_budget(device_memory_limit: int | None, workspace_bytes: int = 0) -> int | None:
     """Bytes the planner lets two stages (running and prefetched) use: what the device budget leaves after
-    the reserve for the activations in flight."""
-    return None if device_memory_limit is None else int(device_memory_limit * (1.0 - ACTIVATION_RESERVE))
+    the workspace reserve (``workspace_bytes``, see :func:`workspace_reserve`) and then the activation
+    reserve (at least 1, so that a budget below the reserve fails as too small for every layer)."""
+    if device_memory_limit is None:
+        return None
+    return max(1, int((device_memory_limit - workspace_bytes) * (1.0 - ACTIVATION_RESERVE)))

@@ -1,0 +1,80 @@
+"""Activations inside a stage's compute: what autograd keeps for backward, counted as the layers save it.
+
+The residency accounting (``device.py``) sees the tensors the engine itself holds: stage copies and
+stage-boundary activations. What a fused or backward stage keeps *inside* its compute, from a layer's
+forward to the backward that frees it, it would never see: the tensors autograd saves for backward (the
+layers' inputs and intermediate results and, under autocast, the low-precision copies of the weights it
+casts on every call, which the matmuls save). :class:`ActivationMeter` counts them with saved-tensor hooks
+as they are saved, each storage once, and holds them in the device's residency from the layer that saved
+them until the backward that freed them, so the accounted peak includes them and a device that would
+run out raises :class:`~lightning_roundpipe.engine.device.OutOfDeviceMemory` instead of a CUDA
+out-of-memory error. Each layer's figure (per microbatch) also goes to the planner, which sizes the fused
+and backward stages with it.
+
+Not counted: temporaries that live within one op or one layer call and are never saved (an attention score
+matrix before its softmax, say); the activation reserve of the budget (``partition.ACTIVATION_RESERVE``)
+covers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from lightning_roundpipe.engine.device import Residency
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """A key for the memory ``tensor`` lives in, and that memory's bytes (a view counts its whole storage:
+    the storage is what stays allocated)."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # no plain storage (a sparse or wrapper tensor): its own bytes
+        return id(tensor), tensor.numel() * tensor.element_size()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class ActivationMeter:
+    """Counts what one microbatch's compute saves for backward, in ``residency``.
+
+    ``accounted``: tensors already counted elsewhere (the stage's parameters and buffers, the microbatch's
+    inputs), which a layer may save without any new memory. Used from the compute stream's thread only.
+    """
+
+    def __init__(self, residency: Residency, accounted: Iterable[torch.Tensor]) -> None:
+        self._residency = residency
+        self._accounted = frozenset(_storage(tensor)[0] for tensor in accounted)
+        self._seen: set[int] = set(self._accounted)
+        self.held = 0                         # bytes held in the residency now
+        self.by_layer: dict[int, int] = {}    # bytes each layer saved, this microbatch
+
+    @contextmanager
+    def saving(self, layer: int) -> Iterator[None]:
+        """Count what runs inside as saved by ``layer``; allocated in the residency once it has run."""
+        saved = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            key, nbytes = _storage(tensor)
+            if key not in self._seen:
+                self._seen.add(key)
+                saved += nbytes
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+        self.by_layer[layer] = self.by_layer.get(layer, 0) + saved
+        self._residency.allocate(saved, f"the activations layer {layer} keeps for backward")
+        self.held += saved
+
+    def release(self) -> None:
+        """The backward has run: what was saved is freed (its memory may hold new tensors from now on)."""
+        self._residency.release(self.held)
+        self.held = 0
+        self._seen = set(self._accounted)
