@@ -47,7 +47,7 @@ optimizer thread assigns it crashes torch (a segfault, reproduced with plain tor
 ``param.grad`` is read only on the optimizer thread (the step pre-hook) and after the run. There is no
 public API for any of this, so the accountant reaches into engine internals, read-only: it wraps the
 engine instance's ``_new_call`` and ``step`` (to hold weak references to calls and gradient windows)
-and reads ``_window._grads``, ``_sources._copies``, the workers' ``_grad_staging`` and the ``Call`` slots; it may need updating
+and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``_grad_staging`` and the ``Call`` slots; it may need updating
 when those change.
 
 Also printed: parameter bytes uploaded per parameter per optimizer step (the engine's counters), which the
@@ -191,7 +191,7 @@ class HostAccountant(pl.Callback):
         engine = self.engine
         for param in self.params:
             _add(seen, counts, "parameters", param)
-        for copy in list(engine._sources._copies.values()):
+        for copy in [*engine._sources._low.values(), *engine._sources._published.values()]:
             _add(seen, counts, "upload copies", copy)
         states = list(self.optimizer.state.values())
         for state in states:

@@ -61,6 +61,7 @@ from torch import nn
 from lightning_roundpipe.engine.host_step import SCRATCH_ELEMENTS, StepFigure, measure_step
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
+from lightning_roundpipe.engine.transport import layer_sizes, upload_copy_bytes
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
 from lightning_roundpipe.planning.partition import (
     ACTIVATION_RESERVE,
@@ -170,9 +171,10 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
 
 
 # ---------------------------------------------------------------------------------------------- device side
-def _layer_need(trunk: Trunk, index: int) -> tuple[int, int]:
-    state = trunk.states[index]
-    return state.param_bytes(), state.grad_bytes()
+def _layer_needs(trunk: Trunk, transport: torch.dtype | None) -> list[tuple[int, int]]:
+    """Per layer, its bytes on a device: parameters and buffers, and gradients (Linear and Conv weights in
+    the ``transport`` dtype, see ``engine/transport.py``)."""
+    return layer_sizes(trunk, transport)
 
 
 def _smallest_limit_for(need: int, workspace: int = 0) -> int:
@@ -183,7 +185,8 @@ def _smallest_limit_for(need: int, workspace: int = 0) -> int:
     return limit
 
 
-def check_layers(trunk: Trunk, device_memory_limit: int | None, device_type: str = "cpu") -> str | None:
+def check_layers(trunk: Trunk, device_memory_limit: int | None, device_type: str = "cpu",
+                 transport: torch.dtype | None = None) -> str | None:
     """A message if some layer cannot fit on a device under ``device_memory_limit``, else ``None``.
 
     A layer is never split, and every layer runs in a backward or the fused stage with its gradients, so
@@ -195,8 +198,9 @@ def check_layers(trunk: Trunk, device_memory_limit: int | None, device_type: str
     if budget is None:
         return None
     cap = budget / 2
-    worst = max(range(len(trunk)), key=lambda i: sum(_layer_need(trunk, i)))
-    weights, grads = _layer_need(trunk, worst)
+    needs = _layer_needs(trunk, transport)
+    worst = max(range(len(trunk)), key=lambda i: sum(needs[i]))
+    weights, grads = needs[worst]
     if weights + grads <= cap:
         return None
     assert device_memory_limit is not None
@@ -217,12 +221,12 @@ def check_layers(trunk: Trunk, device_memory_limit: int | None, device_type: str
     )
 
 
-def _stage_sizes(trunk: Trunk, stages: Iterable[range], with_grads: bool) -> list[int]:
+def _stage_sizes(needs: Sequence[tuple[int, int]], stages: Iterable[range], with_grads: bool) -> list[int]:
     sizes = []
     for stage in stages:
         total = 0
         for index in stage:
-            weights, grads = _layer_need(trunk, index)
+            weights, grads = needs[index]
             total += weights + (grads if with_grads else 0)
         sizes.append(total)
     return sizes
@@ -263,7 +267,7 @@ class MemoryPlan:
     optimizer_state_bytes: int
     optimizer_notes: list[str]
     optimizer_state_assumed: bool     # some optimizer class is unknown: 2 buffers per parameter assumed
-    published_bytes: int              # async: the published copy of the trainable trunk weights
+    upload_copy_bytes: int            # host copies uploads read: async's published copy, low-precision copies
     device_copy_bytes: int            # CPU devices: their stage copies live in host memory
     activation_bytes: int | None      # None: not estimated at setup (depends on the batch)
     activation_layers: list[int]      # layers whose inputs a training batch keeps on the host until backward
@@ -281,6 +285,8 @@ class MemoryPlan:
     warnings: list[str] = field(default_factory=list)
     workspace_bytes: int = 0          # per device, kept for kernel workspaces (GPUs: partition.CUDA_WORKSPACE_RESERVE)
     host_steps: list[StepFigure] = field(default_factory=list)  # the measured host optimizer step, per optimizer
+    transport: str | None = None      # the dtype Linear and Conv weights travel in; None: as stored
+    async_only_copy_bytes: int = 0    # what of upload_copy_bytes only async mode keeps
 
     @property
     def resident_bytes(self) -> int:
@@ -291,7 +297,7 @@ class MemoryPlan:
     def new_bytes(self) -> int:
         """What training will allocate on the host beyond what it holds at setup (activations excluded
         unless estimated)."""
-        return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.published_bytes
+        return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.upload_copy_bytes
                 + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes)
 
     @property
@@ -323,7 +329,7 @@ class MemoryPlan:
         if self.optimizer_notes:
             optimizer += f" ({'; '.join(self.optimizer_notes)})"
         items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
-                 (optimizer, self.optimizer_state_bytes), ("published weights (async)", self.published_bytes),
+                 (optimizer, self.optimizer_state_bytes), ("upload copies", self.upload_copy_bytes),
                  ("simulated device copies", self.device_copy_bytes)]
         return sorted([item for item in items if item[1] > 0], key=lambda item: -item[1])
 
@@ -347,8 +353,7 @@ class MemoryPlan:
         rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
                      "; ".join(self.optimizer_notes) if self.optimizer_notes
                      else ("no optimizer" if training else "none: not training")))
-        rows.append(("published weights", "+" + format_bytes(self.published_bytes),
-                     "async: trainable trunk weights once more" if self.async_step else "none: sync step"))
+        rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
         rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
                      f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
                      if self.device_type == "cpu" else "none: device memory"))
@@ -366,9 +371,15 @@ class MemoryPlan:
         if self.device_type == "cpu":
             pinned = "not used on CPU devices"
         else:  # the driver pins the pages itself: RLIMIT_MEMLOCK does not count them
-            pinned = "weights (or async's published copy) and buffers, registered in place; not reclaimable"
+            pinned = "what uploads read (weights or their copies) and buffers, registered in place; not reclaimable"
         rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
         return rows
+
+    def _upload_copies_note(self) -> str:
+        low = f"Linear/Conv weights in {self.transport}" if self.transport else ""
+        if self.async_step:
+            return "async: the published copy of the trainable trunk weights" + (f" ({low})" if low else "")
+        return f"{low}, cast once per step (transport_dtype)" if low else "none: sync step, weights uploaded as stored"
 
     def _activation_row(self, training: bool) -> tuple[str, str, str]:
         if self.activation_bytes is not None:
@@ -421,12 +432,13 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 devices: Sequence[torch.device], async_step: bool = False, recompute: str = "stage",
                 device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
                 trainer_fn: str | None = None, limits: HostLimits | None = None,
-                host_optimizer: str | None = None) -> MemoryPlan:
+                host_optimizer: str | None = None, transport: torch.dtype | None = None) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
     ``host_optimizer`` (the engine option) times each optimizer's host step (``plan.host_steps``) when
-    training and the plan fits; ``None``: not measured."""
+    training and the plan fits; ``None``: not measured. ``transport``: the dtype Linear and Conv weights travel
+    in (``engine/transport.py``), for the host copies and the device sizes."""
     limits = read_host_limits() if limits is None else limits
     params = list(module.parameters())  # each once, tied weights too
     by_dtype: dict[str, int] = {}
@@ -449,16 +461,17 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
             optimizer_bytes += nbytes
             notes.append(description)
             assumed = assumed or not known
-    published = trunk_trainable_bytes if async_step else 0
+    # the host copies uploads read instead of the masters: async's published copy, the low-precision copies
+    upload_copies, upload_reads = upload_copy_bytes(trunk, async_step=async_step, transport=transport)
+    sync_copies = upload_copy_bytes(trunk, async_step=False, transport=transport)[0]
 
     device_type = devices[0].type if devices else "cpu"
-    stages = _stage_footprint(trunk, plan, training, len(devices))
+    needs = _layer_needs(trunk, transport)
+    stages = _stage_footprint(needs, plan, training, len(devices))
     resident_copies = stages.resident_copies
     device_copies = resident_copies if device_type == "cpu" else 0
-    # what the engine's start() registers: every trunk weight (async: the published copy, the same size) and buffer
-    pinned = 0
-    if device_type == "cuda" and pin_memory:
-        pinned = tensors_nbytes(trunk.parameters()) + tensors_nbytes(b for state in trunk.states for b in state.buffers)
+    # what the engine's start() registers: what uploads read (copies, masters uploaded as stored, buffers)
+    pinned = upload_reads if device_type == "cuda" and pin_memory else 0
 
     if not training:
         activation_layers: list[int] = []
@@ -466,23 +479,25 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         activation_layers = list(range(len(trunk)))
     else:
         activation_layers = sorted({stage.start for stage in plan.backward} | {plan.fused.start})
-    layer_sizes = [sum(_layer_need(trunk, i)) for i in range(len(trunk))]
-    worst_layer = max(range(len(trunk)), key=lambda i: layer_sizes[i])
+    layer_totals = [sum(need) for need in needs]
+    worst_layer = max(range(len(trunk)), key=lambda i: layer_totals[i])
 
     memory_plan = MemoryPlan(
         trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
         device_type=device_type, async_step=async_step, recompute=recompute,
         parameter_bytes=sum(by_dtype.values()), parameter_bytes_by_dtype=by_dtype, buffer_bytes=buffer_bytes,
         gradient_bytes=gradient_bytes, next_gradient_bytes=next_gradient_bytes, optimizer_state_bytes=optimizer_bytes,
-        optimizer_notes=notes, optimizer_state_assumed=assumed, published_bytes=published,
+        optimizer_notes=notes, optimizer_state_assumed=assumed, upload_copy_bytes=upload_copies,
         device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
         checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
         stage_budget=stage_memory_budget(device_memory_limit, workspace_reserve(device_type)),
         workspace_bytes=workspace_reserve(device_type), largest_stages=stages.largest,
         device_stage_bytes=2 * max(size for _, size in stages.largest.values()),
-        largest_layer=(worst_layer, layer_sizes[worst_layer]),
+        largest_layer=(worst_layer, layer_totals[worst_layer]),
+        transport=None if transport is None else str(transport).removeprefix("torch."),
+        async_only_copy_bytes=upload_copies - sync_copies,
     )
-    _judge(memory_plan, trunk)
+    _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
         memory_plan.host_steps = _measure_host_steps(optimizers, host_optimizer, memory_plan.headroom)
     return memory_plan
@@ -503,12 +518,13 @@ class _StageFootprint(NamedTuple):
     resident_copies: int                   # the most bytes of stage copies the devices hold at once
 
 
-def _stage_footprint(trunk: Trunk, plan: Plan, training: bool, num_devices: int) -> _StageFootprint:
-    """Stage sizes on a device (training stages with their gradients): the largest of each kind, and what
-    all devices hold at once."""
-    forward_sizes = _stage_sizes(trunk, plan.forward, with_grads=False)
-    fused_size = _stage_sizes(trunk, [plan.fused], with_grads=training)[0]
-    backward_sizes = _stage_sizes(trunk, plan.backward, with_grads=True) if training else []
+def _stage_footprint(needs: Sequence[tuple[int, int]], plan: Plan, training: bool,
+                     num_devices: int) -> _StageFootprint:
+    """Stage sizes on a device (training stages with their gradients; ``needs`` per layer, see
+    :func:`_layer_needs`): the largest of each kind, and what all devices hold at once."""
+    forward_sizes = _stage_sizes(needs, plan.forward, with_grads=False)
+    fused_size = _stage_sizes(needs, [plan.fused], with_grads=training)[0]
+    backward_sizes = _stage_sizes(needs, plan.backward, with_grads=True) if training else []
     largest: dict[str, tuple[range, int]] = {}
     for kind, stages, sizes in (("forward", plan.forward, forward_sizes), ("fused", (plan.fused,), [fused_size]),
                                 ("backward", plan.backward, backward_sizes)):
@@ -519,14 +535,14 @@ def _stage_footprint(trunk: Trunk, plan: Plan, training: bool, num_devices: int)
     # heaviest 2N consecutive jobs bound them all
     schedules = [forward_sizes + [fused_size] + backward_sizes]
     if training:  # the transparent path runs the fused layers forward, then as the first backward stage
-        schedules.append(forward_sizes + _stage_sizes(trunk, [plan.fused], with_grads=False) + [fused_size]
+        schedules.append(forward_sizes + _stage_sizes(needs, [plan.fused], with_grads=False) + [fused_size]
                          + backward_sizes)
     return _StageFootprint(largest, max(_heaviest_window(sizes, 2 * num_devices) for sizes in schedules))
 
 
-def _judge(plan: MemoryPlan, trunk: Trunk) -> None:
+def _judge(plan: MemoryPlan, trunk: Trunk, transport: torch.dtype | None) -> None:
     """Fill ``plan.problems`` (refused) and ``plan.warnings`` (logged)."""
-    layer_problem = check_layers(trunk, plan.device_memory_limit, plan.device_type)
+    layer_problem = check_layers(trunk, plan.device_memory_limit, plan.device_type, transport)
     if layer_problem is not None:
         plan.problems.append(Problem("device", layer_problem))
     elif (plan.device_memory_limit is not None
@@ -578,7 +594,7 @@ def _host_message(plan: MemoryPlan) -> str:
         advice.append("store the weights in bfloat16 (precision='bf16-true'), which halves parameters, gradients "
                       "and optimizer state")
     if plan.async_step:
-        advice.append(f"async_step=False, which drops the published copy ({format_bytes(plan.published_bytes)}) "
+        advice.append(f"async_step=False, which drops the published copy ({format_bytes(plan.async_only_copy_bytes)}) "
                       f"and the next iteration's gradients ({format_bytes(plan.next_gradient_bytes)})")
     if plan.device_copy_bytes:
         advice.append(f"fewer simulated devices or smaller stages (their copies take "
@@ -595,11 +611,12 @@ def _host_message(plan: MemoryPlan) -> str:
     )
 
 
-def enforce_layers(trunk: Trunk, device_memory_limit: int | None, mode: str, device_type: str = "cpu") -> None:
+def enforce_layers(trunk: Trunk, device_memory_limit: int | None, mode: str, device_type: str = "cpu",
+                   transport: torch.dtype | None = None) -> None:
     """Act on :func:`check_layers` as ``mode`` says (the ``preflight`` option): run before the planner."""
     if mode == "off":
         return
-    problem = check_layers(trunk, device_memory_limit, device_type)
+    problem = check_layers(trunk, device_memory_limit, device_type, transport)
     if problem is not None:
         _refuse_or_warn(problem, mode, DeviceMemoryError)
 

@@ -39,6 +39,7 @@ from lightning_roundpipe.engine.engine import RoundPipeEngine
 from lightning_roundpipe.engine.host_step import HostKernels
 from lightning_roundpipe.engine.options import Recompute, TransportDtype
 from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.engine.transport import transport_torch_dtype
 from lightning_roundpipe.hf.causal_lm import CausalLMForward
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
@@ -234,7 +235,8 @@ class RoundPipeStrategy(ParallelStrategy):
         # pre-flight, before any thread starts: a layer too large for the device budget first (the planner
         # would refuse it tersely), then, with the plan and the optimizers known, the whole memory plan
         self.memory_plan = None
-        preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type)
+        transport = transport_torch_dtype(options.transport_dtype)
+        preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type, transport)
         engine = RoundPipeEngine(trunk, devices, options)  # plans; threads start below
         if fitting:
             self.setup_optimizers(trainer)
@@ -243,7 +245,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
                 async_step=options.async_step, recompute=options.recompute,
                 device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
-                trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer)
+                trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer, transport=transport)
             preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
         if self.options.timeline:

@@ -94,7 +94,7 @@ def test_parameter_gradient_and_optimizer_bytes_equal_hand_computed(name):
     assert plan.optimizer_state_bytes == buffers * param_bytes + 4 * scalars * len(params)
     # and equal to what the optimizer really allocates on its first step
     assert plan.optimizer_state_bytes == _measured_state_bytes(factory, _model())
-    assert plan.published_bytes == plan.next_gradient_bytes == 0  # sync
+    assert plan.upload_copy_bytes == plan.next_gradient_bytes == 0  # sync, no transport
     assert not plan.optimizer_state_assumed and plan.fits
 
 
@@ -133,8 +133,8 @@ def test_async_adds_the_published_copy_and_the_next_gradients_of_trunk_parameter
     sgd = torch.optim.SGD(module.parameters(), lr=0.1)
     sync = _plan(module, [sgd], trunk_module=module.net)
     plan = _plan(module, [sgd], trunk_module=module.net, async_step=True)
-    assert sync.published_bytes == 0
-    assert plan.published_bytes == _nbytes(trunk_trainable)
+    assert sync.upload_copy_bytes == 0
+    assert plan.upload_copy_bytes == _nbytes(trunk_trainable)
     assert plan.next_gradient_bytes == _nbytes(trunk_trainable)
     assert plan.gradient_bytes == sync.gradient_bytes == _nbytes(p for p in module.parameters() if p.requires_grad)
     assert plan.new_bytes - sync.new_bytes == 2 * _nbytes(trunk_trainable)
@@ -362,7 +362,7 @@ def test_fit_logs_the_plan_when_it_fits(monkeypatch, caplog):
     assert plan.new_bytes == _expected_new_bytes(module, strategy)
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RoundPipe memory plan")]
     assert len(logged) == 1
-    for item in ("parameters", "gradients", "optimizer state", "AdamW", "published weights", "headroom",
+    for item in ("parameters", "gradients", "optimizer state", "AdamW", "upload copies", "headroom",
                  "stage-boundary activations", "checkpoint save", "running + prefetched stage", "largest layer"):
         assert item in logged[0]
     assert format_bytes(_nbytes(params)) in logged[0]

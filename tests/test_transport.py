@@ -29,22 +29,26 @@ from tests.numerics import assert_states_equal
 
 
 # ---------------------------------------------------------------------------------------------- which weights
-def test_only_weights_used_solely_by_stock_linear_and_conv_modules_travel_in_low_precision():
+def test_only_weights_a_layer_uses_solely_as_stock_linear_or_conv_weights_travel_in_low_precision():
     class Doubled(nn.Linear):  # its own forward: autocast may never see the weight in a matmul
         def forward(self, x):
             return super().forward(x) * 2
 
     embedding = nn.Embedding(10, 8)
     tied_head = nn.Linear(8, 10, bias=False)
-    tied_head.weight = embedding.weight          # also an embedding table: not autocast-only
-    shared = nn.Linear(8, 8)                     # a Linear in two layers: autocast-only at both
+    tied_head.weight = embedding.weight          # a lookup table in layer 0, a matmul weight in layer 4
+    shared = nn.Linear(8, 8)                     # a Linear in two layers: autocast-only in both
     conv = nn.Conv1d(8, 8, 3)
     norm = nn.LayerNorm(8)
     doubled = Doubled(8, 8)
     half = nn.Linear(8, 8).to(torch.bfloat16)    # already stored in the transport dtype: nothing to gain
+    both = nn.Linear(8, 8)
+    both_norm = nn.LayerNorm(8)
+    both_norm.weight = both.weight               # within one layer a Linear's and a LayerNorm's: stays as stored
     trunk = Trunk([nn.Sequential(embedding, norm), nn.Sequential(shared, conv), nn.Sequential(shared, doubled),
-                   half, tied_head])
-    expected = {id(shared.weight), id(shared.bias), id(conv.weight), id(conv.bias)}
+                   nn.Sequential(half, both, both_norm), tied_head])
+    expected = [set(), {id(shared.weight), id(shared.bias), id(conv.weight), id(conv.bias)},
+                {id(shared.weight), id(shared.bias)}, {id(both.bias)}, {id(embedding.weight)}]
     assert autocast_only_weights(trunk, torch.bfloat16) == expected
     # float16 is as narrow as bfloat16: the same weights
     assert autocast_only_weights(trunk, torch.float16) == expected
@@ -188,3 +192,25 @@ def test_grad_staging_views_are_shaped_aligned_and_reused():
     assert [view.data_ptr() for view in staging.views(grads)] == pointers
     assert all(torch.equal(view, grad * 2) for view, grad in zip(views, grads, strict=True))
     assert staging.nbytes() == 64 + 64 + 64
+
+
+# ---------------------------------------------------------------------------------------------- pre-flight
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_the_memory_plan_counts_the_low_precision_copies_and_the_halved_device_stages(async_step):
+    """Classifier's trunk is Linear layers only: under bf16-mixed its host copies are 2 bytes per parameter in
+    both modes (async publishes them in bfloat16 only), and every layer takes half its float32 bytes on a
+    device, gradients included."""
+    plans = {}
+    for precision in ("32-true", "bf16-mixed"):
+        strategy = RoundPipeStrategy(num_microbatches=2, async_step=async_step)
+        module = Classifier("adamw")
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1, precision=precision, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False).fit(module, classifier_data())
+        plans[precision] = strategy.memory_plan
+    elements = sum(param.numel() for param in module.parameters())
+    assert plans["bf16-mixed"].upload_copy_bytes == 2 * elements
+    assert plans["32-true"].upload_copy_bytes == (4 * elements if async_step else 0)
+    layer, nbytes = plans["bf16-mixed"].largest_layer
+    assert plans["32-true"].largest_layer == (layer, 2 * nbytes)
+    assert "Linear/Conv weights in bfloat16" in plans["bf16-mixed"].table()

@@ -45,8 +45,7 @@ from lightning_roundpipe.engine.stage import StageRunner, Task
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.transport import (
     UploadSources,
-    autocast_only_weights,
-    layer_device_bytes,
+    layer_sizes,
     transport_torch_dtype,
 )
 from lightning_roundpipe.engine.worker import Worker
@@ -92,9 +91,7 @@ class RoundPipeEngine:
         self.num_microbatches = self.options.microbatches_for(self.num_devices)
         # the dtype autocast-only weights travel in (``transport.py``), and the bytes a layer takes on a device
         self.transport = transport_torch_dtype(self.options.transport_dtype)
-        low_precision = autocast_only_weights(self.trunk, self.transport) if self.transport is not None else set()
-        self.layer_device_bytes = [layer_device_bytes(state, low_precision, self.transport)
-                                   for state in self.trunk.states]
+        self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
         initial = costs_from_bytes([params for params, _ in self.layer_device_bytes],
                                    [grads for _, grads in self.layer_device_bytes])
         limit = self.options.device_memory_limit_bytes
@@ -150,7 +147,8 @@ class RoundPipeEngine:
         if self.options.pin_memory and any(device.is_cuda for device in self.devices):
             # what uploads read (the masters, async's published copy, the low-precision copies) and the
             # buffers, pinned in place
-            uploaded = [sources.source(param, low_precision=True) for param in self.trunk.parameters()]
+            uploaded = [sources.source(param, layer, low_precision=True)
+                        for layer, state in enumerate(self.trunk.states) for param in state.params]
             self._pinned.pin([*uploaded, *(b for state in self.trunk.states for b in state.buffers)])
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
                                    self.base_seed, sources, measure=not self.options.freeze_plan)
@@ -593,7 +591,8 @@ class RoundPipeEngine:
             transported = sources.transport == dtype
             for index, state in enumerate(self.trunk.states):
                 cast = sum(param.numel() * param.element_size() for param in state.params
-                           if param.dtype == torch.float32 and not (transported and sources.is_low_precision(param)))
+                           if param.dtype == torch.float32
+                           and not (transported and sources.is_low_precision(index, param)))
                 estimate[index] = autocast_copy_bytes(cast, autocast_itemsize=dtype.itemsize)
         self.planner.observe_activations(estimate, measured=False)
 

@@ -158,7 +158,7 @@ class StageRunner:
         widen: list[tuple[int, int, torch.dtype]] = []  # (layer, position, dtype): async copies run outside autocast
         for layer in task.job.layers:
             state = self.trunk.states[layer]
-            host = [sources.source(param, low_precision) for param in state.params]
+            host = [sources.source(param, layer, low_precision) for param in state.params]
             params = [copy_tensor(source, device.torch_device, non_blocking=asynchronous) for source in host]
             buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
                        for buffer in state.buffers]

@@ -41,32 +41,30 @@ _AUTOCAST_FORWARDS = frozenset({nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.
 """Module forwards that use their ``weight`` and ``bias`` in one autocast-listed op (a matmul or a conv)."""
 
 
-
 def transport_torch_dtype(name: str) -> torch.dtype | None:
     """The dtype an ``EngineOptions.transport_dtype`` names: None for ``"off"``, and for ``"auto"``, which
     only the strategy resolves (it knows the precision)."""
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
 
 
-def autocast_only_weights(trunk: Trunk, dtype: torch.dtype) -> set[int]:
-    """The ids of the trunk parameters every use of which is a stock Linear or Conv's ``weight`` or ``bias``
-    (so autocast casts them to ``dtype`` before using them), stored wider than ``dtype``."""
-    eligible: dict[int, bool] = {}
-    for layer, state in zip(trunk.layers, trunk.states, strict=True):
-        for param, slots in zip(state.params, state.param_slots, strict=True):
-            cast_by_autocast = param.is_floating_point() and param.element_size() > dtype.itemsize and all(
-                slot.name in ("weight", "bias")
-                and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS
-                for slot in slots)
-            # a parameter shared between layers qualifies only if it does at every slot of every layer
-            eligible[id(param)] = eligible.get(id(param), True) and cast_by_autocast
-    return {key for key, ok in eligible.items() if ok}
+def autocast_only_weights(trunk: Trunk, dtype: torch.dtype) -> list[set[int]]:
+    """Per trunk layer, the ids of its parameters stored wider than ``dtype`` that it uses only as a stock
+    Linear's or Conv's ``weight`` or ``bias`` (which autocast casts to ``dtype`` before use). Per layer
+    because each layer's upload is its own: a tied embedding and LM head is a lookup table in the
+    embedding's layer (uploaded as stored) and a matmul weight in the head's (uploaded cast)."""
+    return [
+        {id(param) for param, slots in zip(state.params, state.param_slots, strict=True)
+         if param.is_floating_point() and param.element_size() > dtype.itemsize and all(
+             slot.name in ("weight", "bias")
+             and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS for slot in slots)}
+        for layer, state in zip(trunk.layers, trunk.states, strict=True)
+    ]
 
 
 def layer_device_bytes(state: LayerState, low_precision: set[int], transport: torch.dtype | None) -> tuple[int, int]:
-    """One upload of a layer under autocast in the ``transport`` dtype, ``low_precision`` being the ids of
-    :func:`autocast_only_weights`: its parameter and buffer bytes on the device, and the bytes of the
-    gradients a differentiating job keeps there."""
+    """One upload of a layer under autocast in the ``transport`` dtype, ``low_precision`` being the layer's
+    ids from :func:`autocast_only_weights`: its parameter and buffer bytes on the device, and the bytes of
+    the gradients a differentiating job keeps there."""
     def size(param: nn.Parameter) -> int:
         itemsize = transport.itemsize if transport is not None and id(param) in low_precision else param.element_size()
         return param.numel() * itemsize
@@ -74,6 +72,50 @@ def layer_device_bytes(state: LayerState, low_precision: set[int], transport: to
     params = sum(size(param) for param in state.params)
     buffers = sum(buffer.numel() * buffer.element_size() for buffer in state.buffers)
     return params + buffers, sum(size(param) for param in state.params if param.requires_grad)
+
+
+def _low_by_layer(trunk: Trunk, transport: torch.dtype | None) -> list[set[int]]:
+    return autocast_only_weights(trunk, transport) if transport is not None else [set() for _ in trunk.states]
+
+
+def _low_sets(trunk: Trunk, low_by_layer: list[set[int]]) -> tuple[set[int], set[int]]:
+    """The ids of the parameters some layer uploads in low precision, and of those every layer that reads
+    them does (async publishes these in low precision only)."""
+    anywhere = set().union(*low_by_layer)
+    everywhere = set(anywhere)
+    for state, low in zip(trunk.states, low_by_layer, strict=True):
+        everywhere -= {id(param) for param in state.params} - low
+    return anywhere, everywhere
+
+
+def layer_sizes(trunk: Trunk, transport: torch.dtype | None) -> list[tuple[int, int]]:
+    """:func:`layer_device_bytes` of every trunk layer."""
+    return [layer_device_bytes(state, low, transport)
+            for state, low in zip(trunk.states, _low_by_layer(trunk, transport), strict=True)]
+
+
+def upload_copy_bytes(trunk: Trunk, *, async_step: bool, transport: torch.dtype | None) -> tuple[int, int]:
+    """What :class:`UploadSources` will hold on the host, from sizes alone: the bytes of its copies, and the
+    bytes uploads under autocast read (the copies, the masters uploaded as stored and the buffers: what the
+    engine pins for CUDA devices)."""
+    low_by_layer = _low_by_layer(trunk, transport)
+    anywhere, everywhere = _low_sets(trunk, low_by_layer)
+    copies = 0
+    for param in trunk.parameters():
+        if transport is not None and id(param) in anywhere:
+            copies += param.numel() * transport.itemsize
+        if async_step and param.requires_grad and id(param) not in everywhere:
+            copies += param.numel() * param.element_size()
+    read = copies
+    read_masters: set[int] = set()
+    for state, low_ids in zip(trunk.states, low_by_layer, strict=True):
+        for param in state.params:
+            as_stored = id(param) not in low_ids and not (async_step and param.requires_grad)
+            if as_stored and id(param) not in read_masters:
+                read_masters.add(id(param))
+                read += param.numel() * param.element_size()
+        read += sum(buffer.numel() * buffer.element_size() for buffer in state.buffers)
+    return copies, read
 
 
 class UploadSources:
@@ -86,52 +128,54 @@ class UploadSources:
 
     def __init__(self, trunk: Trunk, *, async_step: bool, transport: torch.dtype | None) -> None:
         self.transport = transport
-        self._low = autocast_only_weights(trunk, transport) if transport is not None else set()
         self._async = async_step
-        self._copies: dict[int, torch.Tensor] = {}
-        # sync mode: the master's version counter when its low-precision copy was made
-        self._versions: dict[int, int] = {}
+        self._low_by_layer = _low_by_layer(trunk, transport)
+        low_anywhere, low_everywhere = _low_sets(trunk, self._low_by_layer)
+        self._low: dict[int, torch.Tensor] = {}        # low-precision copies
+        self._published: dict[int, torch.Tensor] = {}  # async: full-precision copies some layer reads
+        self._versions: dict[int, int] = {}            # sync: the master's version when its low copy was made
         self._lock = threading.Lock()  # two devices may upload a weight shared by their stages at once
         with torch.no_grad():
             for param in trunk.parameters():
-                if id(param) in self._low:
-                    self._copies[id(param)] = param.detach().to(transport, copy=True)
-                    self._versions[id(param)] = param._version
-                elif async_step and param.requires_grad:
-                    self._copies[id(param)] = param.detach().clone()
+                key = id(param)
+                if key in low_anywhere:
+                    self._low[key] = param.detach().to(transport, copy=True)
+                    self._versions[key] = param._version
+                if async_step and param.requires_grad and key not in low_everywhere:
+                    self._published[key] = param.detach().clone()
 
-    def is_low_precision(self, param: nn.Parameter) -> bool:
-        return id(param) in self._low
+    def is_low_precision(self, layer: int, param: nn.Parameter) -> bool:
+        """Whether ``layer`` uploads ``param`` in the transport dtype (under autocast in that dtype)."""
+        return id(param) in self._low_by_layer[layer]
 
-    def source(self, param: nn.Parameter, low_precision: bool) -> torch.Tensor:
-        """What to upload for ``param``. ``low_precision``: the call runs under autocast in the transport
-        dtype. Otherwise the result may still be a low-precision copy in async mode: widen it on the device
-        (the published weights are only kept in that dtype)."""
-        copy = self._copies.get(id(param))
-        if copy is None or (not low_precision and not (self._async and param.requires_grad)):
-            return param.detach()
-        if not self._async and param._version != self._versions[id(param)]:
-            self.refresh([param])  # written since its copy was made, outside an optimizer step
-        return copy
+    def source(self, param: nn.Parameter, layer: int, low_precision: bool) -> torch.Tensor:
+        """What ``layer`` uploads for ``param``. ``low_precision``: the call runs under autocast in the
+        transport dtype. Otherwise the result may still be a low-precision copy in async mode: widen it on
+        the device (a weight only ever read as a matmul weight is published in that dtype only)."""
+        key = id(param)
+        if low_precision and key in self._low_by_layer[layer]:
+            if not self._async and param._version != self._versions[key]:
+                self.refresh([param])  # written since its copy was made, outside an optimizer step
+            return self._low[key]
+        if self._async and param.requires_grad:
+            return self._published[key] if key in self._published else self._low[key]
+        return param.detach()
 
     def refresh(self, params: Iterable[nn.Parameter]) -> None:
         """Copy the masters of ``params`` into their upload copies, casting where the copy is low precision:
         after a sync step, or at an async publish."""
         with torch.no_grad(), self._lock:
             for param in params:
-                copy = self._copies.get(id(param))
-                if copy is not None:
-                    copy.copy_(param.detach())
-                    if id(param) in self._versions:
-                        self._versions[id(param)] = param._version
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """Every host tensor uploads may read (to pin): the copies, and the masters uploaded as stored."""
-        return list(self._copies.values())
+                key = id(param)
+                for copies in (self._low, self._published):
+                    if key in copies:
+                        copies[key].copy_(param.detach())
+                if key in self._versions:
+                    self._versions[key] = param._version
 
     def nbytes(self) -> int:
         """Host bytes of the copies."""
-        return sum(copy.untyped_storage().nbytes() for copy in self._copies.values())
+        return sum(copy.untyped_storage().nbytes() for copy in (*self._low.values(), *self._published.values()))
 
 
 class GradStaging:
