@@ -23,11 +23,13 @@ sample in an optimizer step pre-hook, when every gradient of the step is in ``pa
 * ``gradients``: ``param.grad`` plus every gradient window still alive (the open one and the ones
   queued steps hold: in async mode iteration k+1's gradients accumulate while step k runs).
 * ``optimizer state``: the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step).
-* ``upload copies``: the host copies devices read instead of the masters (``transport.UploadSources``):
-  async mode's published copy, and the low-precision transport copies of the Linear weights (bf16-mixed,
-  ``transport_dtype="auto"``): 2 B/param in sync mode; in async mode they are the published copy.
-* ``staging buffers``: pinned/staging host buffers. The engine has none on CPU devices (``pin_memory``
-  is ignored there and copies go straight between tensors), so this row is structurally 0 here.
+* ``low-precision copies`` and ``published (full precision)``: the host copies devices read instead of
+  the masters (``transport.UploadSources``). Under bf16-mixed (``transport_dtype="auto"``) the Linear
+  weights travel from a bf16 copy, 2 B per such parameter, in both modes (in async mode it is their
+  published copy); async mode also publishes the other trainable weights (embeddings, norms) in their
+  own dtype.
+* ``staging buffers``: the reused gradient download buffers. The engine has them on CUDA devices only
+  (pinned); on CPU devices gradients are copied straight into the window, so this row is 0 here.
 * ``checkpoints`` and ``other activations``: what live trunk calls keep on the host (every ``Slot`` of
   every ``Call``; calls are tracked with weak references, so the benchmark does not extend their life).
   ``checkpoints``: the inputs backward stages recompute from (and buffer snapshots); ``other``: the
@@ -83,9 +85,9 @@ from lightning_roundpipe.app.data import stdlib_bytes  # noqa: E402
 from lightning_roundpipe.app.model import ByteLM, gpt  # noqa: E402
 from lightning_roundpipe.engine.transfer import NoGrad  # noqa: E402
 
-CATEGORIES = ("parameters", "upload copies", "optimizer state", "gradients", "staging buffers", "checkpoints",
+CATEGORIES = ("parameters", "low-precision copies", "published (full precision)", "optimizer state", "gradients", "staging buffers", "checkpoints",
               "other activations")
-MODEL_STATE = ("parameters", "upload copies", "optimizer state", "gradients", "staging buffers")
+MODEL_STATE = ("parameters", "low-precision copies", "published (full precision)", "optimizer state", "gradients", "staging buffers")
 TARGETS = {"auto": {"sync": 18.0, "async": 18.0}, "off": {"sync": 16.0, "async": 20.0}}
 
 
@@ -191,8 +193,10 @@ class HostAccountant(pl.Callback):
         engine = self.engine
         for param in self.params:
             _add(seen, counts, "parameters", param)
-        for copy in [*engine._sources._low.values(), *engine._sources._published.values()]:
-            _add(seen, counts, "upload copies", copy)
+        for category, copies in (("low-precision copies", engine._sources._low),
+                                 ("published (full precision)", engine._sources._published)):
+            for copy in list(copies.values()):
+                _add(seen, counts, category, copy)
         states = list(self.optimizer.state.values())
         for state in states:
             for value in list(state.values()):
@@ -342,22 +346,22 @@ def main() -> int:
               f"{result['seconds']:.1f} s; final loss {result['final_loss']:.3f}")
 
     print(f"\nHost bytes per parameter ({count:,} parameters), at the largest sampled total | each category's own peak")
-    print(f"{'category':<22} {'sync':>8} {'(own)':>7} {'async':>8} {'(own)':>7}")
+    print(f"{'category':<28} {'sync':>8} {'(own)':>7} {'async':>8} {'(own)':>7}")
     rows = {}
     for category in CATEGORIES:
         cells = [(results[m]["per_param_at_peak"][category], results[m]["per_param_own_peak"][category])
                  for m in ("sync", "async")]
         rows[category] = cells
-        print(f"{category:<22} " + " ".join(f"{at:8.2f} {own:7.2f}" for at, own in cells))
-    print(f"{'(largest single call)':<22} {results['sync']['largest_call_per_param']:8.2f} {'':7} "
+        print(f"{category:<28} " + " ".join(f"{at:8.2f} {own:7.2f}" for at, own in cells))
+    print(f"{'(largest single call)':<28} {results['sync']['largest_call_per_param']:8.2f} {'':7} "
           f"{results['async']['largest_call_per_param']:8.2f}")
     state = {m: sum(results[m]["per_param_at_peak"][c] for c in MODEL_STATE) for m in results}
     total = {m: results[m]["host_peak_total"] / count for m in results}
-    print(f"{'model state (no acts)':<22} {state['sync']:8.2f} {'':7} {state['async']:8.2f}")
-    print(f"{'total':<22} {total['sync']:8.2f} {'':7} {total['async']:8.2f}")
+    print(f"{'model state (no acts)':<28} {state['sync']:8.2f} {'':7} {state['async']:8.2f}")
+    print(f"{'total':<28} {total['sync']:8.2f} {'':7} {total['async']:8.2f}")
     targets = TARGETS[args.transport]
-    print(f"{'target':<22} {'<= ' + format(targets['sync'], 'g'):>8} {'':7} {'<= ' + format(targets['async'], 'g'):>8}")
-    print(f"{'uploaded B/param/step':<22} " + " ".join(
+    print(f"{'target':<28} {'<= ' + format(targets['sync'], 'g'):>8} {'':7} {'<= ' + format(targets['async'], 'g'):>8}")
+    print(f"{'uploaded B/param/step':<28} " + " ".join(
         f"{results[m]['uploaded_param_bytes_per_param_per_step']:8.2f} {'':7}" for m in ("sync", "async")))
     for mode, result in results.items():
         print(f"{mode}: {result['samples']} samples ({result['skipped_samples']} skipped mid-update), at most "

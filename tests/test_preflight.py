@@ -349,11 +349,7 @@ def _expected_new_bytes(module: Classifier, strategy: RoundPipeStrategy) -> int:
 
 
 def test_fit_logs_the_plan_when_it_fits(monkeypatch, caplog):
-    _fake_host(monkeypatch, 2**40)
-    module = Classifier()
-    strategy = RoundPipeStrategy(num_microbatches=2)
-    with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
-        _trainer(strategy).fit(module, _loader())
+    module, strategy = _fit_with_plenty_of_host(monkeypatch, caplog)
     plan = strategy.memory_plan
     assert plan is not None and plan.fits and plan.trainer_fn == "fit"
     params = list(module.parameters())
@@ -509,12 +505,17 @@ def _logged_plan(caplog) -> str:
     return _one_line(logged[0])
 
 
-def test_fit_logs_the_measured_host_optimizer_step_and_the_fused_alternative(monkeypatch, caplog):
+def _fit_with_plenty_of_host(monkeypatch, caplog) -> tuple[Classifier, RoundPipeStrategy]:
     _fake_host(monkeypatch, 2**40)
     module = Classifier()
     strategy = RoundPipeStrategy(num_microbatches=2)
     with caplog.at_level(logging.INFO, logger="lightning_roundpipe"):
         _trainer(strategy).fit(module, _loader())
+    return module, strategy
+
+
+def test_fit_logs_the_measured_host_optimizer_step_and_the_fused_alternative(monkeypatch, caplog):
+    module, strategy = _fit_with_plenty_of_host(monkeypatch, caplog)
     assert strategy.memory_plan is not None
     (figure,) = strategy.memory_plan.host_steps
     count = sum(p.numel() for p in module.parameters())
