@@ -402,14 +402,17 @@ def test_pipeline_metrics_are_logged_after_each_step():
     model_bytes = sum(p.numel() * p.element_size() for p in module.net.parameters())
     for entry in stepped:
         assert set(entry) == {f"roundpipe/{k}" for k in ("bubble_ratio", "uploaded_bytes", "optimizer_seconds",
-                                                          "optimizer_exposed_seconds", "peak_device_bytes")}
+                                                          "optimizer_exposed_seconds", "gradient_download_seconds",
+                                                          "peak_device_bytes")}
         assert 0.0 <= entry["roundpipe/bubble_ratio"] <= 1.0
         assert 0 < entry["roundpipe/peak_device_bytes"] <= 2**20
         assert entry["roundpipe/optimizer_seconds"] >= 0.0 and entry["roundpipe/optimizer_exposed_seconds"] >= 0.0
+        assert entry["roundpipe/gradient_download_seconds"] >= 0.0
     # every parameter is uploaded at least twice per batch (forward and backward stages); the figures are
     # read while the pipeline runs, so one batch's traffic may land in the next report
     uploaded = sum(entry["roundpipe/uploaded_bytes"] for entry in stepped)
     assert uploaded >= 2 * model_bytes * (2 * len(stepped) - 1)
+    assert sum(entry["roundpipe/gradient_download_seconds"] for entry in stepped) > 0.0
     assert not any(isinstance(c, PipelineMetrics) for c in trainer.callbacks)  # removed at teardown
 
 

@@ -154,7 +154,8 @@ class RoundPipeEngine:
                                    self.base_seed, sources, measure=not self.options.freeze_plan)
         self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, timeline)
-        self._metrics_mark = (timeline.now(), {"compute": 0.0, "uploaded": 0.0, "optimizer": 0.0, "exposed": 0.0})
+        self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
+                                                            0.0))
         self._started = True
         return self
 
@@ -317,6 +318,8 @@ class RoundPipeEngine:
         ``bubble_ratio``: share of device time not spent computing over that wall time; ``uploaded_bytes``:
         host-to-device traffic; ``optimizer_seconds``: host step time; ``optimizer_exposed_seconds``: device
         time spent waiting for a step's weights (the part of the step the pipeline did not hide);
+        ``gradient_download_seconds``: download-thread time bringing jobs' gradients to the host and summing
+        them (all devices; off the compute stream, but it delays the release of a stage's memory);
         ``peak_device_bytes``: the largest resident bytes on any device so far (accounted: stages, stage-boundary
         activations, what the compute keeps for backward and, on GPUs, the workspace reserve).
 
@@ -331,6 +334,7 @@ class RoundPipeEngine:
             "uploaded": float(sum(d.counters.uploaded_bytes for d in self.devices)),
             "optimizer": optimizer.busy_seconds,
             "exposed": sum(d.counters.weight_wait_seconds for d in self.devices),
+            "download": sum(d.counters.gradient_download_seconds for d in self.devices),
         }
         last_time, last = self._metrics_mark
         self._metrics_mark = (now, totals)
@@ -341,6 +345,7 @@ class RoundPipeEngine:
             "uploaded_bytes": totals["uploaded"] - last["uploaded"],
             "optimizer_seconds": totals["optimizer"] - last["optimizer"],
             "optimizer_exposed_seconds": (totals["exposed"] - last["exposed"]) / self.num_devices,
+            "gradient_download_seconds": totals["download"] - last["download"],
             "peak_device_bytes": float(max(self.peak_resident_bytes())),
             **self.cuda_memory_figures(),
         }

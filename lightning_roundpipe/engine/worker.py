@@ -272,6 +272,7 @@ class Worker:
         """The job's gradients into the step's window: every copy enqueued at once (into the reused staging
         buffer where there is one), one synchronize, then the window sums them in the masters' dtype."""
         device = self.device
+        start = self.runner.timeline.now()
         pairs = [(param, copied.grad) for layer in task.job.layers
                  for param, copied in zip(self.runner.trunk.states[layer].params, stage_copy.params[layer],
                                           strict=True)
@@ -290,6 +291,7 @@ class Worker:
             task.window.add(param, grad, borrowed=staging is not None)
         if device.stress and staging is not None:
             poison(host)  # the window has its copies: the next job may overwrite the staging buffer
+        device.counters.gradient_download_seconds += self.runner.timeline.now() - start
 
     # ------------------------------------------------------------------ one microbatch
     def _enqueue_microbatch(self, task: Task, stage_copy: StageCopy, microbatch: int) -> None:
