@@ -106,9 +106,12 @@ class Slot:
                     poison(tree_tensors(self.value))
                 self.value = None
 
-    def put(self, value: Any, poison_on_drop: bool = False) -> None:
+    def put(self, value: Any, poison_on_drop: bool = False, copied: torch.cuda.Event | None = None) -> None:
+        """Publish ``value``. ``copied``: a CUDA event after the copies that fill it, still running: a reader's
+        stream waits for it on the GPU, a host reader synchronizes it (see ``RoundPipeEngine._wait``)."""
         self.value = value
         self._poison_on_drop = poison_on_drop
+        self.event.cuda_event = copied
         self.event.set()
 
     @staticmethod

@@ -182,6 +182,15 @@ class Stream:
         self._queue.put(record_on_gpu)
         return event
 
+    def mark(self) -> torch.cuda.Event | None:
+        """A CUDA event recorded at this point of the stream, without waiting for it (None on CPU stand-ins).
+        Called only from operations on this stream."""
+        if self.cuda_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.cuda_stream)
+        return event
+
     def wait_event(self, event: HostEvent | None) -> None:
         """Later operations on this stream wait until ``event`` is set (on CUDA: and until the GPU work it
         recorded has run, waited for on the GPU, not on the host)."""

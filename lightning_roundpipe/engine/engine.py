@@ -279,8 +279,12 @@ class RoundPipeEngine:
             raise
 
     def _wait(self, event: HostEvent) -> None:
+        """Wait on this thread until what ``event`` guards may be read here (a downloaded slot: also until its
+        copies have run on the GPU)."""
         with self._failures_surfaced():
             event.wait(self._abort)
+        if event.cuda_event is not None:
+            event.cuda_event.synchronize()
 
     def _publish_gradients(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
         """On this thread: wait for the window's jobs, then for the step in flight (it clears

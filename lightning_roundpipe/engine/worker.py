@@ -34,13 +34,14 @@ microbatches::
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
     backward job, its checkpoints and buffer snapshots: host slots another device's download fills.
     Each slot is consumed after its copy, which drops the host value after its last counted reader. On a
-    GPU the copy is only enqueued then (no host sync): the host memory outlives it (see ``upload``), so
-    a stage boundary costs one host sync, the producer's [7], not two.
+    GPU the copy is only enqueued then (no host sync): the host memory outlives it (see ``upload``).
 [5] Parameters and buffers are on the device: bind them into the device's layer replicas.
 [6] Microbatch m computes once its own inputs are there. They have their own stream, so a long
     parameter prefetch never delays them, and input m+1 uploads while m computes.
-[7] The download stream synchronizes before it fills the host slots, so a reader on another thread
-    never sees a partial copy.
+[7] The host slots are filled once their copies are: on a CPU stand-in the download stream synchronizes
+    first; on a GPU each slot carries a CUDA event recorded after its copies, which the reading upload
+    stream waits for on the GPU ([4]) and a host reader (the caller) synchronizes. A stage boundary thus
+    costs no host sync on a GPU, only GPU-side event waits.
 [8] Every microbatch has computed and the replicas are unbound: the job's gradients go into the
     step's window, its buffers back to the host layers, its memory is released and ``released[k]`` set.
 
@@ -423,25 +424,32 @@ class Worker:
             checkpoints = {layer: copy_tree(value, HOST, pin=pin) for layer, value in outputs.checkpoints.items()}
             snapshots = {layer: [copy_tensor(buffer, HOST, pin=pin) for buffer in buffers]
                          for layer, buffers in outputs.snapshots.items()}
-            loss = copy_tensor(outputs.loss, HOST) if outputs.loss is not None else None
+            loss = copy_tensor(outputs.loss, HOST, pin=pin) if outputs.loss is not None else None
             output = copy_tree(outputs.output, HOST, pin=pin)
             stress = device.stress
+            released = tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss])
             if stress:  # the host copies land late, at the synchronize below
-                device.download_stream.copy_late(
-                    tree_tensors([outputs.checkpoints, outputs.snapshots, outputs.loss, outputs.output]),
-                    tree_tensors([checkpoints, snapshots, loss, output]))
-            device.download_stream.synchronize()  # every host copy complete before another thread reads it
+                device.download_stream.copy_late(released, tree_tensors([output, checkpoints, snapshots, loss]))
+            # on a GPU no host sync: the slots carry a CUDA event after the copies, which a reading stream waits
+            # for on the GPU and a host reader synchronizes; the device outputs, dropped below, keep their
+            # memory until the copies are done. A CPU stand-in's copies are complete (landed) at the synchronize.
+            download = device.download_stream
+            copied = download.mark()
+            if copied is None or download.cuda_stream is None:
+                download.synchronize()
+            else:
+                for tensor in released:
+                    tensor.record_stream(download.cuda_stream)
             for layer, value in checkpoints.items():
-                call.checkpoints[(layer, microbatch)].put(value, poison_on_drop=stress)
+                call.checkpoints[(layer, microbatch)].put(value, poison_on_drop=stress, copied=copied)
             for layer, value in snapshots.items():
-                call.snapshots[(layer, microbatch)].put(value, poison_on_drop=stress)
+                call.snapshots[(layer, microbatch)].put(value, poison_on_drop=stress, copied=copied)
             if loss is not None:
-                call.fused_loss.losses[microbatch].put(loss)
-            output_slot.put(output, poison_on_drop=stress)
+                call.fused_loss.losses[microbatch].put(loss, copied=copied)
+            output_slot.put(output, poison_on_drop=stress, copied=copied)
             device.residency.release(outputs.nbytes)
             if stress:  # downloaded: the device outputs are released (the stage's copy is released later)
-                _poison_unshared(tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss]),
-                                 _stage_tensors(stage_copy))
+                _poison_unshared(released, _stage_tensors(stage_copy))
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 
         device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}"))
