@@ -4,6 +4,10 @@ One process, rank 0, world size 1, no launcher. The host is the root device: the
 ``self.device`` stay on the CPU, and only the engine touches the devices Lightning hands over as
 ``parallel_devices``. The trunk's ``forward`` is redirected to the engine while the strategy is set up.
 
+Checkpoints: beside Lightning's entries, ``checkpoint["roundpipe"]`` holds the engine's state (the plan in use, the
+step count and base seed that seed the random layers), which ``ckpt_path`` gives back to the next run's engine, so
+that a resumed run continues the saved one exactly.
+
 Optimizer contract: the module's parameters are the master weights, stepped on the engine's optimizer
 thread. Lightning's ``zero_grad`` is a no-op on the strategy's optimizers (the engine clears gradients
 after each step, so a main-thread ``zero_grad`` cannot wipe gradients the pipeline produced or race a
@@ -45,9 +49,13 @@ from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
 from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, build_options
+from lightning_roundpipe.traced import TracedForward, TracedTrunk
 from lightning_roundpipe.trunk import build_module_trunk
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "roundpipe"
+"""The checkpoint entry that holds the engine's state (:meth:`RoundPipeEngine.state_dict`)."""
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -79,7 +87,9 @@ class RoundPipeStrategy(ParallelStrategy):
         preflight: the memory plan at setup: ``"refuse"`` what does not fit, ``"warn"``, or ``"off"``.
         freeze_plan: never replan from measured times.
         replan_hysteresis: adopt a new plan only when predicted this fraction faster.
-        seed: base seed of per-microbatch randomness (default: ``torch.initial_seed()``).
+        deferred_batchnorm: BatchNorm running statistics updated once per batch from all its microbatches
+            (the whole batch's), not per microbatch; normalization stays per microbatch.
+        seed: base seed of per-microbatch randomness (default: ``torch.initial_seed()``, or a resumed checkpoint's).
         jitter: test mode: random delays of up to this many seconds in CPU stand-in streams.
         stress: test mode: CPU stand-ins land copies late and poison released buffers (CUDA semantics).
         wait_timeout: seconds any internal wait may block before the engine fails instead of hanging.
@@ -101,7 +111,7 @@ class RoundPipeStrategy(ParallelStrategy):
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
-                 seed: int | None = None, jitter: float = 0.0, stress: bool = False,
+                 deferred_batchnorm: bool = False, seed: int | None = None, jitter: float = 0.0, stress: bool = False,
                  wait_timeout: float = 600.0,
                  accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None) -> None:
@@ -114,7 +124,8 @@ class RoundPipeStrategy(ParallelStrategy):
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
             host_optimizer=host_optimizer,
             freeze_plan=freeze_plan,
-            replan_hysteresis=replan_hysteresis, seed=seed, jitter=jitter, stress=stress,
+            replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm, seed=seed, jitter=jitter,
+            stress=stress,
             wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
         self.timeline_files: list[str] = []  #: what the last teardown wrote
@@ -125,6 +136,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._silenced_zero_grad: list[Any] = []  # optimizers and their LightningOptimizer wrappers
         self._layer_sync: Any = None  # Lightning sets this for sync_batchnorm=True; refused in setup
         self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...); refused above 1
+        self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
 
     # ------------------------------------------------------------------ one process, host as root
     @property
@@ -205,7 +217,8 @@ class RoundPipeStrategy(ParallelStrategy):
         if self._layer_sync is not None:
             raise ValueError(
                 "Trainer(sync_batchnorm=True) synchronizes statistics across processes, and RoundPipe runs one "
-                "process: set sync_batchnorm=False (BatchNorm sees each microbatch, as in gradient accumulation)"
+                "process: set sync_batchnorm=False (BatchNorm sees each microbatch, as in gradient accumulation; "
+                "deferred_batchnorm=True updates its running statistics from the whole batch)"
             )
         devices = self.parallel_devices or [torch.device("cpu")]
         unsupported = sorted({device.type for device in devices} - {"cpu", "cuda"})
@@ -238,6 +251,9 @@ class RoundPipeStrategy(ParallelStrategy):
         transport = transport_torch_dtype(options.transport_dtype)
         preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type, transport)
         engine = RoundPipeEngine(trunk, devices, options)  # plans; threads start below
+        resumed, self._resume_state = self._resume_state, None
+        if resumed is not None and trainer.ckpt_path is not None:
+            engine.load_state_dict(resumed)  # the plan, step count and seed the checkpointed run had
         if fitting:
             self.setup_optimizers(trainer)
         if mode != "off":
@@ -251,7 +267,9 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.options.timeline:
             self.engine.timeline.bound(keep_steps=self.options.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
             self._timeline_pending = True
-        forward_patch = PipelinedForward if isinstance(driven, nn.Sequential) else CausalLMForward
+        forward_patch: type[PipelinedForward] = (
+            TracedForward if isinstance(trunk, TracedTrunk)
+            else PipelinedForward if isinstance(driven, nn.Sequential) else CausalLMForward)
         self._patches = [forward_patch(driven, self.engine, self._backward_scale, self._mark_fused_backward),
                          ZeroGradAfterSteps(module, self.engine)]
         for patch in self._patches:
@@ -397,6 +415,22 @@ class RoundPipeStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         self._quiesce()
         return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # the engine's own state beside Lightning's (the plan in use, the step count and base seed that seed the
+        # random layers): resuming continues the run exactly. One more top-level key, of plain values only:
+        # load_from_checkpoint without the strategy ignores it
+        if self.engine is not None:
+            self._quiesce()
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: self.engine.state_dict()}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume_state = checkpoint.get(CHECKPOINT_KEY)  # setup, which follows, gives it to the engine
+        return checkpoint
 
     @classmethod
     @override

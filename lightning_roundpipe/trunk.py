@@ -1,5 +1,7 @@
-"""Which part of a module RoundPipe pipelines: the trunk, found by name, as a Hugging Face causal LM, or as
-the ``nn.Sequential`` holding the most parameters.
+"""Which part of a module RoundPipe pipelines: the trunk, found by name, as a Hugging Face causal LM, as
+the ``nn.Sequential`` holding the most parameters, or as the forward that loops over the largest
+``nn.ModuleList`` of blocks (recorded with torch.fx and cut at the blocks: :mod:`~lightning_roundpipe.traced`);
+with none of these, the module's own forward runs as one stage.
 
 Lives above ``engine`` because it knows the Hugging Face preset (``hf.causal_lm``); it imports no
 Lightning, so a plain-PyTorch user of the engine can pick a trunk the way the strategy does.
@@ -14,6 +16,7 @@ from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk, build_trunk
 from lightning_roundpipe.hf.causal_lm import FAMILIES, causal_lm_preset, find_causal_lm
+from lightning_roundpipe.traced import build_traced_trunk, find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,8 @@ MOSTLY_INSIDE = 0.5
 
 def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.Module]:
     """The submodule to pipeline and its name: ``pipeline``'s, else the first Hugging Face causal LM (a
-    preset), else the ``nn.Sequential`` holding the most parameters (the shallowest on a tie)."""
+    preset), else the ``nn.Sequential`` holding the most parameters (the shallowest on a tie), unless an
+    ``nn.ModuleList`` of blocks holds more (then that list), else ``("", module)`` (one stage)."""
     sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
     if pipeline is not None:
         try:
@@ -35,25 +39,32 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
             ) from None
         refuse_compiled(pipeline, trunk)
         if find_causal_lm(trunk) is None and not isinstance(trunk, nn.Sequential):
-            raise TypeError(
-                f"`pipeline={pipeline!r}` is a {type(trunk).__name__}, not an nn.Sequential: the trunk must be an "
-                "nn.Sequential whose children are the layers, or a Hugging Face causal LM "
-                f"({', '.join(FAMILIES)})"
-            )
+            refuse_unknown_hf(f"`pipeline={pipeline!r}`", trunk)
         return pipeline, trunk
     for name, candidate in module.named_modules():
         if name and find_causal_lm(candidate) is not None:
             refuse_compiled(name, candidate)
             return name, candidate
-    if not sequentials:
-        raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential submodule or Hugging Face causal LM to pipeline. Put "
-            "the model's blocks in an nn.Sequential attribute (e.g. self.net = nn.Sequential(embed, *blocks, "
-            "head)) and pass `pipeline='net'` to RoundPipeStrategy if there are several"
+    blocks = find_blocks(module)
+    best = max(sequentials, key=lambda n: (parameter_count(sequentials[n]), -n.count(".")), default=None)
+    if best is not None and (blocks is None or parameter_count(sequentials[best]) >= parameter_count(
+            module.get_submodule(blocks))):
+        refuse_compiled(best, sequentials[best])
+        return best, sequentials[best]
+    name, target = (blocks, module.get_submodule(blocks)) if blocks is not None else ("", module)
+    refuse_compiled(name or type(module).__name__, target)
+    return name, target
+
+
+def refuse_unknown_hf(what: str, trunk: nn.Module) -> None:
+    """A Hugging Face model without a preset is not recorded: its forward (caches, output classes, options)
+    is more than a graph of one signature can stand for."""
+    if type(trunk).__module__.startswith("transformers."):
+        raise TypeError(
+            f"{what} is a {type(trunk).__name__}, a Hugging Face model without a RoundPipe preset, and not an "
+            "nn.Sequential: the trunk must be an nn.Sequential whose children are the layers, a module whose "
+            f"forward loops over an nn.ModuleList of blocks, or a Hugging Face causal LM ({', '.join(FAMILIES)})"
         )
-    name = max(sequentials, key=lambda n: (parameter_count(sequentials[n]), -n.count(".")))
-    refuse_compiled(name, sequentials[name])
-    return name, sequentials[name]
 
 
 def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[Trunk, nn.Module]:
@@ -61,16 +72,30 @@ def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[
     over: the trunk itself, or for a wrapped Hugging Face model (a PEFT model, say) the causal LM inside.
     Logs the choice; warns when the trunk holds a minority of the parameters."""
     name, target = find_trunk(module, pipeline)
-    trunk = build_trunk(target, presets=(causal_lm_preset,))
+    driven: nn.Module | None = None
+    if isinstance(target, nn.Sequential) or find_causal_lm(target) is not None:
+        trunk = build_trunk(target, presets=(causal_lm_preset,))
+    else:
+        trunk, target, name = build_traced_trunk(module, name or None)
+        refuse_unknown_hf(f"`{name}`" if name else type(module).__name__, target)
+        driven = target
+        name = name or type(module).__name__
     share = parameter_count(target) / (parameter_count(module) or 1)
-    log.info(f"RoundPipe pipelines `{name}` ({trunk.source}: {len(trunk)} layers, {share:.0%} of the "
-             f"parameters; on the host: {trunk.describe_parameters()})")
+    if len(trunk) == 1 and driven is not None:
+        log.info(f"RoundPipe found no repeated blocks (an nn.ModuleList of modules of one type) in `{name}`, so "
+                 f"nothing was partitioned: its forward runs as a single stage ({share:.0%} of the parameters; on "
+                 f"the host: {trunk.describe_parameters()}). Name the trunk with `pipeline=` to pipeline it")
+    else:
+        log.info(f"RoundPipe pipelines `{name}` ({trunk.source}: {len(trunk)} layers, {share:.0%} of the "
+                 f"parameters; on the host: {trunk.describe_parameters()})")
     if share < MOSTLY_INSIDE:
         warnings.warn(
             f"RoundPipe pipelines `{name}`, which holds only {share:.0%} of the parameters; the rest stays on "
             "the host and runs on the main thread. Pass `pipeline=` to choose another trunk.", UserWarning,
             stacklevel=2,
         )
+    if driven is not None:
+        return trunk, driven
     model = find_causal_lm(target)
     return trunk, target if model is None else model
 

@@ -190,6 +190,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "device_memory_limit": ("2MiB", 2 * 2**20),
     "freeze_plan": ("true", True),
     "replan_hysteresis": ("0.25", 0.25),
+    "deferred_batchnorm": ("true", True),
     "seed": ("7", 7),
     "jitter": ("0.001", 0.001),
     "stress": ("true", True),

@@ -56,11 +56,10 @@ def test_a_grad_window_sums_gradients_per_parameter_and_adds_them_into_param_gra
     window = GradWindow(AbortSignal(WAIT))
     tied, other = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
     other.grad = torch.tensor([10.0])  # gradients already there are added to, not replaced
-    window.job_started(None)
-    window.job_started(None)
-    window.add(tied, torch.tensor([1.0, 2.0]))    # two jobs use the tied parameter
-    window.add(tied, torch.tensor([0.5, 0.25]))
-    window.add(other, torch.tensor([3.0]))
+    first = window.job_started(None, [tied])
+    second = window.job_started(None, [tied, other])
+    window.deliver(first, [torch.tensor([1.0, 2.0])])    # two jobs use the tied parameter
+    window.deliver(second, [torch.tensor([0.5, 0.25]), torch.tensor([3.0])])
     window.job_finished()
     window.job_finished()
     window.close()

@@ -221,12 +221,12 @@ def test_a_gradient_window_that_keeps_the_staging_buffer_fails_under_stress(monk
     """The gradient window adopts the reused download buffer instead of copying out of it: the next job's
     gradients would overwrite it on a GPU. Certain: in stress mode the worker poisons the staging buffer
     once the window has added it, so the adopted gradients are NaN, and so is every weight they step."""
-    original = GradWindow.add
+    original = GradWindow.deliver
 
-    def add(self, param, grad, *, borrowed=False):
-        original(self, param, grad, borrowed=False)  # the defect: a borrowed buffer kept as the window's own
+    def deliver(self, ticket, grads, *, borrowed=False):
+        original(self, ticket, grads, borrowed=False)  # the defect: a borrowed buffer kept as the window's own
 
-    monkeypatch.setattr(GradWindow, "add", add)
+    monkeypatch.setattr(GradWindow, "deliver", deliver)
     correct, _ = _defective_outcome(stress=True)
     assert not correct
     correct, _ = _defective_outcome(stress=False)

@@ -14,7 +14,8 @@ Job kinds (see ``planning/schedule.py``)::
     backward  recompute the stage's layers from their checkpoint, then back-propagate
 
 Gradients of parameters accumulate on the device over the job's microbatches, then are added on
-the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`.
+the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`, in an order
+fixed at dispatch, so that results do not depend on which job finishes first.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
 from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
@@ -87,6 +89,8 @@ class RoundPipeEngine:
         if not self.torch_devices:
             raise ValueError("`devices` is empty; give at least one device")
         self.options = options or EngineOptions()
+        if self.options.deferred_batchnorm:
+            check_batchnorms(self.trunk)  # a module whose update cannot be deferred: refused before any thread
         self.num_devices = len(self.torch_devices)
         self.num_microbatches = self.options.microbatches_for(self.num_devices)
         # the dtype autocast-only weights travel in (``transport.py``), and the bytes a layer takes on a device
@@ -105,6 +109,10 @@ class RoundPipeEngine:
                                memory_budget=stage_budget,
                                hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)
         self.planner.initial(initial)
+        # under torch.use_deterministic_algorithms (Trainer(deterministic=True)) the plan never follows measured
+        # times: they differ from run to run, and a stage boundary may change which kernels run (a layer's
+        # forward without autograd, then recomputed with it), so results would depend on timing
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
         self._started = False
         self._closed = False
         self._failure_reported = False
@@ -123,6 +131,8 @@ class RoundPipeEngine:
         self._step = 0                           # optimizer steps queued so far
         self._calls_in_step = 0
         self._window = GradWindow(self._abort)   # the gradients of the step being accumulated
+        self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
+        self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
         self._weights_ready: HostEvent | None = None     # the last queued step's weights, which uploads wait for
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
         self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
@@ -141,7 +151,8 @@ class RoundPipeEngine:
                    pin_memory=self.options.pin_memory, stress=self.options.stress)
             for index, device in enumerate(self.torch_devices)
         ]
-        self.base_seed = self.options.seed if self.options.seed is not None else torch.initial_seed()
+        self.base_seed = self.options.seed if self.options.seed is not None else self._restored.get(
+            "base_seed", torch.initial_seed())
         sources = self._sources = UploadSources(self.trunk, async_step=self.options.async_step,
                                                 transport=self.transport)
         if self.options.pin_memory and any(device.is_cuda for device in self.devices):
@@ -151,7 +162,10 @@ class RoundPipeEngine:
                         for layer, state in enumerate(self.trunk.states) for param in state.params]
             self._pinned.pin([*uploaded, *(b for state in self.trunk.states for b in state.buffers)])
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
-                                   self.base_seed, sources, measure=not self.options.freeze_plan)
+                                   self.base_seed, sources, measure=not self.options.freeze_plan,
+                                   measure_times=not self.deterministic,
+                                   deferred_batchnorm=self.options.deferred_batchnorm)
+        self._runner.restore_activation_bytes(self._restored.get("activation_bytes", {}))
         self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, timeline)
         self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
@@ -469,7 +483,7 @@ class RoundPipeEngine:
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         outside = self._check_optimizer_params(params)
-        window, self._window = self._window, GradWindow(self._abort)
+        window, self._window = self._window, GradWindow(self._abort, self._step + 1)
         window.close()
         self._step += 1
         self._calls_in_step = 0
@@ -482,7 +496,7 @@ class RoundPipeEngine:
         if outside:  # main-thread code reads those parameters next: wait for the update
             self._wait(finished)
         self._last_step_done = finished
-        self._replan()
+        self._replan(window)
         self.timeline.mark_step()  # a bounded timeline keeps the last steps; one branch when recording is off
 
     def _check_optimizer_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -569,17 +583,64 @@ class RoundPipeEngine:
         self.wait_for_steps()
 
     # ------------------------------------------------------------------ planning
-    def _replan(self) -> None:
-        """After each step, what the planner learns from the jobs finished so far: first what layers keep for
-        backward (memory: a plan that no longer fits is replaced at once), then the times of each step measured
-        whole, in device time (``timing.py``). The planner discards the warm-up step and changes the plan only
-        once its observations agree (see :class:`~lightning_roundpipe.planning.partition.Planner`)."""
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues this one exactly, as plain values (they load
+        with ``torch.load(weights_only=True)``): the optimizer steps queued so far and the base seed (together they
+        seed the random layers of the next steps), the ring position, the planner's plan and what it has learned,
+        and the activation measurements it has not been given yet. Call it between steps, after
+        :meth:`synchronize`, so that every measurement of the steps so far is in."""
+        runner = self._runner
+        return {
+            "version": 1,
+            "step": self._step,
+            "base_seed": self.base_seed,
+            "num_devices": self.num_devices,
+            "ring_position": self._next_job % self.num_devices,
+            "planner": self.planner.state_dict(),
+            "activation_bytes": runner.pending_activation_bytes() if runner is not None else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (before :meth:`start`): the step count, the base seed unless the
+        ``seed`` option sets one, and, on as many devices and with the same ``num_stages``, the ring position,
+        the plan and what the planner had learned (otherwise the planner starts afresh)."""
+        if self._started:
+            raise RuntimeError("load_state_dict must come before start(): the step count seeds every call")
+        version = state.get("version")
+        if version != 1:
+            raise ValueError(f"cannot continue from an engine state of version {version!r}; this release writes 1")
+        self._step = int(state["step"])
+        self._window = GradWindow(self._abort, self._step)
+        restored: dict[str, Any] = {}
+        if state.get("base_seed") is not None:
+            restored["base_seed"] = int(state["base_seed"])
+        if self.planner.load_state_dict(state["planner"]):
+            restored["activation_bytes"] = state.get("activation_bytes", {})
+            if state.get("num_devices") == self.num_devices:
+                self._next_job = int(state["ring_position"])
+        self._restored = restored
+
+    def _replan(self, closed: GradWindow) -> None:
+        """After each step, what the planner learns: first what layers kept for backward in the step before
+        (memory: a plan that no longer fits is replaced at once), then the times of each step measured whole, in
+        device time (``timing.py``). The planner discards the warm-up step and changes the plan only once its
+        observations agree (see :class:`~lightning_roundpipe.planning.partition.Planner`).
+
+        Memory is learned one step late, after every job of that step has finished (in sync mode they have,
+        as this step's jobs waited for its update), so a plan changes for memory at the same step in every
+        run, whatever the timing. Times are learned only when not :attr:`deterministic`."""
         runner = self._started_part(self._runner)
+        previous, self._previous_window = self._previous_window, closed
         if self.options.freeze_plan:
             return
-        activations = runner.take_activation_bytes()
-        if activations:
-            self.planner.observe_activations(activations)
+        if previous is not None:
+            with self._failures_surfaced():
+                previous.wait_complete()
+            activations = runner.take_activation_bytes(before=previous.number + 1)
+            if activations:
+                self.planner.observe_activations(activations)
+        if self.deterministic:
+            return
         for times in runner.take_step_times():
             measured = []
             for index, (param_bytes, grad_bytes) in enumerate(self.layer_device_bytes):
@@ -683,17 +744,24 @@ class RoundPipeEngine:
                             buffer_waits.append(previous)
                         buffer_done[layer] = self._buffer_ready[layer] = HostEvent(
                             f"the buffers of layer {layer} from stage {job.label} (job {job.index})")
+            upload_done = HostEvent(f"the parameter upload of stage {job.label} (job {job.index})")
+            grad_slots: list[tuple[int, int]] = []
+            ticket = -1
+            if differentiates:
+                # the window sums each parameter's gradients in this order (deepest layer first), whatever
+                # order the jobs finish in: see GradWindow
+                grad_slots = [(layer, position) for layer in reversed(job.layers)
+                              for position, param in enumerate(self.trunk.states[layer].params) if param.requires_grad]
+                ticket = self._window.job_started(upload_done, [self.trunk.states[layer].params[position]
+                                                                for layer, position in grad_slots])
+            else:
+                self._window.job_read_only(upload_done)
             task = Task(
                 job=job, call=call, window=self._window, weights_ready=self._weights_ready,
-                buffer_waits=buffer_waits, buffer_done=buffer_done,
-                upload_done=HostEvent(f"the parameter upload of stage {job.label} (job {job.index})"),
+                buffer_waits=buffer_waits, buffer_done=buffer_done, upload_done=upload_done,
                 done=HostEvent(f"stage {job.label} (job {job.index})"),
-                needs_grad=differentiates,
+                needs_grad=differentiates, grad_slots=grad_slots, ticket=ticket,
             )
-            if differentiates:
-                self._window.job_started(task.upload_done)
-            else:
-                self._window.job_read_only(task.upload_done)
             self._workers[job.device].put(task)
             self._last_done[job.device] = task.done  # after the put: never wait for a job that was not queued
 

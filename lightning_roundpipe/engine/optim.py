@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,13 +34,29 @@ from lightning_roundpipe.observe.trace import Timeline
 
 
 class GradWindow:
-    """Gradients of one optimizer step, summed on the host as device jobs finish."""
+    """Gradients of one optimizer step, summed on the host in a fixed order.
 
-    def __init__(self, abort: AbortSignal) -> None:
+    Why not in the order jobs finish: float addition is not associative, and a parameter may get several
+    contributions in a step (a tied weight read by layers of two stages; every call of a step under gradient
+    accumulation), from jobs on different devices whose finishing order depends on timing. Summed as they
+    arrive, two identical runs would then differ in the last bits. So every contribution has a *slot*, made
+    when its job is dispatched (on the main thread, in a deterministic order): the job's place in dispatch
+    order, then within the job its layers deepest first. Backward jobs are dispatched deep to shallow, so that
+    order is also the same whichever stage holds a layer. Each parameter's contributions are summed in slot
+    order; one that arrives before an earlier slot of its parameter is resolved is held until it is (a copy,
+    bounded by the jobs in flight), and a job that computed no gradient for a slot resolves it empty.
+    """
+
+    def __init__(self, abort: AbortSignal, number: int = 0) -> None:
         self._abort = abort
+        self.number = number  #: the optimizer step this window accumulates (measurements are filed by it)
         self._lock = threading.Lock()
         self._grads: dict[int, torch.Tensor] = {}
         self._params: dict[int, nn.Parameter] = {}
+        self._order: dict[int, deque[tuple[int, int]]] = {}  # per parameter, its unresolved slots in order
+        self._slots: dict[int, list[nn.Parameter]] = {}      # per ticket (job), its slots' parameters
+        self._held: dict[tuple[int, int], torch.Tensor | None] = {}  # resolved out of order, not yet summed
+        self._tickets = 0
         self._outstanding = 0
         self._closed = False
         self._complete = threading.Event()
@@ -47,30 +64,59 @@ class GradWindow:
         self._idle.set()
         self.upload_events: list[HostEvent] = []
 
-    def job_started(self, upload_done: HostEvent | None) -> None:
+    def job_started(self, upload_done: HostEvent | None, params: Sequence[nn.Parameter] = ()) -> int:
+        """A job that adds gradients; ``params`` are its slots in summation order (a parameter read by two of
+        its layers is listed twice). Returns the job's ticket for :meth:`deliver`."""
         with self._lock:
             self._outstanding += 1
             self._idle.clear()
             if upload_done is not None:
                 self.upload_events.append(upload_done)
+            ticket, self._tickets = self._tickets, self._tickets + 1
+            if params:
+                self._slots[ticket] = list(params)
+                for position, param in enumerate(params):
+                    self._order.setdefault(id(param), deque()).append((ticket, position))
+        return ticket
 
     def job_read_only(self, upload_done: HostEvent) -> None:
         """A job that produces no gradient but reads the weights (a forward stage)."""
         with self._lock:
             self.upload_events.append(upload_done)
 
-    def add(self, param: nn.Parameter, grad: torch.Tensor, *, borrowed: bool = False) -> None:
-        """Add a gradient computed on a device (already copied to the host) into the window, in the
-        parameter's dtype (a low-precision gradient is summed in the master's precision). ``borrowed``:
-        ``grad`` is a staging buffer the caller reuses, so the window keeps a copy, never ``grad`` itself."""
+    def deliver(self, ticket: int, grads: Sequence[torch.Tensor | None], *, borrowed: bool = False) -> None:
+        """The gradients of job ``ticket``, one per slot given to :meth:`job_started` (``None``: none), computed
+        on a device and already copied to the host. Each is summed in the parameter's dtype (a low-precision
+        gradient in the master's precision) once the slots before it are. ``borrowed``: the tensors are a
+        staging buffer the caller reuses, so the window keeps copies, never the tensors themselves."""
         with self._lock:
-            existing = self._grads.get(id(param))
-            if existing is None:
-                own = borrowed or grad.dtype != param.dtype
-                self._grads[id(param)] = grad.to(param.dtype, copy=True) if own else grad
-                self._params[id(param)] = param
-            else:
-                existing.add_(grad)
+            params = self._slots.pop(ticket, [])
+            if len(params) != len(grads):
+                raise RuntimeError(f"job ticket {ticket} delivered {len(grads)} gradients for {len(params)} slots")
+            for position, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                key, order = id(param), self._order[id(param)]
+                if order[0] != (ticket, position):  # an earlier slot is still open: hold this one
+                    self._held[(ticket, position)] = None if grad is None else self._own(param, grad, borrowed)
+                    continue
+                order.popleft()
+                if grad is not None:
+                    self._sum(key, param, grad, borrowed)
+                while order and order[0] in self._held:
+                    held = self._held.pop(order.popleft())
+                    if held is not None:
+                        self._sum(key, param, held, borrowed=False)
+
+    @staticmethod
+    def _own(param: nn.Parameter, grad: torch.Tensor, borrowed: bool) -> torch.Tensor:
+        return grad.to(param.dtype, copy=True) if borrowed or grad.dtype != param.dtype else grad
+
+    def _sum(self, key: int, param: nn.Parameter, grad: torch.Tensor, borrowed: bool) -> None:
+        existing = self._grads.get(key)
+        if existing is None:
+            self._grads[key] = self._own(param, grad, borrowed)
+            self._params[key] = param
+        else:
+            existing.add_(grad)
 
     def job_finished(self) -> None:
         with self._lock:

@@ -79,7 +79,8 @@ class EngineOptions:
 
     num_stages: Literal["auto"] | int | Plan = "auto"
     """The chunk count: the number of *forward* stages. ``"auto"`` sizes stages from per-layer costs
-    (bytes first, measured times later); an ``int`` splits the non-fused layers into that many forward
+    (bytes first, measured times later, except under ``torch.use_deterministic_algorithms(True)``, where
+    timing must not change results); an ``int`` splits the non-fused layers into that many forward
     stages and derives the (smaller) backward stages; a :class:`~lightning_roundpipe.planning.partition.Plan`
     fixes the partition exactly."""
 
@@ -139,8 +140,23 @@ class EngineOptions:
     happens only between steps, from device time (CUDA events on GPUs), once the measurements are
     trusted: the first step's are discarded (warm-up) and two later steps must agree within 25%."""
 
+    deferred_batchnorm: bool = False
+    """BatchNorm running statistics of the whole batch (:mod:`lightning_roundpipe.engine.batchnorm`).
+    ``False``: a training-mode BatchNorm updates ``running_mean``, ``running_var`` and
+    ``num_batches_tracked`` once per microbatch, as under gradient accumulation. ``True``: once per trunk
+    call, from the statistics of all its microbatches together, exactly the update one BatchNorm forward
+    over the whole batch makes (momentum, unbiased variance with the whole batch's count, cumulative average
+    when ``momentum`` is None, ``num_batches_tracked`` + 1). Each microbatch is still *normalized* with its
+    own statistics, so activations, gradients and weights are those of the microbatches, not of the whole
+    batch (equal to the default strategy's only with ``num_microbatches=1``); the running statistics equal
+    the default strategy's where a BatchNorm's inputs do (no training-mode BatchNorm before it, the same
+    weights before it), up to float rounding. Eval mode is unaffected. Costs one extra reduction over each
+    training-mode BatchNorm input in forward and fused stages. ``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``
+    and subclasses keeping torch's ``forward``; other modules that track running statistics are refused."""
+
     seed: int | None = None
-    """Base seed for per-(step, call, layer, microbatch) randomness. ``None``: ``torch.initial_seed()``."""
+    """Base seed for per-(step, call, layer, microbatch) randomness. ``None``: ``torch.initial_seed()``, or in a
+    run resumed from a checkpoint the checkpoint's (``RoundPipeEngine.load_state_dict``)."""
 
     record_timeline: bool = False
     """Record (device, job, microbatch, kind, start, end) events; read them with ``engine.events()``.
@@ -175,7 +191,7 @@ class EngineOptions:
         if self.recompute not in RECOMPUTE_GRAINS:
             raise OptionError("recompute", f"must be {' or '.join(map(repr, RECOMPUTE_GRAINS))}, "
                                            f"got {self.recompute!r}")
-        for flag in ("async_step", "pin_memory", "freeze_plan", "record_timeline", "stress"):
+        for flag in ("async_step", "pin_memory", "freeze_plan", "deferred_batchnorm", "record_timeline", "stress"):
             check_flag(flag, getattr(self, flag))
         self.device_memory_limit = parse_bytes(self.device_memory_limit)
         if isinstance(self.replan_hysteresis, bool) or not isinstance(self.replan_hysteresis, (int, float)) or (

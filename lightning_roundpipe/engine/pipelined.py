@@ -64,6 +64,11 @@ class PipelinedForward(InstancePatch):
         self.backward_scale = backward_scale
         self.on_fused_backward = on_fused_backward
 
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The engine's arguments for a call of the trunk with ``args`` and ``kwargs`` (a subclass may add
+        to them, or get ready for them first); here, the same."""
+        return args, kwargs
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
@@ -102,6 +107,7 @@ def pipeline_loss(trunk: nn.Module, inputs: Any, target: Any, loss_fn: Callable[
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if not isinstance(forward, PipelinedForward) or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return loss_fn(trunk(*args), target)
+    args, _ = forward.prepare(args, {})
     loss = forward.engine.forward_backward(args, target, loss_fn, loss_weight=loss_weight,
                                            scale=forward.backward_scale())
     forward.on_fused_backward()

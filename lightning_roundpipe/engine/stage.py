@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_roundpipe.engine import batchnorm
 from lightning_roundpipe.engine import replica as replicas
 from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.call import Call, PipelineError
@@ -58,8 +59,13 @@ class Task:
     upload_done: HostEvent
     done: HostEvent
     needs_grad: bool          # the job differentiates (fused, backward)
+    # its gradients' slots in the step's window, (layer, position in the layer's params), and its ticket there
+    grad_slots: list[tuple[int, int]] = field(default_factory=list)
+    ticket: int = -1
     # per layer, from bind to unbind: the replica's attributes as bound, and the buffers bound into it
     bound: dict[int, tuple[replicas.AttributeSnapshot, list[torch.Tensor]]] = field(default_factory=dict)
+    # per layer, from bind to unbind: its training-mode BatchNorms whose updates wait for the whole call
+    deferred: dict[int, list[batchnorm.DeferredNorm]] = field(default_factory=dict)
 
     @property
     def kind(self) -> StageKind:
@@ -100,19 +106,26 @@ class StageRunner:
     """Runs stage jobs' device-side steps; shared by the workers of one engine."""
 
     def __init__(self, trunk: Trunk, num_devices: int, recompute: str, timeline: Timeline, base_seed: int,
-                 sources: UploadSources, measure: bool) -> None:
+                 sources: UploadSources, measure: bool, deferred_batchnorm: bool = False,
+                 measure_times: bool | None = None) -> None:
         self.trunk = trunk
         self.recompute = recompute
+        # per layer, the BatchNorms whose running statistics forward and fused jobs commit once per call
+        self._norms = ([batchnorm.norm_slots(layer, state) for layer, state in zip(trunk.layers, trunk.states,
+                                                                                   strict=True)]
+                       if deferred_batchnorm else [[] for _ in trunk.layers])
         self.timeline = timeline
         self.base_seed = base_seed
         self._sources = sources
         self._replicas: list[dict[int, nn.Module]] = [{} for _ in range(num_devices)]
         self._pairs: list[dict[int, list[tuple[nn.Module, nn.Module]]]] = [{} for _ in range(num_devices)]
-        self._measure = measure
+        self._measure = measure  # what layers keep for backward (and, with `_measure_times`, their times)
+        self._measure_times = measure if measure_times is None else measure and measure_times
         self._measure_lock = threading.Lock()
         self._step_times: dict[int, StepTimes] = {}     # by optimizer step, until taken
         self._steps_taken = -1                          # the last step taken: later samples of it are dropped
-        self._activation_bytes: dict[int, int] = {}     # per layer, the most one microbatch kept, until taken
+        # per optimizer step (its window's number), per layer, the most one microbatch kept, until taken
+        self._activation_bytes: dict[int, dict[int, int]] = {}
         self._warned_writes: set[int] = set()  # layers warned about writing state in forward
         self._warn_lock = threading.Lock()
 
@@ -130,11 +143,28 @@ class StageRunner:
             self._step_times = {step: times for step, times in self._step_times.items() if step > self._steps_taken}
         return taken
 
-    def take_activation_bytes(self) -> dict[int, int]:
-        """Per layer measured since the last call, the most one microbatch's compute kept for backward."""
+    def take_activation_bytes(self, before: int | None = None) -> dict[int, int]:
+        """Per layer, the most one microbatch's compute kept for backward, measured by the jobs of the
+        optimizer steps numbered below ``before`` (``None``: all) and not taken yet."""
+        taken: dict[int, int] = {}
         with self._measure_lock:
-            taken, self._activation_bytes = self._activation_bytes, {}
+            for step in [step for step in self._activation_bytes if before is None or step < before]:
+                for layer, nbytes in self._activation_bytes.pop(step).items():
+                    taken[layer] = max(taken.get(layer, 0), nbytes)
         return taken
+
+    def pending_activation_bytes(self) -> dict[int, dict[int, int]]:
+        """What :meth:`take_activation_bytes` has not taken yet, by step (plain values, for a checkpoint)."""
+        with self._measure_lock:
+            return {step: dict(per_layer) for step, per_layer in self._activation_bytes.items()}
+
+    def restore_activation_bytes(self, pending: dict[int, dict[int, int]]) -> None:
+        """Take back :meth:`pending_activation_bytes` of an earlier run (a resumed one continues it)."""
+        with self._measure_lock:
+            for step, per_layer in pending.items():
+                merged = self._activation_bytes.setdefault(int(step), {})
+                for layer, nbytes in per_layer.items():
+                    merged[int(layer)] = max(merged.get(int(layer), 0), int(nbytes))
 
     def replica(self, device: Device, layer: int) -> nn.Module:
         cache = self._replicas[device.index]
@@ -192,11 +222,19 @@ class StageRunner:
             attributes = replicas.sync_attributes(self._pairs[device.index][layer])
             replicas.set_training_flags(replica, list(task.call.context.training[layer]))
             task.bound[layer] = (attributes, stage_copy.buffers[layer])
+            if self._norms[layer] and task.kind is not StageKind.BACKWARD:  # a backward job writes no buffer
+                deferred = batchnorm.defer(replica, self._norms[layer], stage_copy.buffers[layer])
+                if deferred:
+                    task.deferred[layer] = deferred
 
     def unbind(self, device: Device, task: Task) -> None:
         for layer in task.job.layers:
             replica = self.replica(device, layer)
             bound = task.bound.pop(layer, None)
+            deferred = task.deferred.pop(layer, None)
+            if deferred is not None and bound is not None:  # before the check: the replica is as bound again
+                batchnorm.commit(deferred, bound[1])
+                replicas.bind_buffers(replica, self.trunk.states[layer], bound[1])
             if bound is not None and layer not in self._warned_writes:
                 self._check_writes(layer, replica, *bound, task.kind)
             replicas.unbind(replica, self.trunk.states[layer])
@@ -239,7 +277,7 @@ class StageRunner:
         call = task.call
         args, kwargs = layer_input
         module = self.replica(device, layer)
-        timer = device.compute_timer if self._measure else None  # per-layer times serve the planner only
+        timer = device.compute_timer if self._measure_times else None  # per-layer times serve the planner only
         started = timer.start() if timer is not None else None
         meter = stage_copy.activations
         try:
@@ -271,6 +309,7 @@ class StageRunner:
         checkpoints: dict[int, LayerInput] = {}
         snapshots: dict[int, list[torch.Tensor]] = {}
         value = layer_input
+        self._start_microbatch(task)
         for layer in task.job.layers:
             if layer in call.checkpoint_layers and layer != task.job.layers.start:
                 # a copy: the next layer may work in place on its input before the download runs
@@ -279,6 +318,11 @@ class StageRunner:
                 snapshots[layer] = [buffer.clone() for buffer in stage_copy.buffers[layer]]
             value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
         return value, checkpoints, snapshots
+
+    @staticmethod
+    def _start_microbatch(task: Task) -> None:
+        for deferred in task.deferred.values():
+            batchnorm.start_microbatch(deferred)
 
     def _prepare_inputs(self, layer_input: Any, requires_grad: list[bool] | None) -> tuple[list[torch.Tensor], Any]:
         """Make the differentiable inputs leaves that collect gradients; returns them and the input to run,
@@ -300,6 +344,7 @@ class StageRunner:
         call = task.call
         fused = call.fused_loss
         first = task.job.layers.start
+        self._start_microbatch(task)
         with call.context.applied(grad=True):
             leaves, value = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
             for layer in task.job.layers:
@@ -357,8 +402,9 @@ class StageRunner:
 
     def record_measurements(self, task: Task, stage_copy: StageCopy) -> None:
         """Resolve a finished job's device-time spans: the device's compute time (pipeline metrics), the
-        timeline's compute events and, unless the plan is frozen, per-layer times per microbatch (compute
-        only, waits excluded) and what the layers kept for backward, for the planner. A backward or fused
+        timeline's compute events and, unless the plan is frozen, what the layers kept for backward (by the
+        job's optimizer step) and, unless times are not used (deterministic mode), per-layer times per
+        microbatch (compute only, waits excluded), for the planner. A backward or fused
         job's time beyond its layers' forward calls is split among them by forward time.
 
         Called when the job finishes, on its download stream after that stream has synchronized: the stream
@@ -381,9 +427,11 @@ class StageRunner:
         forward_total = sum(stage_copy.forward_time.values())
         beyond_forward = max(stage_copy.compute_time - forward_total, 0.0)
         with self._measure_lock:
-            for layer, nbytes in stage_copy.activation_bytes.items():
-                self._activation_bytes[layer] = max(self._activation_bytes.get(layer, 0), nbytes)
-            if not stage_copy.forward_time or task.call.step <= self._steps_taken:
+            if stage_copy.activation_bytes:
+                per_layer = self._activation_bytes.setdefault(task.window.number, {})
+                for layer, nbytes in stage_copy.activation_bytes.items():
+                    per_layer[layer] = max(per_layer.get(layer, 0), nbytes)
+            if not self._measure_times or not stage_copy.forward_time or task.call.step <= self._steps_taken:
                 return
             times = self._step_times.setdefault(task.call.step, StepTimes())
             for layer, forward in stage_copy.forward_time.items():

@@ -274,11 +274,9 @@ class Worker:
         buffer where there is one), one synchronize, then the window sums them in the masters' dtype."""
         device = self.device
         start = self.runner.timeline.now()
-        pairs = [(param, copied.grad) for layer in task.job.layers
-                 for param, copied in zip(self.runner.trunk.states[layer].params, stage_copy.params[layer],
-                                          strict=True)
-                 if param.requires_grad and copied.grad is not None]
-        grads = [grad for _, grad in pairs]
+        # one per slot the window expects of this job, in its order; None where no gradient reached a copy
+        slots = [stage_copy.params[layer][position].grad for layer, position in task.grad_slots]
+        grads = [grad for grad in slots if grad is not None]
         staging = self._grad_staging
         if staging is not None:
             host = staging.views(grads)
@@ -288,8 +286,9 @@ class Worker:
             host = [copy_tensor(grad, HOST) for grad in grads]
         device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
         device.download_stream.synchronize()
-        for (param, _), grad in zip(pairs, host, strict=True):
-            task.window.add(param, grad, borrowed=staging is not None)
+        downloaded = iter(host)
+        task.window.deliver(task.ticket, [None if grad is None else next(downloaded) for grad in slots],
+                            borrowed=staging is not None)
         if device.stress and staging is not None:
             poison(host)  # the window has its copies: the next job may overwrite the staging buffer
         device.counters.gradient_download_seconds += self.runner.timeline.now() - start

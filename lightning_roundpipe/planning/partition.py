@@ -20,11 +20,12 @@ because one stage runs while the next one is prefetched.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,11 @@ class Plan:
         plan = Plan(tuple(fwd), fused_range, tuple(bwd))
         plan.validate(start + fused)
         return plan
+
+    def sizes(self) -> dict[str, Any]:
+        """Layers per stage as plain values (for checkpoints): ``Plan.from_sizes(**plan.sizes()) == plan``."""
+        return {"forward": [len(stage) for stage in self.forward], "fused": len(self.fused),
+                "backward": [len(stage) for stage in self.backward]}
 
 
 def format_layers(layers: range) -> str:
@@ -610,6 +616,47 @@ class Planner:
             self._plan = candidate
             return True
         return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan in use and what the planner has learned, as plain values (a checkpoint loads them with
+        ``torch.load(weights_only=True)``), for :meth:`load_state_dict`."""
+        return {
+            "mode": _mode_key(self.mode), "num_layers": self.num_layers, "num_devices": self.num_devices,
+            "plan": self.plan.sizes(),
+            "activations": list(self._activations), "measured_activations": sorted(self._measured_activations),
+            "activations_observed": self.activations_observed,
+            "ema": [list(pair) for pair in self._ema], "recent": [list(times) for times in self._recent],
+            "seen": self._seen,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> bool:
+        """Continue from :meth:`state_dict`: its plan (unless the plan is explicit) and what it learned.
+        Returns whether it was taken: a state made for another layer count, device count or ``mode`` is not,
+        and the current plan stays. A restored plan that does not fit this planner's memory budget is
+        replaced at once, as in :meth:`observe_activations` (unless frozen)."""
+        if (state.get("num_layers"), state.get("num_devices"), state.get("mode")) != (
+                self.num_layers, self.num_devices, _mode_key(self.mode)):
+            return False
+        self._activations = [int(value) for value in state["activations"]]
+        self._measured_activations = {int(layer) for layer in state["measured_activations"]}
+        self.activations_observed = bool(state["activations_observed"])
+        self._ema = [(float(forward), float(backward)) for forward, backward in state["ema"]]
+        self._recent = deque(([float(x) for x in times] for times in state["recent"]), maxlen=self.settle)
+        self._seen = int(state["seen"])
+        if isinstance(self.mode, Plan):
+            return True
+        self._plan = Plan.from_sizes(**state["plan"])
+        self._plan.validate(self.num_layers)
+        costs = self.estimate or self._initial_costs()
+        if not self.frozen and costs is not None and not plan_fits(self._plan, costs, self.memory_budget):
+            with contextlib.suppress(ValueError):  # no plan fits: keep it, the device accounting reports it
+                self._plan = self._make(costs)
+        return True
+
+
+def _mode_key(mode: Literal["auto"] | int | Plan) -> str | int:
+    """The planner's ``mode`` as a plain value: an explicit plan is ``"plan"``."""
+    return "plan" if isinstance(mode, Plan) else mode
 
 
 # ---------------------------------------------------------------------------- device memory budget

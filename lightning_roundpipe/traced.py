@@ -1,0 +1,523 @@
+"""Trunks beyond ``nn.Sequential``: a module whose forward loops over an ``nn.ModuleList`` of blocks.
+
+Lightning's demo Transformer, nanoGPT-style GPTs and most research code keep their blocks in an
+``nn.ModuleList`` and call them in a Python loop. Such a forward is recorded as a graph
+(:mod:`~lightning_roundpipe.capture`) and cut at the block calls into the trunk's layers::
+
+    prologue | block 0 (+ what runs before block 1) | ... | block n-1 | epilogue
+    (args)  -> (values live here)                  -> ... ->         -> (the forward's output)
+
+A layer passes on every value a later layer still reads: the hidden state, masks, positional tables,
+several tensors. Values that follow from the input signature alone (a causal mask, position ids) travel in
+a :class:`~lightning_roundpipe.engine.transfer.NoGrad`; the rest are differentiable activations.
+
+The layers are fixed when the strategy is set up: which module's parameters each one holds (its *state*)
+must be known before the engine plans. The prologue holds the modules registered before the blocks (and
+the parameters and buffers of the modules that hold the blocks), the epilogue those registered after
+them, each block layer its block; modules without state may be used anywhere. What a layer runs is
+recorded at the first call with each input signature (shapes, dtypes, non-tensor arguments, ``training``
+flags), because only then are the inputs known; a graph that reads a module another layer holds is
+refused at that point, saying which and what to do.
+
+The module itself is not changed: the layers are wrappers outside its module tree that hold its own
+modules and parameters, so the optimizer, ``state_dict`` keys and checkpoints stay as they are; while the
+strategy drives it, the module's ``forward`` is an instance attribute (:class:`TracedForward`).
+"""
+
+from __future__ import annotations
+
+import linecache
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from lightning_roundpipe.capture import DATA, CaptureError, ConcreteTracer, Recorded, is_random
+from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
+from lightning_roundpipe.engine.pipelined import PipelinedForward
+from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
+
+log = logging.getLogger(__name__)
+
+HOW_TO_PROCEED = ("Name the trunk with RoundPipeStrategy(pipeline=...): an nn.Sequential of the layers (e.g. "
+                  "self.net = nn.Sequential(embedding, *blocks, head)), or the nn.ModuleList of the blocks")
+
+
+# ---------------------------------------------------------------------------- discovery
+def find_blocks(module: nn.Module) -> str | None:
+    """The name (within ``module``) of its largest ``nn.ModuleList`` of modules of one type, by parameters
+    (the shallowest on a tie), or ``None``."""
+    lists = {name: m for name, m in module.named_modules()
+             if name and isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1}
+    if not lists:
+        return None
+    return max(lists, key=lambda n: (_count(lists[n]), -n.count(".")))
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class defines a forward (not nn.Module's missing one, a container's, or the
+    LightningModule base class's)."""
+    forward = getattr(type(module), "forward", None)
+    return (forward is not None and forward is not nn.Module.forward
+            and getattr(forward, "__qualname__", "") != "LightningModule.forward")
+
+
+@dataclass
+class TracedPlan:
+    """Where the traced trunk lies in a module: ``root`` (named ``root_name`` in it; ``""`` is the module
+    itself) is the module whose forward is recorded and taken over; ``blocks`` is the name of the
+    ``nn.ModuleList`` within ``root`` (``None``: no blocks, one stage); ``containers`` are the modules
+    traced through (``root`` and those between it and the blocks)."""
+
+    root_name: str
+    root: nn.Module
+    blocks: str | None
+    containers: list[nn.Module]
+
+    @property
+    def block_modules(self) -> list[nn.Module]:
+        return [] if self.blocks is None else list(self.root.get_submodule(self.blocks).children())
+
+    def qualified(self, name: str) -> str:
+        return f"{self.root_name}.{name}" if self.root_name else name
+
+
+def plan_traced(module: nn.Module, name: str | None = None) -> TracedPlan:
+    """The :class:`TracedPlan` of ``module``: ``name`` (``pipeline=``) is an ``nn.ModuleList`` of blocks or
+    the module to record (its largest block list is used); by default the largest block list of ``module``
+    with, as root, the module's child that holds it (what ``self.model(x)`` calls), or no blocks and
+    ``module`` itself as one stage."""
+    target = module.get_submodule(name) if name else module
+    if isinstance(target, nn.ModuleList):
+        assert name is not None
+        blocks_name: str | None = name
+    else:
+        found = find_blocks(target)
+        blocks_name = (f"{name}.{found}" if name and found else found)
+    if blocks_name is None:
+        root_name = name or ""
+    elif name and not isinstance(target, nn.ModuleList):
+        root_name = name
+    else:
+        first = blocks_name.split(".")[0]
+        child = module.get_submodule(first)
+        root_name = first if first != blocks_name and has_own_forward(child) else ""
+    root = module.get_submodule(root_name) if root_name else module
+    if not has_own_forward(root):
+        shown = f"`{root_name}`" if root_name else type(module).__name__
+        raise ValueError(
+            f"{type(module).__name__} has no nn.Sequential submodule or Hugging Face causal LM to pipeline, and "
+            f"{shown} ({type(root).__name__}) has no forward of its own to record"
+            f"{'' if blocks_name is None else f' around the blocks `{blocks_name}`'}. {HOW_TO_PROCEED}")
+    relative = None
+    containers = [root]
+    if blocks_name is not None:
+        relative = blocks_name[len(root_name) + 1:] if root_name else blocks_name
+        parts = relative.split(".")
+        for depth in range(1, len(parts)):
+            containers.append(root.get_submodule(".".join(parts[:depth])))
+        if not any(True for _ in root.get_submodule(relative).children()):
+            raise ValueError(f"`{blocks_name}` is an empty nn.ModuleList: there are no blocks to pipeline")
+    return TracedPlan(root_name, root, relative, containers)
+
+
+# ---------------------------------------------------------------------------- the layers
+class Modes:
+    """The ``training`` flags of the traced modules at a call: part of the signature a graph is recorded
+    for (a forward may branch on ``self.training``). Passed to the prologue as its first argument, an
+    opaque value every microbatch gets whole."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple[bool, ...]) -> None:
+        self.key = key
+
+
+@dataclass
+class Program:
+    """One layer's code for one signature: ``fn(layer, *inputs)`` returns the values live after it (or,
+    for the last layer, the output's computed leaves); ``constant_in``/``constant_out`` say which of those
+    travel in the ``NoGrad`` (values that follow from the signature alone)."""
+
+    fn: Callable[..., Any]
+    constant_in: tuple[bool, ...]
+    constant_out: tuple[bool, ...]
+
+
+@dataclass
+class Captured:
+    programs: list[Program]
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]  # the output's leaves: None where the last program computes one, else the value
+    computed: list[bool]
+
+
+class TracedLayer(nn.Module):
+    """A layer of a traced trunk: holds (outside the user's module tree) the modules and tensors it owns at
+    their paths within the root, so the recorded code's ``self.path.to.module`` finds them here (or in a
+    device replica of this layer)."""
+
+    def __init__(self, index: int, label: str, registry: Registry) -> None:
+        super().__init__()
+        self.index = index
+        self.label = label
+        self.registry = registry  # plain attribute: shared with the replicas, never part of the state
+
+    def mount(self, path: str, value: nn.Module | torch.Tensor) -> None:
+        owner: nn.Module = self
+        *parents, leaf = path.split(".")
+        for part in parents:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if isinstance(value, nn.Module):
+            owner.add_module(leaf, value)
+        elif isinstance(value, nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)
+
+    @property
+    def roundpipe_random(self) -> bool:  # a random op in the recorded code (functional dropout, say)
+        return self.index in self.registry.random_layers
+
+    def extra_repr(self) -> str:
+        return self.label
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        registry = self.registry
+        inputs: list[Any]
+        if self.index == 0:
+            modes, *given = args
+            leaves, spec = tree_flatten((tuple(given), kwargs))
+            sig = signature(leaves, spec)
+            ident = registry.ids.get((modes.key, sig))
+            if ident is None:
+                raise RuntimeError(f"RoundPipe has recorded no graph for the inputs {describe_signature(sig)} "
+                                   "(TracedForward records one before each call)")
+            captured = registry.captured[ident]
+            inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        else:
+            (carried,) = args
+            ident, data, constants = carried
+            captured = registry.captured[ident]
+            inputs = _merge(data, constants.values, captured.programs[self.index].constant_in)
+        program = captured.programs[self.index]
+        outputs = program.fn(self, *inputs)
+        if self.index < len(captured.programs) - 1:
+            data = tuple(v for v, constant in zip(outputs, program.constant_out, strict=True) if not constant)
+            constants = tuple(v for v, constant in zip(outputs, program.constant_out, strict=True) if constant)
+            return ident, data, NoGrad(values=constants)
+        computed = iter(outputs)
+        leaves = [next(computed) if is_computed else leaf
+                  for leaf, is_computed in zip(captured.out_leaves, captured.computed, strict=True)]
+        return pytree.tree_unflatten(leaves, captured.out_spec)
+
+
+def _merge(data: tuple[Any, ...], constants: tuple[Any, ...], mask: tuple[bool, ...]) -> list[Any]:
+    """The live values in order, from the differentiable ones and the ``NoGrad`` ones. A ``torch.device``
+    recorded earlier (``x.device``) is this layer's device now: the layers run on different devices."""
+    here = next((v.device for v in (*data, *constants) if isinstance(v, torch.Tensor)), None)
+    data_iter, constant_iter = iter(data), iter(constants)
+    values = [next(constant_iter) if constant else next(data_iter) for constant in mask]
+    if here is not None:
+        values = [here if isinstance(v, torch.device) else v for v in values]
+    return values
+
+
+def signature(leaves: list[Any], spec: Any, samples: int | None = None) -> tuple[Any, ...]:
+    """What a recorded graph is specialized to: the structure, each tensor's shape (dim 0 given as
+    ``samples`` when set) and dtype, and the other arguments' values."""
+    parts: list[Any] = [spec]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(leaf.shape)
+            if samples is not None and shape:
+                shape = (samples, *shape[1:])
+            parts.append(("tensor", shape, leaf.dtype))
+        else:
+            try:
+                hash(leaf)
+                parts.append(("value", type(leaf), leaf))
+            except TypeError:
+                parts.append(("object", id(leaf)))
+    return tuple(parts)
+
+
+def describe_signature(sig: tuple[Any, ...]) -> str:
+    """``(float32[4, 8], int64[4, 8], None)``: the inputs a signature stands for."""
+    shown = []
+    for kind, *rest in sig[1:]:
+        if kind == "tensor":
+            shape, dtype = rest
+            shown.append(f"{str(dtype).removeprefix('torch.')}{list(shape)}")
+        else:
+            shown.append(repr(rest[1]) if kind == "value" else "an object")
+    return f"({', '.join(shown)})"
+
+
+# ---------------------------------------------------------------------------- recording and cutting
+class Registry:
+    """The traced trunk's layers and every graph recorded for them, by signature."""
+
+    def __init__(self, plan: TracedPlan, module_name: str) -> None:
+        self.plan = plan
+        self.module_name = module_name
+        self.ids: dict[tuple[Any, ...], int] = {}
+        self.captured: list[Captured] = []
+        self.random_layers: set[int] = set()
+        self.layers: list[TracedLayer] = []
+        self._owners: list[dict[str, str]] = []  # per layer: owned path -> "module" or "tensor"
+        self._stateless: set[str] = set()
+        self._warned_assigned = False
+        self._build_layers()
+
+    # -------------------------------------------------------------- ownership, fixed at setup
+    def _build_layers(self) -> None:
+        plan = self.plan
+        blocks = plan.block_modules
+        container_ids = {id(m) for m in plan.containers}
+        blocks_list = plan.root.get_submodule(plan.blocks) if plan.blocks is not None else None
+        before: dict[str, nn.Module | torch.Tensor] = {}
+        after: dict[str, nn.Module | torch.Tensor] = {}
+        seen_blocks = False
+
+        def walk(container: nn.Module, prefix: str) -> None:
+            nonlocal seen_blocks
+            for name, tensor in [*container._parameters.items(), *container._buffers.items()]:
+                if tensor is not None:
+                    (after if seen_blocks else before)[prefix + name] = tensor
+            for name, child in container._modules.items():
+                if child is None:
+                    continue
+                if child is blocks_list:
+                    seen_blocks = True
+                elif id(child) in container_ids:
+                    walk(child, f"{prefix}{name}.")
+                else:
+                    if not any(True for _ in child.parameters()) and not any(True for _ in child.buffers()):
+                        self._stateless.add(prefix + name)
+                    (after if seen_blocks else before)[prefix + name] = child
+
+        walk(plan.root, "")
+        stateless = {path: before.get(path, after.get(path)) for path in self._stateless}
+        owned: list[dict[str, nn.Module | torch.Tensor]] = [before]
+        if plan.blocks is None:
+            owned, labels = [{**before, **after}], ["single stage"]
+        else:
+            owned += [{f"{plan.blocks}.{i}": block} for i, block in enumerate(blocks)]
+            owned.append(after)
+            labels = ["prologue", *(f"block {i}" for i in range(len(blocks))), "epilogue"]
+        for index, (state, label) in enumerate(zip(owned, labels, strict=True)):
+            layer = TracedLayer(index, label, self)
+            mounted = {**stateless, **state}
+            for path, value in mounted.items():
+                assert value is not None
+                layer.mount(path, value)
+            self.layers.append(layer)
+            self._owners.append({path: "module" if isinstance(v, nn.Module) else "tensor"
+                                 for path, v in mounted.items()})
+
+    def _owns(self, index: int, target: str) -> bool:
+        owners = self._owners[index]
+        parts = target.split(".")
+        return any(".".join(parts[:depth]) in owners for depth in range(1, len(parts) + 1))
+
+    def _owner_of(self, target: str) -> str:
+        for index, layer in enumerate(self.layers):
+            if self._owns(index, target):
+                return f"the {layer.label} layer"
+        return "no layer"
+
+    # -------------------------------------------------------------- per call
+    def modes(self) -> Modes:
+        return Modes(tuple(m.training for m in self.plan.containers))
+
+    def ensure(self, modes: Modes, args: tuple[Any, ...], kwargs: dict[str, Any], num_microbatches: int,
+               before_recording: Callable[[], None]) -> None:
+        """Record a graph for every microbatch signature of this call that has none yet."""
+        inputs = (args, kwargs)
+        leaves, spec = tree_flatten(inputs)
+        size = batch_size(inputs)
+        sizes = [] if size is None else microbatch_sizes(size, num_microbatches)
+        distinct: list[int | None] = [*sorted(set(sizes), reverse=True)] or [None]
+        for samples in distinct:
+            sig = signature(leaves, spec, samples)
+            if (modes.key, sig) in self.ids:
+                continue
+            example = inputs if samples is None else split(inputs, sizes)[sizes.index(samples)]
+            before_recording()
+            example_leaves, example_spec = tree_flatten(example)
+            self.record(modes, example_leaves, example_spec)
+
+    def record(self, modes: Modes, leaves: list[Any], spec: Any) -> None:
+        plan = self.plan
+        sig = signature(leaves, spec)
+        shown = f"`{plan.root_name}`" if plan.root_name else self.module_name
+
+        def describe(reason: str) -> str:
+            return (f"RoundPipe could not record the forward of {shown} ({type(plan.root).__name__}) for the inputs "
+                    f"{describe_signature(sig)}: {reason}. {HOW_TO_PROCEED}")
+
+        tracer = ConcreteTracer(plan.root, plan.containers, describe)
+        recorded = tracer.record(leaves, spec)
+        if recorded.assigned and not self._warned_assigned:
+            self._warned_assigned = True
+            warnings.warn(
+                f"the forward of {shown} assigns {', '.join(f'`{n}`' for n in recorded.assigned)} (an attribute "
+                "cache, say); under RoundPipe the recorded graph computes such values on every call and the "
+                "assignment is not kept on the module", UserWarning, stacklevel=2)
+        ident = len(self.captured)
+        self.captured.append(self._cut(recorded, ident, describe))
+        self.ids[(modes.key, sig)] = ident
+        log.debug(f"RoundPipe recorded graph #{ident} of {shown} for the inputs {describe_signature(sig)}")
+
+    def _cut(self, recorded: Recorded, ident: int, describe: Callable[[str], str]) -> Captured:
+        plan, graph = self.plan, recorded.graph
+        nodes = list(graph.nodes)
+        block_index = {id(block): i for i, block in enumerate(plan.block_modules)}
+        calls = [block_index[id(plan.root.get_submodule(str(node.target)))] for node in nodes
+                 if node.op == "call_module" and id(plan.root.get_submodule(str(node.target))) in block_index]
+        count = len(block_index)
+        if calls != list(range(count)):
+            raise CaptureError(describe(
+                f"it calls the blocks of `{plan.qualified(str(plan.blocks))}` in the order {calls}; RoundPipe cuts "
+                f"the forward at the block calls, so each of the {count} blocks must be called once, in order"))
+        last = 0 if count == 0 else count + 1
+        layer_of: dict[fx.Node, int] = {}
+        seen = 0
+        for node in nodes:
+            if node.op == "get_attr":
+                continue  # issued again in every layer that reads it: parameters are not activations
+            if node.op == "output":
+                layer_of[node] = last
+            elif node.op == "call_module" and id(plan.root.get_submodule(str(node.target))) in block_index:
+                seen += 1
+                layer_of[node] = seen
+            elif node.op == "placeholder" or seen == 0:
+                layer_of[node] = 0
+            else:
+                layer_of[node] = seen if seen < count else last
+        last_use = {node: max([layer_of[node], *(layer_of[user] for user in node.users)])
+                    for node in layer_of if node.op != "output"}
+        live = [[node for node in layer_of if node.op != "output" and layer_of[node] <= k < last_use[node]]
+                for k in range(last)]
+        programs = []
+        output = next(n for n in nodes if n.op == "output")
+        for k in range(last + 1):
+            inputs = [n for n in nodes if n.op == "placeholder"] if k == 0 else live[k - 1]
+            body = [n for n in nodes if layer_of.get(n) == k and n.op not in ("placeholder", "output")]
+            self._check_owned(k, body, recorded, describe)
+            segment = self._segment(k, ident, inputs, body, tuple(live[k]) if k < last else output.args[0],
+                                    recorded.constants)
+            constant_in = tuple(not n.meta[DATA] for n in inputs) if k else ()
+            constant_out = tuple(not n.meta[DATA] for n in live[k]) if k < last else ()
+            programs.append(Program(_compile(segment, f"<roundpipe: {self.layers[k].label}, graph {ident}>"),
+                                    constant_in, constant_out))
+        computed = [isinstance(leaf, fx.Proxy) for leaf in recorded.out_leaves]
+        return Captured(programs, recorded.out_spec,
+                        [None if is_computed else leaf
+                         for leaf, is_computed in zip(recorded.out_leaves, computed, strict=True)], computed)
+
+    def _segment(self, k: int, ident: int, inputs: list[fx.Node], body: list[fx.Node], output: Any,
+                 constants: dict[str, torch.Tensor]) -> fx.Graph:
+        """Layer ``k``'s graph: ``inputs`` as placeholders, a copy of ``body``, ``output`` returned; the
+        parameters and constants it reads are fetched here again (never carried between layers)."""
+        segment = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {node: segment.placeholder(node.name) for node in inputs}
+
+        def lookup(node: fx.Node) -> fx.Node:
+            if node not in env:
+                assert node.op == "get_attr", f"{node} is not live into layer {k}"
+                target = str(node.target)
+                if target in constants:
+                    name = f"_roundpipe_constant_{ident}_{target.rsplit('_', 1)[1]}"
+                    setattr(self.layers[k], name, constants[target])
+                    target = name
+                env[node] = segment.get_attr(target)
+            return env[node]
+
+        for node in body:
+            env[node] = segment.node_copy(node, lookup)
+            if node.op in ("call_function", "call_method") and is_random(node.target):
+                self.random_layers.add(k)
+        segment.output(fx.node.map_arg(output, lookup))
+        return segment
+
+    def _check_owned(self, k: int, body: list[fx.Node], recorded: Recorded, describe: Callable[[str], str]) -> None:
+        for node in body:
+            for used in [node, *(n for n in node.all_input_nodes if n.op == "get_attr")]:
+                if used.op not in ("call_module", "get_attr") or str(used.target) in recorded.constants:
+                    continue
+                target = str(used.target)
+                if not self._owns(k, target):
+                    raise CaptureError(describe(
+                        f"the {self.layers[k].label} layer uses `{self.plan.qualified(target)}`, which belongs to "
+                        f"{self._owner_of(target)}. RoundPipe gives the modules outside the blocks to the prologue "
+                        "or the epilogue by where they are registered (before or after the blocks), as it must fix "
+                        "each layer's parameters before any input is seen; register that module on the side "
+                        "where it is used, or avoid using it in both"))
+
+
+def _compile(graph: fx.Graph, filename: str) -> Callable[..., Any]:
+    """``forward(self, *inputs)`` from ``graph``, with ``self`` the layer (or its device replica)."""
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
+    exec(compile(code.src, filename, "exec"), namespace)  # noqa: S102 - fx's own generated code, as GraphModule runs it
+    return namespace["forward"]
+
+
+# ---------------------------------------------------------------------------- the trunk and the forward
+class TracedTrunk(Trunk):
+    """The trunk of a traced module; ``registry`` records and holds its graphs."""
+
+    def __init__(self, registry: Registry, source: str) -> None:
+        super().__init__(list(registry.layers), source=source)
+        self.registry = registry
+
+
+def build_traced_trunk(module: nn.Module, name: str | None = None) -> tuple[TracedTrunk, nn.Module, str]:
+    """The traced trunk of ``module`` (see :func:`plan_traced`), the module whose forward it takes over, and
+    that module's name (``""``: ``module`` itself)."""
+    plan = plan_traced(module, name)
+    registry = Registry(plan, type(module).__name__)
+    if plan.blocks is None:
+        source = f"{type(plan.root).__name__} traced with torch.fx: no repeated blocks, one stage"
+    else:
+        source = (f"{type(plan.root).__name__} traced with torch.fx: {len(plan.block_modules)} blocks of "
+                  f"`{plan.qualified(plan.blocks)}` between a prologue and an epilogue")
+    return TracedTrunk(registry, source), plan.root, plan.root_name
+
+
+class TracedForward(PipelinedForward):
+    """The ``forward`` of a traced module driven by an engine: records a graph for each new input signature
+    (on the main thread, with the engine idle), then runs the pipeline."""
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        trunk = self.engine.trunk
+        assert isinstance(trunk, TracedTrunk)
+        registry = trunk.registry
+        modes = registry.modes()
+        # the tracer patches torch.nn.Module globally while it records: no worker may be running a layer
+        registry.ensure(modes, args, kwargs, self.engine.num_microbatches, self.engine.synchronize)
+        return (modes, *args), kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.prepare(args, kwargs)
+        return self.engine(*args, **kwargs)
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+__all__ = ["CaptureError", "TracedForward", "TracedTrunk", "build_traced_trunk", "plan_traced"]
