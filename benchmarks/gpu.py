@@ -240,6 +240,8 @@ def _step_recorder(tokens: int, warmup: int, cuda_sync: bool, cuda_figures: bool
     import torch
 
     class StepRecorder(pl.Callback):
+        roundpipe_reads_gradients = False  # reads no gradient: RoundPipe need not gather them for its hooks
+
         def __init__(self) -> None:
             self.steps: list[dict] = []
             self.memory: dict = {}  # the engine's allocator and accounting figures, where it has them

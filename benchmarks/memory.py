@@ -17,11 +17,12 @@ and allocator rounding (the engine reserves a fixed figure for those on GPUs, no
 
 Host memory: the package keeps no host-byte accounting, so this script measures what is allocated on
 the host, by category, from the live objects (a sampler thread, every ``--interval`` seconds, plus a
-sample in an optimizer step pre-hook, when every gradient of the step is in ``param.grad``):
+sample in an optimizer step pre-hook, when the step holds every one of its gradients):
 
 * ``parameters``: the module's parameters, the master weights (module dtype: fp32).
 * ``gradients``: ``param.grad`` plus every gradient window still alive (the open one and the ones
-  queued steps hold: in async mode iteration k+1's gradients accumulate while step k runs).
+  queued steps hold: in async mode iteration k+1's gradients accumulate while step k runs), plus the
+  gradients the step being run holds (its stand-in parameters' ``.grad``).
 * ``optimizer state``: the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step).
 * ``low-precision copies`` and ``published (full precision)``: the host copies devices read instead of
   the masters (``transport.UploadSources``). Under bf16-mixed (``transport_dtype="auto"``) the Linear
@@ -44,9 +45,11 @@ bounded by the limit above: they are left out. A sampler misses peaks shorter th
 step pre-hook sample catches the gradient peak. ``total`` is the largest sampled sum; each category's
 column is its value in that sample, and ``own peak`` is the category's largest value in any sample.
 
-Caveats of the method. The sampler thread never reads ``param.grad``: reading it while the engine's
-optimizer thread assigns it crashes torch (a segfault, reproduced with plain torch 2.13), so
-``param.grad`` is read only on the optimizer thread (the step pre-hook) and after the run. There is no
+Caveats of the method. No thread but the main one reads ``param.grad``: reading it while another thread
+assigns it crashes torch (a segfault, reproduced with plain torch 2.13), and the main thread assigns it
+(``zero_grad``). The step pre-hook runs on the optimizer thread and reads the gradients of the optimizer
+it is given (the engine's stand-ins for the parameters, which only that thread touches); ``param.grad`` is
+read after the run. There is no
 public API for any of this, so the accountant reaches into engine internals, read-only: it wraps the
 engine instance's ``_new_call`` and ``step`` (to hold weak references to calls and gradient windows)
 and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``_grad_staging`` and the ``Call`` slots; it may need updating
@@ -149,13 +152,13 @@ class HostAccountant(pl.Callback):
             return step(optimizer, **kwargs)
 
         engine._new_call, engine.step = tracked_new_call, tracked_step  # instance attributes, removed at the end
-        self._hook = self.optimizer.register_step_pre_hook(lambda *_: self.sample(read_grads=True))
+        self._hook = self.optimizer.register_step_pre_hook(lambda stepped, *_: self.sample(stepped))
         self._thread = threading.Thread(target=self._run, name="host-accountant", daemon=True)
         self._thread.start()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.engine.synchronize()
-        self.sample(read_grads=True)  # the steps are done: nothing writes param.grad any more
+        self.sample(self.params)  # on the main thread, the only one that touches param.grad
         self._stop.set()
         self._thread.join()
         self._hook.remove()
@@ -169,9 +172,11 @@ class HostAccountant(pl.Callback):
             self.sample()
 
     # ------------------------------------------------------------------ counting
-    def sample(self, read_grads: bool = False) -> None:
+    def sample(self, grads_of: object = None) -> None:
+        """One sample; ``grads_of``: parameters whose ``.grad`` may be read on this thread, or an optimizer
+        (the step's, in its pre-hook) whose parameters' ``.grad`` may."""
         try:
-            counts = self._count(read_grads)
+            counts = self._count(grads_of)
         except RuntimeError:  # a dict changed size under us (another thread); the next sample will do
             self.skipped += 1
             return
@@ -205,7 +210,7 @@ class HostAccountant(pl.Callback):
             self._static_cache = (seen, counts)
         return seen, counts
 
-    def _count(self, read_grads: bool) -> dict[str, int]:
+    def _count(self, grads_of: object) -> dict[str, int]:
         static_seen, static_counts = self._static()
         seen, counts = set(static_seen), dict(static_counts)
 
@@ -213,9 +218,10 @@ class HostAccountant(pl.Callback):
             _add(seen, counts, category, tensor)
 
         engine = self.engine
-        if read_grads:  # only on the thread that writes param.grad: a concurrent read can crash torch
-            for param in self.params:
-                add("gradients", param.grad)
+        if isinstance(grads_of, torch.optim.Optimizer):
+            grads_of = [param for group in grads_of.param_groups for param in group["params"]]
+        for param in grads_of or ():  # never param.grad off the main thread: a concurrent read can crash torch
+            add("gradients", param.grad)
         windows = [engine._window] + [w for w in (ref() for ref in self._windows) if w is not None]
         for window in windows:
             for grad in list(window._grads.values()):

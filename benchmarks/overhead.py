@@ -97,6 +97,8 @@ class Checkpointed(nn.Module):
 class StepTimer(pl.Callback):
     """Times from one ``on_train_batch_start`` to the next; also samples the engine's compute counter."""
 
+    roundpipe_reads_gradients = False  # reads no gradient: RoundPipe need not gather them for this hook
+
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.starts: list[float] = []

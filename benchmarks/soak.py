@@ -51,6 +51,8 @@ def sample() -> dict[str, float]:
 
 
 class Sampler(pl.Callback):
+    roundpipe_reads_gradients = False  # reads no gradient: RoundPipe need not gather them for its hook
+
     def __init__(self, every: int) -> None:
         self.every = every
         self.samples: list[dict[str, float]] = []

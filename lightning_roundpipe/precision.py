@@ -83,13 +83,15 @@ def step(plugin: Precision, engine: RoundPipeEngine, optimizer: torch.optim.Opti
     Without a loss scaler: clipping and the hooks run with the final gradients, and only when something
     needs them (gathering them on the main thread costs a wait). With one, as Lightning's ``MixedPrecision``
     does it: unscale the final gradients and check them for inf/NaN, skip the update if any, then let the
-    scaler adjust its scale."""
+    scaler adjust its scale. Either way ``param.grad`` keeps what it holds until ``zero_grad()``, as in plain
+    training (the engine steps its own references to those tensors)."""
     scaler = loss_scaler(plugin)
     if scaler is None:
         def clip_and_run_hooks() -> None:
             plugin._after_closure(model, optimizer)
 
-        engine.step(optimizer, before_step=clip_and_run_hooks if needs_final_gradients(model) else None)
+        engine.step(optimizer, before_step=clip_and_run_hooks if needs_final_gradients(model) else None,
+                    keep_gradients=True)
         return
     # automatic optimization skips the step when training_step returned None
     nothing_to_step = closure_result is None and model.automatic_optimization
@@ -103,6 +105,6 @@ def step(plugin: Precision, engine: RoundPipeEngine, optimizer: torch.optim.Opti
         found_inf = scaler._found_inf_per_device(optimizer)
         return not any(value.item() for value in found_inf.values())
 
-    engine.step(optimizer, before_step=unscale_and_check)
+    engine.step(optimizer, before_step=unscale_and_check, keep_gradients=True)
     if not nothing_to_step:
         scaler.update()

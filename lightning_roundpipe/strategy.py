@@ -9,10 +9,15 @@ step count and base seed that seed the random layers), which ``ckpt_path`` gives
 that a resumed run continues the saved one exactly.
 
 Optimizer contract: the module's parameters are the master weights, stepped on the engine's optimizer
-thread. Lightning's ``zero_grad`` is a no-op on the strategy's optimizers (the engine clears gradients
-after each step, so a main-thread ``zero_grad`` cannot wipe gradients the pipeline produced or race a
-step). Anything that must see final gradients (``on_before_optimizer_step``, clipping) runs on the main
-thread before the step is queued, so ``self.log`` works there.
+thread, which steps its own references to the gradients and never touches ``param.grad``: only the main
+thread reads or assigns it. Anything that must see final gradients (``on_before_optimizer_step``,
+clipping) runs on the main thread before the step is queued, so ``self.log`` works there. Gradients are
+where Lightning's default strategy has them, in ``param.grad`` from the backward that made them until
+``zero_grad``, whenever user code could read them: manual optimization, or a module or callback that
+overrides a hook that sees them (:data:`GRADIENT_HOOKS`). Then the main thread waits for the pipeline's
+backward after each backward; otherwise the gradients go from the pipeline to the optimizer thread without
+a wait. ``zero_grad`` works as usual; zeroing in place (``set_to_none=False``) first lets the step in
+flight finish, as it reads those tensors.
 
 The rest lives beside it, along Lightning's own seams: options in :mod:`~lightning_roundpipe.strategy_options`,
 trunk discovery in :mod:`~lightning_roundpipe.trunk`, the precision plugin's part of a step in
@@ -27,6 +32,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
@@ -56,6 +62,17 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "roundpipe"
 """The checkpoint entry that holds the engine's state (:meth:`RoundPipeEngine.state_dict`)."""
+
+GRADIENT_HOOKS = ("on_after_backward", "on_before_zero_grad", "on_train_batch_start", "on_train_batch_end",
+                  "optimizer_zero_grad")
+"""The hooks in which Lightning's default strategy has gradients in ``param.grad`` (besides
+``on_before_optimizer_step``, which always gets them), and ``optimizer_zero_grad``, whose override may keep
+gradients across steps. When the module or a callback overrides one (not Lightning's own callbacks, which read
+no gradients), the strategy gathers the pipeline's gradients into ``param.grad`` after each backward. A module
+or callback that overrides one without reading gradients can say so with ``roundpipe_reads_gradients = False``
+and spare the wait."""
+
+_NOT_USER_CODE = ("lightning.", "pytorch_lightning.", "lightning_roundpipe.")
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -133,7 +150,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self.engine: RoundPipeEngine | None = None
         self._patches: list[InstancePatch] = []
         self._fused_backward_done = False
-        self._silenced_zero_grad: list[Any] = []  # optimizers and their LightningOptimizer wrappers
+        self._guarded_zero_grad: list[Any] = []  # optimizers and their LightningOptimizer wrappers
         self._layer_sync: Any = None  # Lightning sets this for sync_batchnorm=True; refused in setup
         self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...); refused above 1
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
@@ -276,25 +293,24 @@ class RoundPipeStrategy(ParallelStrategy):
             patch.install()
         self.setup_precision_plugin()  # may replace the optimizers and their LightningOptimizer wrappers
         if fitting:
-            self._silence_zero_grad()
+            self._guard_zero_grad()
             if self.options.log_pipeline_metrics:
                 metrics.attach(trainer, lambda: self.engine)
 
-    def _silence_zero_grad(self) -> None:
-        # The engine clears gradients after each step; Lightning's zero_grad on the main thread would
-        # otherwise race a step in flight (which reads param.grad on the optimizer thread) or wipe
-        # gradients the pipeline produced. Lightning calls it through its LightningOptimizer wrappers,
-        # whose class inherits the optimizer's own zero_grad, so both get the no-op.
+    def _guard_zero_grad(self) -> None:
+        # zero_grad clears param.grad on the main thread, as always; only zeroing in place must first let a
+        # step in flight finish (it reads those tensors). Lightning calls it through its LightningOptimizer
+        # wrappers, whose class inherits the optimizer's own zero_grad, so both get the guard.
         optimizers: list[Any] = [*self.optimizers, *self._lightning_optimizers]
         for optimizer in optimizers:
-            if optimizer.__dict__.get("zero_grad") is not _no_zero_grad:
-                optimizer.zero_grad = _no_zero_grad
-                self._silenced_zero_grad.append(optimizer)
+            if not isinstance(optimizer.__dict__.get("zero_grad"), _ZeroGradBesideSteps):
+                optimizer.zero_grad = _ZeroGradBesideSteps(optimizer, self)
+                self._guarded_zero_grad.append(optimizer)
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._silence_zero_grad()  # in case Lightning rebuilt its optimizer wrappers after setup
+        self._guard_zero_grad()  # in case Lightning rebuilt its optimizer wrappers after setup
 
     def _release(self, finish_steps: bool) -> None:
         if self.engine is not None:
@@ -306,9 +322,9 @@ class RoundPipeStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
             metrics.detach(trainer)
-        for optimizer in self._silenced_zero_grad:
+        for optimizer in self._guarded_zero_grad:
             optimizer.__dict__.pop("zero_grad", None)
-        self._silenced_zero_grad.clear()
+        self._guarded_zero_grad.clear()
 
     def _write_timeline(self) -> None:
         """Write the recorded timeline once per engine; a failure is logged, never raised (this runs while
@@ -360,20 +376,38 @@ class RoundPipeStrategy(ParallelStrategy):
     def _mark_fused_backward(self) -> None:
         self._fused_backward_done = True
 
+    def gradients_read(self) -> bool:
+        """Whether user code may read ``param.grad`` outside ``on_before_optimizer_step``: manual optimization
+        (right after ``manual_backward``, say), or a module or callback hook of :data:`GRADIENT_HOOKS`. Then the
+        gradients are gathered into ``param.grad`` after each backward, as plain training has them."""
+        module = self.lightning_module
+        if module is None:
+            return False
+        if not module.automatic_optimization:
+            return True
+        trainer = getattr(module, "_trainer", None)
+        callbacks = trainer.callbacks if trainer is not None else []
+        return _overrides_gradient_hook(module, pl.LightningModule) or any(
+            _overrides_gradient_hook(callback, pl.Callback) for callback in callbacks)
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning's Strategy.backward, with the pipeline's gradients gathered into param.grad before
+        # post_backward fires on_after_backward, when user code may read them
         module = self.lightning_module
         assert module is not None
-        if self._fused_backward_done and not closure_loss.requires_grad:
-            # pipeline_loss already ran the backward inside training_step: fire the hooks only
-            self._fused_backward_done = False
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            return self.precision_plugin.post_backward(closure_loss, module)
+        fused = self._fused_backward_done and not closure_loss.requires_grad
         self._fused_backward_done = False
-        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if not module.automatic_optimization and self.engine is not None:
-            # manual optimization may read or clip param.grad right after manual_backward
+        if not fused:
+            self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if not fused:  # (fused: pipeline_loss already ran the backward inside training_step)
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self.engine is not None and not self.engine.closed and self.gradients_read():
             self.engine.collect_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        if not fused:
+            self.post_backward(closure_loss)
         return closure_loss
 
     @override
@@ -387,6 +421,14 @@ class RoundPipeStrategy(ParallelStrategy):
         assert self.engine is not None and module is not None
         result = closure()
         precision.step(self.precision_plugin, self.engine, optimizer, module, result)
+        if not self.engine_options.async_step:
+            # what Lightning runs next (on_train_batch_end, an epoch's end and start, the next batch's hooks)
+            # sees the step done and every buffer copied back, as under its default strategy: a callback may
+            # read the weights (SWA's average, EMA) or write them (``param.data = ...``, ``load_state_dict``,
+            # SWA's BatchNorm reset), which must not race the step on the optimizer thread. Sync uploads wait
+            # for the step anyway; what no longer overlaps it is the main thread's own work until the next
+            # upload (hooks, the next batch, dispatch).
+            self.engine.synchronize()
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -442,8 +484,37 @@ class RoundPipeStrategy(ParallelStrategy):
                                        async_step=True)
 
 
-def _no_zero_grad(set_to_none: bool = True) -> None:
-    """The strategy's optimizers leave clearing gradients to the engine."""
+def _overrides_gradient_hook(obj: Any, base: type) -> bool:
+    """Whether ``obj`` (a LightningModule or a callback) has user code in a hook of :data:`GRADIENT_HOOKS`: an
+    override defined outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients =
+    False``."""
+    if getattr(obj, "roundpipe_reads_gradients", True) is False:
+        return False
+    for hook in GRADIENT_HOOKS:
+        if hook in vars(obj):
+            return True
+        for cls in type(obj).__mro__:
+            if hook in vars(cls):
+                if cls is not base and not (cls.__module__ or "").startswith(_NOT_USER_CODE):
+                    return True
+                break
+    return False
+
+
+class _ZeroGradBesideSteps:
+    """``optimizer.zero_grad`` under the strategy (an instance attribute of the optimizer and of its
+    LightningOptimizer wrapper): the optimizer's own, on the calling thread; zeroing in place
+    (``set_to_none=False``) first waits for the steps in flight, which read those gradient tensors."""
+
+    def __init__(self, optimizer: Any, strategy: RoundPipeStrategy) -> None:
+        self._optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
+        self._strategy = strategy
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        engine = self._strategy.engine
+        if not set_to_none and engine is not None and not engine.closed:
+            engine.wait_for_steps()
+        type(self._optimizer).zero_grad(self._optimizer, set_to_none)
 
 
 def register() -> None:

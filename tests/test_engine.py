@@ -465,8 +465,8 @@ def test_two_engines_share_nothing_and_close_cleanly(roundpipe_threads):
 
 
 def test_async_with_a_before_step_hook_still_follows_the_one_step_delayed_formula():
-    """The hook path publishes gradients on the main thread; it must wait for the previous step, which
-    clears ``param.grad`` when it ends, or this iteration's gradients would be wiped."""
+    """The hook path publishes gradients on the main thread while the previous step may still be running with
+    the gradients it was handed; neither may change the other's."""
     steps = 5
     model = bn_model()
     sizes = [4, 4]

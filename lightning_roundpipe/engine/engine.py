@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -123,6 +125,10 @@ class RoundPipeEngine:
         self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
         self._sources: UploadSources | None = None  # what devices upload: published and low-precision copies
         self._pinned = PinnedStorages()
+        self._pinning = False                    # start: pin_memory with a CUDA device in the ring
+        # parameters the trunk held until a callback replaced them (see _follow_module_state): still in the
+        # user's optimizer, never read by the pipeline again, so not "outside the trunk"
+        self._retired: dict[int, weakref.ref[nn.Parameter]] = {}
         self._runner: StageRunner | None = None
         self._workers: list[Worker] = []
         self._optimizer: HostOptimizer | None = None
@@ -137,6 +143,7 @@ class RoundPipeEngine:
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
         self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
         self._last_step_done: HostEvent | None = None
+        self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
         self._warned_short_batch = False
         self._warned_unstepped = False
         self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
@@ -155,12 +162,9 @@ class RoundPipeEngine:
             "base_seed", torch.initial_seed())
         sources = self._sources = UploadSources(self.trunk, async_step=self.options.async_step,
                                                 transport=self.transport)
-        if self.options.pin_memory and any(device.is_cuda for device in self.devices):
-            # what uploads read (the masters, async's published copy, the low-precision copies) and the
-            # buffers, pinned in place
-            uploaded = [sources.source(param, layer, low_precision=True)
-                        for layer, state in enumerate(self.trunk.states) for param in state.params]
-            self._pinned.pin([*uploaded, *(b for state in self.trunk.states for b in state.buffers)])
+        self._pinning = self.options.pin_memory and any(device.is_cuda for device in self.devices)
+        if self._pinning:
+            self._pinned.pin(self._pin_targets(sources))
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
                                    self.base_seed, sources, measure=not self.options.freeze_plan,
                                    measure_times=not self.deterministic,
@@ -220,6 +224,13 @@ class RoundPipeEngine:
                 "keeps its thread for good).",
                 RuntimeWarning, stacklevel=2,
             )
+
+    def _pin_targets(self, sources: UploadSources) -> list[torch.Tensor]:
+        """What uploads read (the masters, async's published copy, the low-precision copies) and the buffers:
+        what is pinned in place for CUDA devices."""
+        uploaded = [sources.source(param, layer, low_precision=True)
+                    for layer, state in enumerate(self.trunk.states) for param in state.params]
+        return [*uploaded, *(buffer for state in self.trunk.states for buffer in state.buffers)]
 
     def _cuda_budget(self) -> int:
         """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
@@ -301,12 +312,19 @@ class RoundPipeEngine:
             event.cuda_event.synchronize()
 
     def _publish_gradients(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
-        """On this thread: wait for the window's jobs, then for the step in flight (it clears
-        ``param.grad`` when it ends), then add the window's gradients into ``param.grad``."""
+        """On this thread: wait for the window's jobs, then add the window's gradients into ``param.grad``
+        (a gradient a queued step still reads is replaced by the sum, never changed in place)."""
         with self._failures_surfaced():
             wait_for_jobs()
-        self.wait_for_steps()
-        window.publish()
+        window.publish(self._lent_now())
+
+    def _lent_now(self) -> frozenset[int]:
+        """Ids of the gradient tensors queued steps may still read: those the caller's thread handed over
+        (they may stay in ``param.grad``), of the steps that have not ended (steps end in order). An id of a
+        tensor that died meanwhile only makes one addition out of place."""
+        while self._lent and self._lent[0][0].is_set():
+            self._lent.popleft()
+        return frozenset().union(*(ids for _, ids in self._lent))
 
     # ------------------------------------------------------------------ observability
     @property
@@ -401,6 +419,7 @@ class RoundPipeEngine:
         """Run the trunk. With grad enabled the result is wired into autograd: ``.backward()`` on
         anything computed from it runs the pipelined backward."""
         self._check_running()
+        self._follow_module_state()
         context = CallContext.capture(self.trunk)
         inputs = (args, kwargs)
         differentiable = differentiable_leaves(inputs)
@@ -438,6 +457,7 @@ class RoundPipeEngine:
         Parameter gradients are added into the current step's window; :meth:`step` applies them.
         """
         self._check_running()
+        self._follow_module_state()
         context = CallContext.capture(self.trunk)
         if not context.grad_enabled or context.inference:
             raise RuntimeError("forward_backward needs grad mode: it was called under no_grad or inference_mode")
@@ -468,41 +488,53 @@ class RoundPipeEngine:
                 losses.append(slot.value * weight)
         return torch.stack(losses).sum()
 
-    def step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], bool | None] | None = None) -> None:
-        """Apply the step's gradients with ``optimizer`` on the optimizer thread, then clear them.
+    def step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], bool | None] | None = None,
+             keep_gradients: bool = False) -> None:
+        """Apply the step's gradients with ``optimizer`` on the optimizer thread.
 
-        ``before_step`` runs on the calling thread once every gradient is final and in ``param.grad``
-        (clipping, an inf check, hooks); returning ``False`` skips the update. Hyperparameters are
-        read now. In sync mode later uploads wait for this step; in async mode they run on the weights
+        The step's gradients are what ``param.grad`` holds now (gradients published by
+        :meth:`collect_gradients`, or computed by autograd on this thread) plus what the pipeline's backward
+        still adds; the optimizer thread steps with its own references to them and never touches
+        ``param.grad``. ``before_step`` runs on the calling thread once every gradient is final and in
+        ``param.grad`` (clipping, an inf check, hooks); returning ``False`` skips the update. Hyperparameters
+        are read now. In sync mode later uploads wait for this step; in async mode they run on the weights
         published by this step (one step stale).
 
-        The step reads and then clears ``param.grad`` on the optimizer thread: do not call
-        ``optimizer.zero_grad()`` or otherwise touch gradients until :meth:`wait_for_steps` returns
-        (concurrent writes to ``param.grad`` from two threads can crash the interpreter).
+        Afterwards this thread clears ``param.grad`` of the optimizer's parameters, so the next step starts
+        from nothing; ``keep_gradients=True`` leaves them (as plain training does until ``zero_grad()``), and
+        the caller clears them: with ``set_to_none=True`` at any time, in place only after
+        :meth:`wait_for_steps` (the step reads those tensors). Either way gradients may be read or cleared
+        on this thread as soon as this returns.
         """
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        outside = self._check_optimizer_params(params)
+        outside, unstepped = self._check_optimizer_params(params)
         window, self._window = self._window, GradWindow(self._abort, self._step + 1)
         window.close()
         self._step += 1
         self._calls_in_step = 0
         proceed: bool | None = True
-        if before_step is not None:  # the hook must see final gradients in param.grad, on this thread
+        # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
+        # parameters this optimizer does not step stay in param.grad, which only this thread may write
+        if before_step is not None or unstepped:
             self._publish_gradients(window.wait_complete, window)
+        if before_step is not None:
             proceed = before_step()
-        finished = self._queue_step(optimizer, params, window, published_here=before_step is not None,
-                                    proceed=proceed is not False)
+        finished = self._queue_step(optimizer, params, window, proceed=proceed is not False)
+        if not keep_gradients:
+            for param in params:
+                param.grad = None
         if outside:  # main-thread code reads those parameters next: wait for the update
             self._wait(finished)
         self._last_step_done = finished
         self._replan(window)
         self.timeline.mark_step()  # a bounded timeline keeps the last steps; one branch when recording is off
 
-    def _check_optimizer_params(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    def _check_optimizer_params(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """Refuse or warn about an optimizer that steps parameters outside the trunk or misses trunk ones;
-        returns the trainable parameters it steps outside the trunk."""
-        trunk_ids = {id(p) for p in self.trunk.parameters()}
+        returns the trainable parameters it steps outside the trunk, and the trainable trunk parameters it
+        does not step."""
+        trunk_ids = {id(p) for p in self.trunk.parameters()} | self._retired_ids()
         outside = [p for p in params if p.requires_grad and id(p) not in trunk_ids]
         if outside and self.options.async_step:
             raise ValueError(
@@ -519,13 +551,14 @@ class RoundPipeEngine:
                 "accumulating in param.grad. Freeze them (requires_grad_(False)) or add them to the optimizer.",
                 stacklevel=3,
             )
-        return outside
+        return outside, unstepped
 
     def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow, *,
-                    published_here: bool, proceed: bool) -> HostEvent:
+                    proceed: bool) -> HostEvent:
         """Queue step ``self._step`` on the optimizer thread and make later uploads wait for its weights;
-        returns the event of its end. ``published_here``: the window's gradients are already in
-        ``param.grad`` (published on this thread for ``before_step``); ``proceed=False`` skips the update."""
+        returns the event of its end. The step's gradients: the tensors in ``param.grad`` now (read here, on
+        the caller's thread, and lent to the step), plus what ``window`` holds once its jobs are done (taken
+        on the optimizer thread). ``proceed=False`` skips the update."""
         groups = snapshot_param_groups(optimizer)  # hyperparameters as they are now
         host_kernels = self.options.host_optimizer
         # an LR scheduler checks that a step preceded its own
@@ -534,42 +567,47 @@ class RoundPipeEngine:
         sources = self._started_part(self._sources)
         published = HostEvent(f"the weights published by optimizer step {number}") if self.options.async_step else None
         finished = HostEvent(f"optimizer step {number}")
+        lent = {id(param): param.grad for param in params if param.grad is not None}
+        self._lent_now()  # forgets the steps that have ended
+        if lent:
+            self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
 
         def wait_for_gradients() -> None:
             if published is not None:
                 window.wait_uploads()  # every read of the published copy by this iteration is done
                 sources.refresh(self.trunk.trainable_parameters())
                 published.set()
-            if not published_here:
-                window.wait_complete()
+            window.wait_complete()
 
         def run_step() -> None:
-            if not published_here:
-                window.publish()  # after wait_complete above, and after the previous step (one thread)
+            grads = dict(lent)
+            for key, (_, grad) in window.take().items():  # after wait_complete above
+                held = grads.get(key)
+                grads[key] = grad if held is None else held + grad  # out of place: the lent one stays as it was
             if proceed:
                 try:
-                    step_with_groups(optimizer, groups, host_kernels=host_kernels)
+                    step_with_groups(optimizer, groups, grads, host_kernels=host_kernels)
                 except Exception as error:
                     raise PipelineError(
                         f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
                         f"the optimizer thread: {error}") from error
                 if published is None:  # sync: the low-precision copies the next uploads read, cast once
                     sources.refresh(params)
-            for param in params:
-                param.grad = None
 
         self._started_part(self._optimizer).submit(run_step, finished, f"step {number}", wait=wait_for_gradients)
         self._weights_ready = published if published is not None else finished
         return finished
 
     def collect_gradients(self) -> None:
-        """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, rather
-        than at :meth:`step` (for code that reads gradients between backward and step)."""
+        """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, on this
+        thread, rather than letting :meth:`step` hand them to the optimizer thread unseen (for code that reads
+        gradients between backward and step, or after the step). Does not wait for a step in flight."""
         self._check_running()
         self._publish_gradients(self._window.wait_idle, self._window)
 
     def wait_for_steps(self) -> None:
-        """Wait until every queued optimizer step has finished (and cleared its gradients)."""
+        """Wait until every queued optimizer step has finished (and no longer reads the gradients it was
+        handed)."""
         self._check_running()
         if self._last_step_done is not None:
             self._wait(self._last_step_done)
@@ -581,6 +619,61 @@ class RoundPipeEngine:
             if event is not None:
                 self._wait(event)
         self.wait_for_steps()
+
+    # ------------------------------------------------------------------ the module's state between calls
+    def _follow_module_state(self) -> None:
+        """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds
+        now. Code between calls may give a layer new tensors (Lightning's ``StochasticWeightAveraging`` assigns
+        new BatchNorm statistics; ``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``,
+        ``param.data = ...``, ``module.to(torch.float64)``); without this the pipeline would keep uploading, and
+        copying buffers back into, the tensors collected at setup. One pass of identity checks
+        (:meth:`Trunk.changed_layers`); only when a layer changed does the engine wait and follow it."""
+        changed = self.trunk.changed_layers()
+        if changed:
+            self._follow_layers(changed)
+
+    def _follow_layers(self, changed: list[int]) -> None:
+        """Follow the layers ``changed`` named, once every job dispatched so far and every queued step have
+        finished: so no upload reads the old tensors or their copies meanwhile, and every buffer copy-back of
+        the earlier calls has landed in the tensors it was dispatched with (the tensors the layer held then;
+        a tensor the module has replaced since keeps what the caller assigned, as in plain training, where
+        the earlier calls had finished before the caller's code ran). Then: the layers' states are collected
+        again, the upload copies (low-precision, and async's published copies) of the parameters that are new
+        or have new memory (or dtype) are made again from their current values, so the next upload reads what
+        the module holds now in both modes; the other parameters' copies are kept (async: still the published
+        weights). The layers' device replicas are made again at their next job, deferred
+        BatchNorms found again, gradient sums held for the step cast to changed dtypes, and for CUDA devices
+        the new memory pinned and what was dropped unregistered. Parameters the layers no longer hold stay in
+        the user's optimizer (as in plain training) but no longer count as outside the trunk."""
+        self.synchronize()
+        runner, sources = self._started_part(self._runner), self._started_part(self._sources)
+        before = {id(param): param for param in self.trunk.parameters()}
+        renewed: set[int] = set()
+        for layer in changed:
+            renewed |= self.trunk.recollect(layer)[1]
+        if self.options.deferred_batchnorm:
+            check_batchnorms(self.trunk)
+        runner.follow_layers(changed)
+        sources.follow(self.trunk, changed, renewed)
+        self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
+        after = {id(param) for param in self.trunk.parameters()}
+        for key, param in before.items():
+            if key not in after:
+                self._retired[key] = weakref.ref(param)
+        for key in after:
+            self._retired.pop(key, None)
+        self._window.follow_dtypes()
+        if self._pinning:
+            targets = self._pin_targets(sources)
+            self._pinned.keep_only(targets)
+            if self._pinned.refused is None:  # refused once (and said so): uploads stay pageable
+                self._pinned.pin(targets)
+
+    def _retired_ids(self) -> set[int]:
+        """Ids of the parameters the trunk held until they were replaced, while they live."""
+        for key in [key for key, ref in self._retired.items() if ref() is None]:
+            del self._retired[key]
+        return set(self._retired)
 
     # ------------------------------------------------------------------ planning
     def state_dict(self) -> dict[str, Any]:

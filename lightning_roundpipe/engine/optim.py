@@ -16,6 +16,14 @@ Gradients from the devices accumulate in a :class:`GradWindow` (one per optimize
 ``param.grad`` directly, so the next iteration's gradients cannot mix into a step in flight.
 Hyperparameters (lr, ...) are copied when a step is queued, so a scheduler or user write that
 follows ``step()`` applies to the next step, as in plain training.
+
+Only the thread that calls the engine (the main thread) ever reads or assigns ``param.grad``. The
+optimizer thread steps stand-ins of the parameters (:func:`step_with_groups`) that share their storage
+and carry the step's gradients as their own ``.grad``: the references the caller's thread handed over
+when it queued the step, plus what the window still held. torch can crash when one thread reads a
+tensor's ``.grad`` while another assigns it; with a single thread touching the attribute that cannot
+happen, and the caller may clear or replace ``param.grad`` while a step is in flight (but not change a
+gradient it handed over in place: the step reads it).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,6 +135,16 @@ class GradWindow:
                 if self._closed:
                     self._complete.set()
 
+    def follow_dtypes(self) -> None:
+        """Cast the sums held so far to their parameters' dtypes again, after a parameter's dtype changed
+        between calls (``module.to(torch.float64)`` in a callback, mid-accumulation): plain training's
+        ``module.to`` casts ``param.grad`` too. Call it while no job of the window is in flight."""
+        with self._lock:
+            for key, grad in self._grads.items():
+                dtype = self._params[key].dtype
+                if grad.dtype != dtype:
+                    self._grads[key] = grad.to(dtype)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -142,21 +161,30 @@ class GradWindow:
         for event in list(self.upload_events):
             event.wait(self._abort)
 
-    def publish(self) -> None:
-        """Move the summed gradients into ``param.grad`` (adding to what is there).
-
-        The caller must first wait for the window's jobs (:meth:`wait_complete` or :meth:`wait_idle`) and
-        for the optimizer step in flight: ``param.grad`` has no lock, and the step reads and then clears
-        it. The lock taken here only keeps the window's own tables consistent."""
+    def take(self) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
+        """The summed gradients by parameter id, as ``(parameter, gradient)``, leaving the window empty.
+        Call it once the window's jobs are done (:meth:`wait_complete` or :meth:`wait_idle`)."""
         with self._lock:
-            for key, grad in self._grads.items():
-                param = self._params[key]
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
+            taken = {key: (self._params[key], grad) for key, grad in self._grads.items()}
             self._grads.clear()
             self._params.clear()
+        return taken
+
+    def publish(self, lent: Container[int] = ()) -> None:
+        """Move the summed gradients into ``param.grad`` (adding to what is there), on the calling thread,
+        which must be the only one that touches ``param.grad`` (the engine's caller).
+
+        First wait for the window's jobs (:meth:`wait_complete` or :meth:`wait_idle`). ``lent``: ids of
+        gradient tensors a step in flight still reads; a ``param.grad`` among them is replaced by the sum,
+        never added to in place."""
+        for param, grad in self.take().values():
+            existing = param.grad
+            if existing is None:
+                param.grad = grad
+            elif id(existing) in lent:
+                param.grad = existing + grad
+            else:
+                existing.add_(grad)
 
 
 def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -170,22 +198,78 @@ def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return groups
 
 
-def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict], *, host_kernels: str | None = None) -> None:
-    """Run ``optimizer``'s step arithmetic with ``groups`` as its param groups.
+def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
+                     grads: Mapping[int, torch.Tensor], *, host_kernels: str | None = None) -> None:
+    """Run ``optimizer``'s step arithmetic with ``groups`` as its param groups and ``grads`` (by parameter id)
+    as the gradients, without reading or writing any ``param.grad``.
 
-    The step runs on a shallow twin of the optimizer that shares its state and hooks but has its own
-    ``param_groups``: the main thread may meanwhile write ``lr`` into the real groups (a scheduler
-    step) without changing this step. The class's ``step`` is called directly because an LR scheduler
-    replaces the instance's ``step`` with a wrapper bound to the original. ``host_kernels`` (the engine's
-    ``host_optimizer``; ``None``: as built): the groups it steps with torch's fused CPU kernel get
-    ``fused=True``, in these copies only (:func:`~lightning_roundpipe.engine.host_step.use_fused`).
+    The step runs on a shallow twin of the optimizer that shares its hooks but has its own ``param_groups``:
+    the main thread may meanwhile write ``lr`` into the real groups (a scheduler step) without changing this
+    step. The twin's parameters are stand-ins (``param.detach()``: the same storage, so the update lands in
+    the parameter) whose ``.grad`` is the step's gradient, and its ``state`` finds each stand-in's entry under
+    its parameter, so the optimizer's state stays keyed by the module's parameters. A parameter without an
+    entry in ``grads`` has no gradient in this step and is skipped, as torch skips a ``None`` gradient. The
+    class's ``step`` is called directly because an LR scheduler replaces the instance's ``step`` with a
+    wrapper bound to the original. ``host_kernels`` (the engine's ``host_optimizer``; ``None``: as built):
+    the groups it steps with torch's fused CPU kernel get ``fused=True``, in these copies only
+    (:func:`~lightning_roundpipe.engine.host_step.use_fused`).
     """
-    if host_kernels is not None:
-        groups = use_fused(optimizer, groups, host_kernels)
+    owners: dict[int, nn.Parameter] = {}
+    stand_ins: dict[int, torch.Tensor] = {}
+    twin_groups = []
+    for group in groups:
+        params = []
+        for param in group["params"]:
+            stand_in = stand_ins.get(id(param))
+            if stand_in is None:
+                stand_in = param.detach().requires_grad_(param.requires_grad)
+                grad = grads.get(id(param))
+                if grad is not None:
+                    stand_in.grad = grad
+                stand_ins[id(param)] = stand_in
+                owners[id(stand_in)] = param
+            params.append(stand_in)
+        twin_groups.append({**group, "params": params})
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
-    twin.param_groups = groups
+    twin.param_groups = twin_groups
+    twin.state = _StateOfOwners(optimizer.state, owners)  # type: ignore[assignment]
+    if host_kernels is not None:
+        use_fused(twin, twin_groups, host_kernels)
     type(optimizer).step(twin)
+
+
+class _StateOfOwners(MutableMapping):
+    """An optimizer's ``state`` seen through stand-ins: a key that is a stand-in reads and writes its
+    parameter's entry (creating it on first read, as the ``defaultdict`` of torch's optimizers does)."""
+
+    def __init__(self, state: MutableMapping, owners: dict[int, nn.Parameter]) -> None:
+        self._state = state
+        self._owners = owners
+
+    def _key(self, key: object) -> object:
+        return self._owners.get(id(key), key)
+
+    def __getitem__(self, key: object) -> Any:
+        return self._state[self._key(key)]
+
+    def __setitem__(self, key: object, value: Any) -> None:
+        self._state[self._key(key)] = value
+
+    def __delitem__(self, key: object) -> None:
+        del self._state[self._key(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return self._key(key) in self._state
+
+    def get(self, key: object, default: Any = None) -> Any:
+        return self._state.get(self._key(key), default)
+
+    def __iter__(self) -> Iterator[object]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
 
 
 class HostOptimizer:

@@ -60,30 +60,37 @@ def cuda_error_text(cudart: Any, status: Any) -> str:
 
 
 class PinnedStorages:
-    """Registers the storages of host tensors with CUDA; :meth:`release` unregisters them."""
+    """Registers the storages of host tensors with CUDA; :meth:`release` unregisters them.
+
+    A registered storage is kept alive until it is unregistered (:meth:`keep_only`, :meth:`release`): a
+    module may drop a tensor the engine pinned (a callback assigns a new buffer, ``param.data = ...``), and
+    memory freed while registered could be handed out again, still registered, or unmapped under the
+    driver's registration."""
 
     def __init__(self) -> None:
-        self._registered: set[int] = set()  # data pointers of the registered storages
+        # data pointer -> the registered storage, held so that its memory stays allocated while registered
+        self._registered: dict[int, torch.UntypedStorage] = {}
         self.refused: str | None = None
 
     def pin(self, tensors: Iterable[torch.Tensor]) -> None:
-        todo: dict[int, int] = {}  # pointer -> bytes, each storage once
+        todo: dict[int, torch.UntypedStorage] = {}  # pointer -> storage, each storage once
         for tensor in tensors:
             storage = tensor.untyped_storage()
             pointer, nbytes = storage.data_ptr(), storage.nbytes()
             if tensor.device.type != "cpu" or nbytes == 0 or pointer in self._registered or tensor.is_pinned():
                 continue
-            todo.setdefault(pointer, nbytes)
+            todo.setdefault(pointer, storage)
         if not todo:
             return
 
         def register() -> str | None:
             cudart = torch.cuda.cudart()
-            for pointer, nbytes in todo.items():
+            for pointer, storage in todo.items():
+                nbytes = storage.nbytes()
                 status = cudart.cudaHostRegister(pointer, nbytes, HOST_REGISTER_PORTABLE)
                 if int(status) != 0:
                     return f"cudaHostRegister refused {nbytes} bytes: {cuda_error_text(cudart, status)}"
-                self._registered.add(pointer)
+                self._registered[pointer] = storage
             return None
 
         refused = _on_helper_thread(register)
@@ -93,15 +100,25 @@ class PinnedStorages:
                 f"RoundPipe could not pin host memory ({refused}). Uploads use pageable memory, which is slower; "
                 "pass pin_memory=False to silence this.", stacklevel=3)
 
+    def keep_only(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Unregister the storages that none of ``tensors`` uses any more (then they may be freed)."""
+        wanted = {tensor.untyped_storage().data_ptr() for tensor in tensors if tensor.device.type == "cpu"}
+        self._unregister([pointer for pointer in self._registered if pointer not in wanted])
+
     def release(self) -> None:
-        if not self._registered:
+        self._unregister(list(self._registered))
+
+    def _unregister(self, pointers: list[int]) -> None:
+        if not pointers:
             return
-        pointers = list(self._registered)
-        self._registered.clear()
 
         def unregister() -> None:
             cudart = torch.cuda.cudart()
             for pointer in pointers:
                 cudart.cudaHostUnregister(pointer)
 
-        _on_helper_thread(unregister)
+        try:
+            _on_helper_thread(unregister)
+        finally:  # the storages go only now, after their registration
+            for pointer in pointers:
+                self._registered.pop(pointer, None)

@@ -110,6 +110,7 @@ class StageRunner:
                  measure_times: bool | None = None) -> None:
         self.trunk = trunk
         self.recompute = recompute
+        self._deferred_batchnorm = deferred_batchnorm
         # per layer, the BatchNorms whose running statistics forward and fused jobs commit once per call
         self._norms = ([batchnorm.norm_slots(layer, state) for layer, state in zip(trunk.layers, trunk.states,
                                                                                    strict=True)]
@@ -165,6 +166,17 @@ class StageRunner:
                 merged = self._activation_bytes.setdefault(int(step), {})
                 for layer, nbytes in per_layer.items():
                     merged[int(layer)] = max(merged.get(int(layer), 0), int(nbytes))
+
+    def follow_layers(self, layers: list[int]) -> None:
+        """Layers whose state the trunk collected again (:meth:`Trunk.recollect`): their replicas are made
+        again from the host layers at their next job, and their BatchNorms found again. Call it while no job
+        runs (the engine waits for them first)."""
+        for layer in layers:
+            for device_replicas, device_pairs in zip(self._replicas, self._pairs, strict=True):
+                device_replicas.pop(layer, None)
+                device_pairs.pop(layer, None)
+            if self._deferred_batchnorm:
+                self._norms[layer] = batchnorm.norm_slots(self.trunk.layers[layer], self.trunk.states[layer])
 
     def replica(self, device: Device, layer: int) -> nn.Module:
         cache = self._replicas[device.index]

@@ -48,17 +48,21 @@ def transport_torch_dtype(name: str) -> torch.dtype | None:
 
 
 def autocast_only_weights(trunk: Trunk, dtype: torch.dtype) -> list[set[int]]:
-    """Per trunk layer, the ids of its parameters stored wider than ``dtype`` that it uses only as a stock
+    """Per trunk layer, the ids of its float32 parameters (wider than ``dtype``) that it uses only as a stock
     Linear's or Conv's ``weight`` or ``bias`` (which autocast casts to ``dtype`` before use). Per layer
     because each layer's upload is its own: a tied embedding and LM head is a lookup table in the
     embedding's layer (uploaded as stored) and a matmul weight in the head's (uploaded cast)."""
-    return [
-        {id(param) for param, slots in zip(state.params, state.param_slots, strict=True)
-         if param.is_floating_point() and param.element_size() > dtype.itemsize and all(
-             slot.name in ("weight", "bias")
-             and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS for slot in slots)}
-        for layer, state in zip(trunk.layers, trunk.states, strict=True)
-    ]
+    return [layer_autocast_only_weights(layer, state, dtype) for layer, state in zip(trunk.layers, trunk.states,
+                                                                                     strict=True)]
+
+
+def layer_autocast_only_weights(layer: nn.Module, state: LayerState, dtype: torch.dtype) -> set[int]:
+    """:func:`autocast_only_weights` of one layer. Autocast casts float32 tensors only (a float64 weight, of a
+    module made float64 mid-training say, stays float64 under autocast), so only float32 weights qualify."""
+    return {id(param) for param, slots in zip(state.params, state.param_slots, strict=True)
+            if param.dtype == torch.float32 and param.element_size() > dtype.itemsize and all(
+                slot.name in ("weight", "bias")
+                and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS for slot in slots)}
 
 
 def layer_device_bytes(state: LayerState, low_precision: set[int], transport: torch.dtype | None) -> tuple[int, int]:
@@ -144,6 +148,36 @@ class UploadSources:
                 if async_step and param.requires_grad and key not in low_everywhere:
                     self._published[key] = param.detach().clone()
 
+    def follow(self, trunk: Trunk, layers: Iterable[int], renewed: set[int]) -> None:
+        """Follow the trunk after :meth:`Trunk.recollect` gave ``layers`` new states. ``renewed``: ids of
+        parameters that are new objects or have new memory (or dtype); their copies are made again from the
+        masters as they are now, so the next upload reads the new value (in async mode too). Copies of
+        parameters the trunk no longer holds are dropped; those of the others are kept as they are (async:
+        still the published weights). Call it while nothing uploads or publishes (the engine waits for its
+        jobs and steps first)."""
+        transport = self.transport
+        for layer in layers:
+            self._low_by_layer[layer] = (layer_autocast_only_weights(trunk.layers[layer], trunk.states[layer],
+                                                                     transport) if transport is not None else set())
+        low_anywhere, low_everywhere = _low_sets(trunk, self._low_by_layer)
+        current = {id(param): param for param in trunk.parameters()}
+        low = {key for key in current if key in low_anywhere}
+        # async: a published copy for every trainable parameter some layer reads in full precision; a frozen
+        # one keeps the copy it has (published while it was trainable: current again at the next publish)
+        published = {key for key, param in current.items()
+                     if self._async and (param.requires_grad or key in self._published) and key not in low_everywhere}
+        with torch.no_grad(), self._lock:
+            for key in [key for key in self._low if key not in low or key in renewed]:
+                del self._low[key], self._versions[key]
+            for key in [key for key in self._published if key not in published or key in renewed]:
+                del self._published[key]
+            for key in low - self._low.keys():
+                assert transport is not None
+                self._low[key] = current[key].detach().to(transport, copy=True)
+                self._versions[key] = current[key]._version
+            for key in published - self._published.keys():
+                self._published[key] = current[key].detach().clone()
+
     def is_low_precision(self, layer: int, param: nn.Parameter) -> bool:
         """Whether ``layer`` uploads ``param`` in the transport dtype (under autocast in that dtype)."""
         return id(param) in self._low_by_layer[layer]
@@ -158,8 +192,22 @@ class UploadSources:
                 self.refresh([param])  # written since its copy was made, outside an optimizer step
             return self._low[key]
         if self._async and param.requires_grad:
-            return self._published[key] if key in self._published else self._low[key]
+            copy = self._published.get(key)
+            if copy is None:
+                copy = self._low.get(key)
+            return copy if copy is not None else self._publish_late(param)
         return param.detach()
+
+    def _publish_late(self, param: nn.Parameter) -> torch.Tensor:
+        """Async: the published copy of a parameter that had none, frozen when the copies were made and made
+        trainable since (Lightning's ``BaseFinetuning`` unfreezes layers between epochs). While it was frozen no
+        step changed it (it had no gradient), so its master is what it would have published; later publishes
+        refresh it like the others. Not pinned (uploads of it stage through pageable memory)."""
+        with torch.no_grad(), self._lock:
+            key = id(param)
+            if key not in self._published:  # two devices may reach it at once
+                self._published[key] = param.detach().clone()
+            return self._published[key]
 
     def refresh(self, params: Iterable[nn.Parameter]) -> None:
         """Copy the masters of ``params`` into their upload copies, casting where the copy is low precision:

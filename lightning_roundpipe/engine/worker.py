@@ -254,6 +254,9 @@ class Worker:
         if job.kind is not StageKind.BACKWARD:  # a backward job recomputes on snapshots and writes no buffer
             with torch.no_grad():
                 for layer in job.layers:
+                    # the module's buffers as collected when the job was dispatched: the engine follows a
+                    # buffer the module was given anew (SWA's BatchNorm reset) only once every job dispatched
+                    # before has finished here, so the new tensor keeps what its owner assigned
                     host_buffers = runner.trunk.states[layer].buffers
                     for host, copied in zip(host_buffers, stage_copy.buffers[layer], strict=True):
                         host.copy_(copied)
