@@ -92,6 +92,19 @@ def _low_sets(trunk: Trunk, low_by_layer: list[set[int]]) -> tuple[set[int], set
     return anywhere, everywhere
 
 
+def _copies_needed(trunk: Trunk, low_by_layer: list[set[int]], async_step: bool,
+                   published_before: Iterable[int] = ()) -> tuple[set[int], set[int]]:
+    """The ids of the parameters that get a low-precision copy (some layer uploads them in low precision), and
+    in async mode those that get a full-precision published copy: every trainable parameter some layer reads
+    in full precision. A frozen one in ``published_before`` keeps the copy it has (published while it was
+    trainable: current again at the next publish)."""
+    anywhere, everywhere = _low_sets(trunk, low_by_layer)
+    before = set(published_before)
+    published = {id(param) for param in trunk.parameters()
+                 if async_step and (param.requires_grad or id(param) in before) and id(param) not in everywhere}
+    return anywhere, published
+
+
 def layer_sizes(trunk: Trunk, transport: torch.dtype | None) -> list[tuple[int, int]]:
     """:func:`layer_device_bytes` of every trunk layer."""
     return [layer_device_bytes(state, low, transport)
@@ -103,12 +116,12 @@ def upload_copy_bytes(trunk: Trunk, *, async_step: bool, transport: torch.dtype 
     bytes uploads under autocast read (the copies, the masters uploaded as stored and the buffers: what the
     engine pins for CUDA devices)."""
     low_by_layer = _low_by_layer(trunk, transport)
-    anywhere, everywhere = _low_sets(trunk, low_by_layer)
+    low, published = _copies_needed(trunk, low_by_layer, async_step)
     copies = 0
     for param in trunk.parameters():
-        if transport is not None and id(param) in anywhere:
+        if transport is not None and id(param) in low:
             copies += param.numel() * transport.itemsize
-        if async_step and param.requires_grad and id(param) not in everywhere:
+        if id(param) in published:
             copies += param.numel() * param.element_size()
     read = copies
     read_masters: set[int] = set()
@@ -133,20 +146,12 @@ class UploadSources:
     def __init__(self, trunk: Trunk, *, async_step: bool, transport: torch.dtype | None) -> None:
         self.transport = transport
         self._async = async_step
-        self._low_by_layer = _low_by_layer(trunk, transport)
-        low_anywhere, low_everywhere = _low_sets(trunk, self._low_by_layer)
+        self._low_by_layer: list[set[int]] = [set() for _ in trunk.states]
         self._low: dict[int, torch.Tensor] = {}        # low-precision copies
         self._published: dict[int, torch.Tensor] = {}  # async: full-precision copies some layer reads
         self._versions: dict[int, int] = {}            # sync: the master's version when its low copy was made
         self._lock = threading.Lock()  # two devices may upload a weight shared by their stages at once
-        with torch.no_grad():
-            for param in trunk.parameters():
-                key = id(param)
-                if key in low_anywhere:
-                    self._low[key] = param.detach().to(transport, copy=True)
-                    self._versions[key] = param._version
-                if async_step and param.requires_grad and key not in low_everywhere:
-                    self._published[key] = param.detach().clone()
+        self.follow(trunk, range(len(trunk.states)), renewed=set())  # every copy made from the masters now
 
     def follow(self, trunk: Trunk, layers: Iterable[int], renewed: set[int]) -> None:
         """Follow the trunk after :meth:`Trunk.recollect` gave ``layers`` new states. ``renewed``: ids of
@@ -159,13 +164,8 @@ class UploadSources:
         for layer in layers:
             self._low_by_layer[layer] = (layer_autocast_only_weights(trunk.layers[layer], trunk.states[layer],
                                                                      transport) if transport is not None else set())
-        low_anywhere, low_everywhere = _low_sets(trunk, self._low_by_layer)
         current = {id(param): param for param in trunk.parameters()}
-        low = {key for key in current if key in low_anywhere}
-        # async: a published copy for every trainable parameter some layer reads in full precision; a frozen
-        # one keeps the copy it has (published while it was trainable: current again at the next publish)
-        published = {key for key, param in current.items()
-                     if self._async and (param.requires_grad or key in self._published) and key not in low_everywhere}
+        low, published = _copies_needed(trunk, self._low_by_layer, self._async, self._published)
         with torch.no_grad(), self._lock:
             for key in [key for key in self._low if key not in low or key in renewed]:
                 del self._low[key], self._versions[key]
