@@ -49,6 +49,7 @@ from lightning_roundpipe.engine.engine import RoundPipeEngine
 from lightning_roundpipe.engine.host_step import HostKernels
 from lightning_roundpipe.engine.options import Recompute, TransportDtype
 from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.engine.step_groups import StreamingStep
 from lightning_roundpipe.engine.transport import transport_torch_dtype
 from lightning_roundpipe.hf.causal_lm import CausalLMForward
 from lightning_roundpipe.observe.trace import write_timeline
@@ -88,6 +89,9 @@ class RoundPipeStrategy(ParallelStrategy):
         num_microbatches: microbatches per batch. Default: devices + 1.
         num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
         async_step: ``False``: exact sync step. ``True``: the paper's one-step-stale update.
+        streaming_step: ``"auto"``: a ``torch.optim`` optimizer steps stage by stage, each backward stage's
+            parameters as soon as their gradients are final, and each upload waits only for its own; ``"on"``:
+            also another optimizer, declared to update each parameter on its own; ``"off"``: whole steps.
         host_optimizer: ``"exact"``: torch's fused CPU kernel only where it is bitwise the default (SGD without
             momentum). ``"fused"``: also Adam, AdamW and SGD with momentum (faster; equal within float rounding).
         recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
@@ -123,7 +127,7 @@ class RoundPipeStrategy(ParallelStrategy):
                  num_stages: Literal["auto"] | int | Plan = "auto", async_step: bool = False,
                  recompute: Recompute = "stage", pin_memory: bool = True,
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
-                 host_optimizer: HostKernels = "exact",
+                 streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
                  ring: list[int] | None = None,
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
@@ -139,7 +143,7 @@ class RoundPipeStrategy(ParallelStrategy):
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
-            host_optimizer=host_optimizer,
+            streaming_step=streaming_step, host_optimizer=host_optimizer,
             freeze_plan=freeze_plan,
             replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm, seed=seed, jitter=jitter,
             stress=stress,
@@ -465,6 +469,10 @@ class RoundPipeStrategy(ParallelStrategy):
         # load_from_checkpoint without the strategy ignores it
         if self.engine is not None:
             self._quiesce()
+            torn = self.engine.torn_step
+            if torn is not None:  # weights of two steps: a checkpoint would claim a state no run ever had
+                log.warning(f"RoundPipe did not write the checkpoint {filepath}: {torn}")
+                return
             checkpoint = {**checkpoint, CHECKPOINT_KEY: self.engine.state_dict()}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine, RoundPipeStrategy, is_recomputing
 from lightning_roundpipe.engine import stage as stage_module
 from lightning_roundpipe.engine.device import AbortSignal
+from lightning_roundpipe.planning.partition import Plan
 from tests.models import Classifier
 from tests.models import classifier_data as _data
 from tests.numerics import assert_close_to_reference, assert_states_close_to_reference, assert_states_equal
@@ -230,7 +231,9 @@ def test_a_failure_in_a_worker_or_the_optimizer_thread_stops_fit_cleanly(case, t
             return real_copy(tensor, device, **kwargs)
 
         monkeypatch.setattr(stage_module, "copy_tensor", copy_tensor)
-    trainer = _trainer(_strategy(), devices=3, callbacks=callbacks)
+    # whole steps: each is applied whole or not at all. A step cut by stage may be torn by a failure in the
+    # backward (the next test)
+    trainer = _trainer(_strategy(streaming_step="off"), devices=3, callbacks=callbacks)
     with pytest.raises(PipelineError, match=pattern) as caught:
         trainer.fit(module, _data())
     assert isinstance(caught.value.__cause__, cause)
@@ -240,6 +243,51 @@ def test_a_failure_in_a_worker_or_the_optimizer_thread_stops_fit_cleanly(case, t
     # Lightning's default strategy after the same number of steps
     _assert_at_step(_checkpoint_state(tmp_path / "on_exception.ckpt"), reference_states, completed)
     _assert_at_step(_state(module), reference_states, completed)
+
+
+class FailsAfterADeeperStageStepped(Classifier):
+    """Layer 0's recompute of batch ``FAIL_AT`` waits until the step cut by stage has updated the last layer (its
+    gradients were final once the deeper backward stage ran), then raises: the step is torn, every time."""
+
+    def __init__(self) -> None:
+        super().__init__("sgd", fused=True)
+        self.net[0].register_forward_hook(self._fail_once_deeper_stepped)
+        self.first_row = _sample(8 * FAIL_AT)
+        self.before: torch.Tensor | None = None
+
+    def _fail_once_deeper_stepped(self, module, inputs, output):
+        if not torch.equal(inputs[0][0], self.first_row):
+            return
+        if not is_recomputing():  # the batch's forward: the step it leads to is not queued yet
+            self.before = self.net[6].weight.detach().clone()
+        else:
+            deadline = time.monotonic() + WAIT_TIMEOUT / 2
+            while torch.equal(self.net[6].weight, self.before) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            raise RuntimeError("recompute went wrong")
+
+
+def test_a_failure_after_part_of_a_step_cut_by_stage_names_the_torn_step_and_writes_no_checkpoint(
+        tmp_path, reference_states, roundpipe_threads, caplog):
+    # two backward stages: the last layer's (with the fused stage) steps before layer 0's stage recomputes
+    trainer = _trainer(_strategy(num_stages=Plan.from_sizes([4], 3, [4])), devices=2,
+                       callbacks=[OnExceptionCheckpoint(tmp_path)])
+    module = FailsAfterADeeperStageStepped()
+    with pytest.raises(PipelineError, match=rf"recompute went wrong\. Optimizer step {FAIL_AT + 1} had updated the "
+                                            r"parameters of layers \[4-6\] when the pipeline stopped") as caught:
+        trainer.fit(module, _data())
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert roundpipe_threads() == []
+    assert not (tmp_path / "on_exception.ckpt").exists()
+    assert "did not write the checkpoint" in caplog.text
+    # torn as the message says: layers 4-6 took step FAIL_AT + 1, layers 0-3 kept step FAIL_AT's weights
+    state = _state(module)
+    deep = {key: value for key, value in state.items() if int(key.split(".")[1]) >= 4}
+    shallow = {key: value for key, value in state.items() if key not in deep}
+    _assert_at_step(deep, {precision: [{key: steps[k][key] for key in deep} for k in range(len(steps))]
+                           for precision, steps in reference_states.items()}, FAIL_AT + 1)
+    _assert_at_step(shallow, {precision: [{key: steps[k][key] for key in shallow} for k in range(len(steps))]
+                              for precision, steps in reference_states.items()}, FAIL_AT)
 
 
 # ------------------------------------------------------------------ 2. Ctrl-C

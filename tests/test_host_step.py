@@ -46,13 +46,14 @@ OPTIMIZERS = {  # name: (factory, bitwise the default path when fused)
 
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[str]:
-    """The names of torch's fused optimizer ops as they are called (from any thread)."""
+    """The names of torch's fused optimizer ops, once per parameter they step (from any thread): a step cut by
+    stage calls the kernel once per part, so the per-parameter count is what a step's coverage shows."""
     calls: list[str] = []
     for name in FUSED_OPS:
         original = getattr(torch, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
-            calls.append(_name)
+            calls.extend([_name] * len(args[0]))  # the first argument: the parameters stepped
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(torch, name, counted)
@@ -92,7 +93,8 @@ def test_the_fused_path_matches_plain_torch_default_steps(name, fused_calls):
     _plain(ref64, make(ref64.parameters()))
     assert not fused_calls, "the references run torch's default path"
     _engine(model, make(model.parameters()))
-    assert len(fused_calls) == STEPS, "every step ran the fused kernel (one group, one dtype: one call)"
+    params = len(list(model.parameters()))
+    assert len(fused_calls) == STEPS * params, "every step ran the fused kernel on every parameter"
     if bitwise:
         assert_states_equal(model, ref32)
     else:
@@ -142,7 +144,7 @@ def test_exact_mode_fuses_sgd_without_momentum_bitwise(kwargs, fused_calls):
     model, reference = bn_model(), bn_model()
     _engine(model, torch.optim.SGD(model.parameters(), lr=0.05, **kwargs), host_optimizer="exact")
     _plain(reference, torch.optim.SGD(reference.parameters(), lr=0.05, **kwargs))
-    assert fused_calls == ["_fused_sgd_"] * STEPS
+    assert fused_calls == ["_fused_sgd_"] * (STEPS * len(list(model.parameters())))
     assert_states_equal(model, reference)
 
 

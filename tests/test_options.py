@@ -183,6 +183,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "num_microbatches": ("4", 4),
     "num_stages": ("6", 6),
     "async_step": ("true", True),
+    "streaming_step": ("off", "off"),
     "host_optimizer": ("fused", "fused"),
     "recompute": ("layer", "layer"),
     "pin_memory": ("false", False),

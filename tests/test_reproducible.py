@@ -94,6 +94,8 @@ def _deliveries_forced(monkeypatch, backward_first: bool, arrival_order: bool = 
                 window._order[id(param)].remove((ticket, position))
                 if grad is not None:
                     window._sum(id(param), param, grad, borrowed)
+                if not window._order[id(param)] and window._closed:
+                    window._resolved(id(param))  # its gradient is final: a step cut by stage may take it
 
     inner = summed_as_they_come if arrival_order else original
 

@@ -20,6 +20,7 @@ fixed at dispatch, so that results do not depend on which job finishes first.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 import weakref
@@ -46,6 +47,7 @@ from lightning_roundpipe.engine.optim import (
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.pinned import PinnedStorages
 from lightning_roundpipe.engine.stage import StageRunner, Task
+from lightning_roundpipe.engine.step_groups import StepGroup, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.transport import (
     UploadSources,
@@ -66,6 +68,8 @@ from lightning_roundpipe.planning.partition import (
 from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
+
+log = logging.getLogger(__name__)
 
 _Part = TypeVar("_Part")
 
@@ -139,7 +143,10 @@ class RoundPipeEngine:
         self._window = GradWindow(self._abort)   # the gradients of the step being accumulated
         self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
-        self._weights_ready: HostEvent | None = None     # the last queued step's weights, which uploads wait for
+        # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
+        self._upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(self.trunk))]
+        self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
+        self._torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
         self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
         self._last_step_done: HostEvent | None = None
@@ -183,7 +190,8 @@ class RoundPipeEngine:
 
         With ``finish_steps`` queued optimizer steps complete first; without it (after an exception) only
         a step already doing its arithmetic finishes and the rest are dropped. Either way every step is
-        applied whole or not at all, so the module holds consistent weights afterwards. Device work still
+        applied whole or not at all, so the module holds consistent weights afterwards, unless the pipeline
+        failed while a step cut by stage waited for gradients (:attr:`torn_step` says so). Device work still
         queued is dropped.
 
         Nothing here waits without a bound: the optimizer thread is given ``wait_timeout`` per step, the
@@ -289,9 +297,24 @@ class RoundPipeEngine:
         error = self._abort.error
         self._failure_reported = True
         self.close(finish_steps=False)
+        torn = self.torn_step
+        suffix = f". {torn}" if torn else ""
         if isinstance(error, PipelineError):
-            raise PipelineError(str(error)) from error.__cause__
-        raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}") from error
+            raise PipelineError(f"{error}{suffix}") from error.__cause__
+        raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}{suffix}") from error
+
+    @property
+    def torn_step(self) -> str | None:
+        """Set when the pipeline stopped while a step cut by stage (``streaming_step``) waited for the rest of its
+        gradients: which layers that step had updated. The module's weights then mix two steps; ``None``
+        otherwise (every step applied whole or not at all)."""
+        if self._torn is None:
+            return None
+        number, labels = self._torn
+        return (f"Optimizer step {number} had updated the parameters of layers {', '.join(labels)} when the pipeline "
+                f"stopped; the other layers keep step {number - 1}'s weights, so the module's weights mix two steps. "
+                "Resume from a checkpoint written before the failure (or set streaming_step='off' to apply every "
+                "step whole or not at all)")
 
     @contextmanager
     def _failures_surfaced(self) -> Iterator[None]:
@@ -509,18 +532,20 @@ class RoundPipeEngine:
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         outside, unstepped = self._check_optimizer_params(params)
+        groups = self._step_groups(optimizer, params)
         window, self._window = self._window, GradWindow(self._abort, self._step + 1)
-        window.close()
+        window.close([group.params for group in groups])
         self._step += 1
         self._calls_in_step = 0
         proceed: bool | None = True
         # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
         # parameters this optimizer does not step stay in param.grad, which only this thread may write
-        if before_step is not None or unstepped:
+        gradients_final = before_step is not None or bool(unstepped)
+        if gradients_final:
             self._publish_gradients(window.wait_complete, window)
         if before_step is not None:
             proceed = before_step()
-        finished = self._queue_step(optimizer, params, window, proceed=proceed is not False)
+        finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False)
         if not keep_gradients:
             for param in params:
                 param.grad = None
@@ -553,50 +578,119 @@ class RoundPipeEngine:
             )
         return outside, unstepped
 
-    def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow, *,
-                    proceed: bool) -> HostEvent:
-        """Queue step ``self._step`` on the optimizer thread and make later uploads wait for its weights;
-        returns the event of its end. The step's gradients: the tensors in ``param.grad`` now (read here, on
-        the caller's thread, and lent to the step), plus what ``window`` holds once its jobs are done (taken
-        on the optimizer thread). ``proceed=False`` skips the update."""
-        groups = snapshot_param_groups(optimizer)  # hyperparameters as they are now
+    def _step_groups(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[StepGroup]:
+        """How step ``self._step`` of ``optimizer`` is cut (``step_groups.py``): by backward stage, shallowest
+        first, or whole; the optimizer's parameters outside the trunk step first, in a group of their own."""
+        refusal = streaming_refusal(optimizer, self.options.streaming_step)
+        if refusal != self._streaming_said:
+            self._streaming_said = refusal
+            log.info("RoundPipe steps %s %s", type(optimizer).__name__,
+                     "by stage, overlapping the backward and the next iteration" if refusal is None
+                     else f"whole after the backward: {refusal}")
+        groups = stage_groups(self.trunk, self.planner.plan, whole=refusal is not None)
+        trunk_ids = {id(param) for param in self.trunk.parameters()} | self._retired_ids()
+        outside = [param for param in params if param.requires_grad and id(param) not in trunk_ids]
+        if outside and refusal is not None:
+            groups[0].params += outside  # one step call, as built
+        elif outside:
+            groups.insert(0, StepGroup(range(0), outside, frozenset()))
+        number = self._step
+        for group in groups:
+            group.ready.name = (f"the weights of layers {group.label} "
+                                f"{'published' if self.options.async_step else 'updated'} by optimizer step {number}")
+        return groups
+
+    def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
+                    groups: list[StepGroup], *, proceed: bool) -> HostEvent:
+        """Queue step ``self._step`` on the optimizer thread, cut into ``groups``, and make each later upload
+        wait for the groups of the layers it uploads; returns the event of the step's end.
+
+        The step's gradients: the tensors in ``param.grad`` now (read here, on the caller's thread, and lent to
+        the step), plus what ``window`` holds once each group's are final (taken on the optimizer thread).
+        Whenever the thread is free it steps the shallowest group whose gradients are final: while the backward
+        still runs that is the one that became final last, and once all are final (after ``before_step``, say)
+        the next iteration's first stages go first. Async mode first publishes a group's masters (they still
+        hold the previous step) once this iteration's uploads of them are done, as early as it can.
+        ``proceed=False`` skips the update (the copies are still published)."""
+        hyperparameters = snapshot_param_groups(optimizer)  # as they are now
         host_kernels = self.options.host_optimizer
         # an LR scheduler checks that a step preceded its own
         optimizer._opt_called = True  # type: ignore[attr-defined]
         number = self._step
         sources = self._started_part(self._sources)
-        published = HostEvent(f"the weights published by optimizer step {number}") if self.options.async_step else None
+        host = self._started_part(self._optimizer)
+        async_step = self.options.async_step
         finished = HostEvent(f"optimizer step {number}")
         lent = {id(param): param.grad for param in params if param.grad is not None}
         self._lent_now()  # forgets the steps that have ended
         if lent:
             self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
+        stepped = [id(param) for param in params]
 
-        def wait_for_gradients() -> None:
-            if published is not None:
-                window.wait_uploads()  # every read of the published copy by this iteration is done
-                sources.refresh(self.trunk.trainable_parameters())
-                published.set()
-            window.wait_complete()
+        def publish(group: StepGroup, wait: bool) -> bool:
+            """Async: refresh the group's published copy once this iteration's uploads have read it."""
+            if group.ready.is_set():
+                return True
+            if not wait and not window.uploads_done(group.readers):
+                return False
+            window.wait_uploads(group.readers)
+            sources.refresh(group.params)
+            group.ready.set()
+            return True
 
         def run_step() -> None:
-            grads = dict(lent)
-            for key, (_, grad) in window.take().items():  # after wait_complete above
-                held = grads.get(key)
-                grads[key] = grad if held is None else held + grad  # out of place: the lent one stays as it was
-            if proceed:
-                try:
-                    step_with_groups(optimizer, groups, grads, host_kernels=host_kernels)
-                except Exception as error:
-                    raise PipelineError(
-                        f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
-                        f"the optimizer thread: {error}") from error
-                if published is None:  # sync: the low-precision copies the next uploads read, cast once
-                    sources.refresh(params)
+            pending = list(range(len(groups)))  # shallowest first
+            applied: list[str] = []
+            try:
+                while pending:
+                    window.forget_progress()  # what happens from here on wakes the wait below
+                    if async_step:
+                        for index in pending:
+                            publish(groups[index], wait=False)
+                    final = window.final_groups(pending)
+                    if not final:
+                        window.wait_progress()
+                        continue
+                    index = final[0]
+                    pending.remove(index)
+                    group = groups[index]
+                    if async_step:
+                        publish(group, wait=True)
+                    grads = {key: lent[key] for key in map(id, group.params) if key in lent}
+                    for key, (_, grad) in window.take(group.params).items():
+                        held = grads.get(key)
+                        grads[key] = grad if held is None else held + grad  # out of place: the lent one stays
+                    if proceed:
+                        with host.timed(f"step {number} {group.label}" if len(groups) > 1 else f"step {number}"):
+                            self._step_group(optimizer, number, hyperparameters, group, stepped, grads, host_kernels)
+                            if not async_step:  # the low-precision copies the next uploads read, cast once
+                                sources.refresh(group.params)
+                        applied.append(group.label)
+                    group.ready.set()
+            except BaseException:
+                if applied and pending:  # stopped part-way: the pipeline failed, or the optimizer on a later part
+                    self._torn = (number, applied)
+                raise
 
-        self._started_part(self._optimizer).submit(run_step, finished, f"step {number}", wait=wait_for_gradients)
-        self._weights_ready = published if published is not None else finished
+        host.submit(run_step, finished, f"step {number}")
+        self._upload_waits = upload_waits(groups, len(self.trunk))
         return finished
+
+    @staticmethod
+    def _step_group(optimizer: torch.optim.Optimizer, number: int, hyperparameters: list[dict], group: StepGroup,
+                    stepped: list[int], grads: dict[int, torch.Tensor], host_kernels: str) -> None:
+        """Step the parameters of ``group`` that the optimizer holds, with the step's hyperparameters."""
+        members = {id(param) for param in group.params}
+        if not members.intersection(stepped):
+            return
+        subset = [{**copy, "params": [param for param in copy["params"] if id(param) in members]}
+                  for copy in hyperparameters]
+        try:
+            step_with_groups(optimizer, [copy for copy in subset if copy["params"]], grads, host_kernels=host_kernels)
+        except Exception as error:
+            raise PipelineError(
+                f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
+                f"the optimizer thread: {error}") from error
 
     def collect_gradients(self) -> None:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, on this
@@ -846,11 +940,13 @@ class RoundPipeEngine:
                 grad_slots = [(layer, position) for layer in reversed(job.layers)
                               for position, param in enumerate(self.trunk.states[layer].params) if param.requires_grad]
                 ticket = self._window.job_started(upload_done, [self.trunk.states[layer].params[position]
-                                                                for layer, position in grad_slots])
+                                                                for layer, position in grad_slots], job.layers)
             else:
-                self._window.job_read_only(upload_done)
+                self._window.job_read_only(upload_done, job.layers)
+            weights_ready = tuple({id(event): event for layer in job.layers
+                                   for event in self._upload_waits[layer] if not event.is_set()}.values())
             task = Task(
-                job=job, call=call, window=self._window, weights_ready=self._weights_ready,
+                job=job, call=call, window=self._window, weights_ready=weights_ready,
                 buffer_waits=buffer_waits, buffer_done=buffer_done, upload_done=upload_done,
                 done=HostEvent(f"stage {job.label} (job {job.index})"),
                 needs_grad=differentiates, grad_slots=grad_slots, ticket=ticket,

@@ -198,7 +198,8 @@ class StepFigure:
                 f"scratch parameters, {self.threads} thread{'s' * (self.threads != 1)}"
                 + (f"; they fit in the CPU's {self.cached / 2**20:.0f} MiB last-level cache, so a large model's step "
                    "is slower" if self.cached else "")
-                + "); sync mode waits for it every step, async_step=True overlaps it with the next iteration")
+                + "); sync mode steps stage by stage beside the backward (streaming_step) and waits for what is left, "
+                   "async_step=True overlaps it with the next iteration")
         if self.fused_seconds_per_param is not None:
             text += (f". host_optimizer='fused' (torch's fused kernel, equal within float rounding, not bitwise) "
                      f"would take ~{_nanoseconds(self.fused_seconds_per_param)}/param -> "

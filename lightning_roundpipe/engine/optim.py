@@ -3,14 +3,19 @@
 The module's parameters are the master weights; the user's optimizer steps them directly. Devices
 never read them while a step may be writing:
 
-* ``sync``: every upload after a step waits for that step to finish, so results are exactly those
-  of plain training (with ``host_optimizer="fused"``, up to the fused kernels' float rounding). The step
-  itself still runs off the main thread.
+* ``sync``: every upload after a step waits for that step to have updated the parameters it uploads, so
+  results are exactly those of plain training (with ``host_optimizer="fused"``, up to the fused kernels'
+  float rounding). The step itself runs off the main thread, cut by stage where the optimizer allows
+  (``step_groups.py``): each part as soon as its gradients are final, so most of it overlaps the backward.
 * ``async`` (the paper's schedule): devices read a *published* copy of the weights
   (``transport.UploadSources``, which also holds the low-precision copies devices read under mixed
   precision). Step k first publishes the masters (which hold W(k-1)) once every upload of iteration k
-  has read the old copy, then computes W(k) = step(W(k-1), g(k)). Iteration k+1 waits only for the
-  publish, so it runs on W(k-1) while step k runs: exactly one step stale, whatever the timing.
+  has read the old copy, then computes W(k) = step(W(k-1), g(k)), both part by part. Iteration k+1 waits
+  only for the publish of what it uploads, so it runs on W(k-1) while step k runs: exactly one step stale,
+  whatever the timing.
+
+Gradients become final per parameter: once the window is closed (the step was queued) and every job that
+had a slot for it delivered (:meth:`GradWindow.final_groups`, per group of parameters).
 
 Gradients from the devices accumulate in a :class:`GradWindow` (one per optimizer step), never in
 ``param.grad`` directly, so the next iteration's gradients cannot mix into a step in flight.
@@ -31,7 +36,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Container, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,15 +78,24 @@ class GradWindow:
         self._idle = threading.Event()  # no job in flight (the window may still get more)
         self._idle.set()
         self.upload_events: list[HostEvent] = []
+        self._uploads_by_layer: dict[int, list[HostEvent]] = {}  # the uploads of each layer's parameters
+        # set by close(groups): per parameter id its group, per group the parameters still open, and per group
+        # an event set once none is (its gradients are final)
+        self._group_of: dict[int, int] = {}
+        self._open: list[int] = []
+        self._final: list[threading.Event] = []
+        self._progress = threading.Event()  # a group's gradients became final, or an upload finished
 
-    def job_started(self, upload_done: HostEvent | None, params: Sequence[nn.Parameter] = ()) -> int:
+    def job_started(self, upload_done: HostEvent | None, params: Sequence[nn.Parameter] = (),
+                    layers: Iterable[int] = ()) -> int:
         """A job that adds gradients; ``params`` are its slots in summation order (a parameter read by two of
-        its layers is listed twice). Returns the job's ticket for :meth:`deliver`."""
+        its layers is listed twice), ``layers`` the layers it uploads. Returns the job's ticket for
+        :meth:`deliver`."""
         with self._lock:
             self._outstanding += 1
             self._idle.clear()
             if upload_done is not None:
-                self.upload_events.append(upload_done)
+                self._add_upload(upload_done, layers)
             ticket, self._tickets = self._tickets, self._tickets + 1
             if params:
                 self._slots[ticket] = list(params)
@@ -88,10 +103,15 @@ class GradWindow:
                     self._order.setdefault(id(param), deque()).append((ticket, position))
         return ticket
 
-    def job_read_only(self, upload_done: HostEvent) -> None:
-        """A job that produces no gradient but reads the weights (a forward stage)."""
+    def job_read_only(self, upload_done: HostEvent, layers: Iterable[int] = ()) -> None:
+        """A job that produces no gradient but reads the weights of ``layers`` (a forward stage)."""
         with self._lock:
-            self.upload_events.append(upload_done)
+            self._add_upload(upload_done, layers)
+
+    def _add_upload(self, upload_done: HostEvent, layers: Iterable[int]) -> None:
+        self.upload_events.append(upload_done)
+        for layer in layers:
+            self._uploads_by_layer.setdefault(layer, []).append(upload_done)
 
     def deliver(self, ticket: int, grads: Sequence[torch.Tensor | None], *, borrowed: bool = False) -> None:
         """The gradients of job ``ticket``, one per slot given to :meth:`job_started` (``None``: none), computed
@@ -114,6 +134,17 @@ class GradWindow:
                     held = self._held.pop(order.popleft())
                     if held is not None:
                         self._sum(key, param, held, borrowed=False)
+                if not order and self._closed:
+                    self._resolved(key)
+
+    def _resolved(self, key: int) -> None:
+        """The parameter ``key`` has no open slot in a closed window: its gradient is final."""
+        group = self._group_of.pop(key, None)
+        if group is not None:
+            self._open[group] -= 1
+            if self._open[group] == 0:
+                self._final[group].set()
+                self._progress.set()
 
     @staticmethod
     def _own(param: nn.Parameter, grad: torch.Tensor, borrowed: bool) -> torch.Tensor:
@@ -145,11 +176,50 @@ class GradWindow:
                 if grad.dtype != dtype:
                     self._grads[key] = grad.to(dtype)
 
-    def close(self) -> None:
+    def close(self, groups: Sequence[Sequence[nn.Parameter]] = ()) -> None:
+        """No job adds to the window any more. ``groups``: parameters stepped together, each with an event set
+        once all of its gradients are final (:meth:`wait_final`), which for a parameter with no job in flight
+        is now."""
         with self._lock:
             self._closed = True
+            self._final = [threading.Event() for _ in groups]
+            self._open = [0] * len(groups)
+            for index, params in enumerate(groups):
+                for param in params:
+                    self._group_of[id(param)] = index
+                    self._open[index] += 1
+            for key in list(self._group_of):
+                if not self._order.get(key):
+                    self._resolved(key)
+            for index, event in enumerate(self._final):
+                if self._open[index] == 0:
+                    event.set()
             if self._outstanding == 0:
                 self._complete.set()
+
+    def final_groups(self, groups: Sequence[int]) -> list[int]:
+        """Those of ``groups`` (indices into :meth:`close`'s groups) whose gradients are final, now."""
+        with self._lock:
+            return [group for group in groups if self._final[group].is_set()]
+
+    def forget_progress(self) -> None:
+        """Start watching for progress: :meth:`wait_progress` returns at the next one (or at once if one came
+        since this call)."""
+        self._progress.clear()
+
+    def wait_progress(self) -> None:
+        """Until a group's gradients became final or an upload of the window's jobs finished, since
+        :meth:`forget_progress`."""
+        self._abort.wait(self._progress, f"the gradients of optimizer step {self.number}")
+
+    def upload_finished(self) -> None:
+        """An upload of one of the window's jobs is done (the async step may publish what it read)."""
+        self._progress.set()
+
+    def uploads_done(self, layers: Iterable[int]) -> bool:
+        """Whether every upload of ``layers`` by the window's jobs so far is done."""
+        with self._lock:
+            return all(event.is_set() for layer in layers for event in self._uploads_by_layer.get(layer, ()))
 
     def wait_complete(self) -> None:
         self._abort.wait(self._complete, "the gradients of the iteration")
@@ -157,17 +227,21 @@ class GradWindow:
     def wait_idle(self) -> None:
         self._abort.wait(self._idle, "the gradients dispatched so far")
 
-    def wait_uploads(self) -> None:
-        for event in list(self.upload_events):
+    def wait_uploads(self, layers: Iterable[int] | None = None) -> None:
+        """Until every upload of the window's jobs (of those reading ``layers``; ``None``: all) is done."""
+        with self._lock:
+            events = (list(self.upload_events) if layers is None
+                      else [event for layer in layers for event in self._uploads_by_layer.get(layer, ())])
+        for event in events:
             event.wait(self._abort)
 
-    def take(self) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
-        """The summed gradients by parameter id, as ``(parameter, gradient)``, leaving the window empty.
-        Call it once the window's jobs are done (:meth:`wait_complete` or :meth:`wait_idle`)."""
+    def take(self, params: Iterable[nn.Parameter] | None = None) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
+        """The summed gradients by parameter id, as ``(parameter, gradient)``, of ``params`` (``None``: all),
+        leaving them out of the window. Call it once their jobs are done (:meth:`wait_complete`,
+        :meth:`wait_idle` or :meth:`wait_final`)."""
         with self._lock:
-            taken = {key: (self._params[key], grad) for key, grad in self._grads.items()}
-            self._grads.clear()
-            self._params.clear()
+            keys = list(self._grads) if params is None else [id(param) for param in params if id(param) in self._grads]
+            taken = {key: (self._params.pop(key), self._grads.pop(key)) for key in keys}
         return taken
 
     def publish(self, lent: Container[int] = ()) -> None:
@@ -285,10 +359,18 @@ class HostOptimizer:
         self._thread = threading.Thread(target=self._run, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
-    def submit(self, task: Callable[[], None], done: HostEvent, label: str,
-               wait: Callable[[], None] | None = None) -> None:
-        """Run ``wait`` (for gradients, say: not counted as optimizer time), then ``task``, then set ``done``."""
-        self._tasks.put((wait, task, done, label))
+    def submit(self, task: Callable[[], None], done: HostEvent, label: str) -> None:
+        """Run ``task``, then set ``done``. The task times its arithmetic with :meth:`timed` (its waits for
+        gradients are not optimizer time)."""
+        self._tasks.put((task, done, label))
+
+    @contextmanager
+    def timed(self, label: str) -> Iterator[None]:
+        """Optimizer time, on the timeline as ``label``; only on this thread."""
+        start = self._timeline.now()
+        yield
+        self.busy_seconds += self._timeline.now() - start
+        self._timeline.add(-1, -1, label, 0, "optimizer", start)
 
     def close(self, timeout: float) -> str | None:
         """End the thread after the queued tasks (after an abort they are dropped, but one already running
@@ -309,7 +391,7 @@ class HostOptimizer:
             item = self._tasks.get()
             if item is None:
                 return
-            self.running = item[3]
+            self.running = item[2]
             try:
                 self._handle(*item)
             finally:
@@ -317,20 +399,14 @@ class HostOptimizer:
                 self._handled += 1
             item = None  # a finished step's closures hold its gradient window
 
-    def _handle(self, wait: Callable[[], None] | None, task: Callable[[], None], done: HostEvent,
-                label: str) -> None:
+    def _handle(self, task: Callable[[], None], done: HostEvent, label: str) -> None:
         if self._abort.aborted:
             return
         try:
-            if wait is not None:
-                wait()
-            start = self._timeline.now()
             task()
         except EngineAborted:
             return
         except BaseException as error:  # noqa: BLE001 - surfaced by the engine's next wait
             self._abort.fail(error)
             return
-        self.busy_seconds += self._timeline.now() - start
-        self._timeline.add(-1, -1, label, 0, "optimizer", start)
         done.set()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from lightning_roundpipe.engine.host_step import HOST_KERNELS, HostKernels
+from lightning_roundpipe.engine.step_groups import STREAMING_STEPS, StreamingStep
 from lightning_roundpipe.planning.partition import Plan
 
 Recompute = Literal["stage", "layer"]
@@ -87,6 +88,16 @@ class EngineOptions:
     async_step: bool = False
     """``False`` (sync): exact, identical to plain training. ``True``: the paper's one-step-stale update,
     iteration k runs on W(k-2) and W(k) = step(W(k-1), g(k)), so the host step overlaps device work."""
+
+    streaming_step: StreamingStep = "auto"
+    """How the host step is cut (``step_groups.py``). ``"auto"``: a ``torch.optim`` optimizer (but LBFGS)
+    without step hooks steps stage by stage: each backward stage's parameters as soon as their gradients are
+    final, while the rest of the backward runs (after clipping or ``on_before_optimizer_step``, when
+    something reads every gradient first: shallowest stage first), and each later upload waits only for the
+    parameters it uploads. Results are those of the whole step. Other optimizers step whole. ``"on"``: also
+    an optimizer of another class, which the user declares to update each parameter from its own gradient and
+    state. ``"off"``: always whole. If the pipeline fails while a streamed step waits for gradients, the
+    stages stepped so far keep the update (the error says which)."""
 
     host_optimizer: HostKernels = "exact"
     """Which kernel steps a ``torch.optim`` ``Adam``, ``AdamW`` or ``SGD`` built with ``fused`` and
@@ -185,6 +196,9 @@ class EngineOptions:
         if self.transport_dtype not in TRANSPORT_DTYPES:
             raise OptionError("transport_dtype", f"must be one of {', '.join(map(repr, TRANSPORT_DTYPES))}, "
                                                  f"got {self.transport_dtype!r}")
+        if self.streaming_step not in STREAMING_STEPS:
+            raise OptionError("streaming_step", f"must be one of {', '.join(map(repr, STREAMING_STEPS))}, "
+                                                f"got {self.streaming_step!r}")
         if self.host_optimizer not in HOST_KERNELS:
             raise OptionError("host_optimizer", f"must be {' or '.join(map(repr, HOST_KERNELS))}, "
                                                 f"got {self.host_optimizer!r}")

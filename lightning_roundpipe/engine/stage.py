@@ -53,7 +53,7 @@ class Task:
     job: Job
     call: Call
     window: GradWindow
-    weights_ready: HostEvent | None
+    weights_ready: tuple[HostEvent, ...]  # the optimizer steps' events for the weights it uploads [2]
     buffer_waits: list[HostEvent]
     buffer_done: dict[int, HostEvent]
     upload_done: HostEvent

@@ -27,8 +27,9 @@ microbatches::
     its memory. The worker enqueues job k+1's upload before job k's compute (prefetch), so the upload
     overlaps job k's compute once job k-1 is released.
 [2] The weights of the last optimizer step queued before the job: sync mode waits until the step has
-    written them, async mode until it has published its copy (see ``optim.py``). A host wait, timed:
-    it is the part of the step the pipeline does not hide.
+    written them, async mode until it has published its copy (see ``optim.py``), each only for the
+    parameters this stage uploads (the step runs stage by stage: ``step_groups.py``). A host wait,
+    timed: it is the part of the step the pipeline does not hide.
 [3] A job that writes buffers (forward, fused) uploads them once the previous job writing the same
     layers' buffers has copied them back to the host (its [8]).
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
@@ -197,8 +198,8 @@ class Worker:
         stream = self.device.param_stream
         if sequence >= 2:
             stream.wait_event(self._released[sequence - 2])  # [1]
-        weights_ready = task.weights_ready
-        if weights_ready is not None and not weights_ready.is_set():
+        weights_ready = [event for event in task.weights_ready if not event.is_set()]
+        if weights_ready:
             stream.submit(lambda: self._wait_for_weights(weights_ready))  # [2]
         for event in task.buffer_waits:
             stream.wait_event(event)  # [3]
@@ -210,16 +211,18 @@ class Worker:
         params_ready = stream.record(f"the parameters of stage {job.label} (job {job.index}) uploaded")
         self._uploads[job.index] = (stage_copy, params_ready)
 
-    def _wait_for_weights(self, weights_ready: HostEvent) -> None:
+    def _wait_for_weights(self, weights_ready: list[HostEvent]) -> None:
         """[2], timed: how much of the host step the devices see."""
         start = self.runner.timeline.now()
-        weights_ready.wait(self._abort)
+        for event in weights_ready:
+            event.wait(self._abort)
         self.device.counters.weight_wait_seconds += self.runner.timeline.now() - start
 
     def _upload_params(self, task: Task, stage_copy: StageCopy) -> None:
         start = self.runner.timeline.now()
         self.runner.upload_stage(self.device, task, stage_copy)
         task.upload_done.set()
+        task.window.upload_finished()  # an async step may now publish what this upload read
         self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
 
     # ------------------------------------------------------------------ one job
