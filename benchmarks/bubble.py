@@ -1,19 +1,72 @@
 """Where the pipeline bubble goes: the paper's model profiles under GPipe, 1F1B and our schedules.
 
-Run: ``python benchmarks/bubble.py [--plot bubble.png] [--adam-ns-per-param 0.5]``. Not a test: it
-prints tables (and draws a picture with ``--plot``, which needs matplotlib).
+Run: ``python benchmarks/bubble.py [--plot bubble.png] [--adam-ns-per-param 0.5] [--no-measure]
+[--host-optimizer exact|fused] [--recompute-ahead]``. Not a test: it prints tables (and draws a
+picture with ``--plot``, which needs matplotlib).
 
 Inputs are the paper's measured per-layer costs (RTX 4090, ``lightning_roundpipe/observe/paper_profiles.json``); every
 schedule is simulated with the same costs and per-hop time (``lightning_roundpipe.planning.simulate``):
 
 1. 8 devices, 16 microbatches: GPipe and 1F1B on the paper's one-stage-per-device baselines, our
    runtime's sync and async schedules on our planner's partition (``plan_auto``), beside the paper's
-   figures and stage counts. Async is the measured steady state of N + 3 iterations.
+   figures and stage counts. Sync: one isolated iteration, with whole jobs, with rounds of N
+   microbatches and with the dispatch ``choose_round_size`` picks, once as our runtime runs a
+   backward stage (recompute after the output gradient arrived) and once with the recompute run
+   ahead of it (as the paper's simulator does); a verdict per model against the paper's sync figure
+   (published to 0.1, so "at or below" allows 0.05). Async is the measured steady state of N + 3
+   iterations (whole jobs).
 2. A sweep of devices and microbatches (one model): our sync bubble shrinks as microbatches grow and
-   as the ring gets shorter, and async removes most of what is left.
-3. The host optimizer: a step costing ``ns-per-param x parameters`` (AdamW on the CPU; the default is
-   an assumption, measure yours) is exposed in sync mode (the next iteration waits for it) and hidden
-   in async mode (it overlaps the next iteration). Shown as a share of the iteration.
+   as the ring gets shorter, and async removes most of what is left (whole jobs).
+3. The host optimizer, in sync mode: a step costing ``ns-per-param x parameters`` (AdamW on the CPU;
+   0.5 ns by default, then the figure measured here with ``engine.host_step.measure_step``), whole
+   after the backward (``off``) or streamed per stage group (``backward``: deepest first as gradients
+   become final; ``latest``: the shallowest final group first, which is what the runtime's
+   ``streaming_step`` does; ``forward``: with clipping, after the backward, shallowest first, also the
+   runtime's). Whole jobs, as the runtime dispatches (``--rounds``: the dispatch ``choose_round_size``
+   picks, a simulated design). Printed: the
+   exposed time (the sync iteration beyond an isolated one), the lower bound below, and a verdict.
+   Async mode overlaps the whole step with the next iteration; its exposed share is on the ``off`` row.
+
+The paper's profiles carry no parameter counts per layer: the model's count (from its name, e.g.
+``Llama3-8B`` -> 8e9) is spread over the costed layers (decoders and LM head; the free embedding is
+left out) in proportion to their forward time (``planning.simulate.layer_step_seconds``).
+
+The bound of section 3 (``planning.simulate.exposed_step_bound``). Sync mode: iteration ``k`` ends
+at ``E`` (its last op), ``T0`` is an isolated iteration's makespan with the same dispatch, and the
+exposed time is ``X = end(k+1) - E - T0``. The step is cut into groups ``g`` (the fused stage's layers,
+then each backward stage's), ``s_g`` seconds each, ``S`` in all, run one at a time on one thread.
+
+(a) Iteration ``k+1``'s dispatch is fixed: an op starts when its device is free (ring order), its
+    inputs have arrived (+ hop) and its job's parameters are stepped. These are max-plus constraints,
+    so ``end(k+1) >= start(J) + tail_J`` for every job ``J`` of ``k+1``, ``tail_J`` the longest path
+    from ``J``'s first op to the last op in that dependency graph (``tail_F0 = T0``).
+(b) ``J`` starts no earlier than every job it waits for (inputs, its device's earlier jobs,
+    transitively), and none of these before its parameters are stepped: every group in ``U_J`` (the
+    groups holding layers of ``J`` or of those jobs) is stepped by ``start(J)``.
+(c) Group ``g``'s step may begin at ``r_g``: when its gradients are final (``backward``, ``latest``:
+    the end of the last job of its stage in ``k``) or at ``E`` (``forward``: clipping needs every
+    gradient). One thread finishes a set ``U`` no earlier than
+    ``C(U) = max over g in U of (r_g + sum of s_h over h in U with r_h >= r_g)``
+    (work released at ``r_g`` or later starts at ``r_g`` or later; stepping ``U`` alone in release
+    order attains it).
+
+Hence, whatever order the thread steps the groups in::
+
+    X >= B = max(0, max over J of C(U_J) + tail_J - E - T0)
+
+Two of its terms in closed form. ``J = F0`` (``tail = T0``): ``X >= C(U_F0) - E``, at least the
+shallowest group's step (final only at ``E``; with clipping, every group ``F0`` holds) - "one stage's
+step". ``J = L``, the fused stage (``U_L`` = every group, ``tail_L = T0 - a_L`` with ``a_L`` the next
+forward's span up to it): ``X >= C(all) - E - a_L >= S - (E - r_deepest) - a_L`` (``backward``;
+``S - a_L`` with clipping) - the step beyond what hides behind the rest of the backward and the next
+forward. ``forward`` attains ``B`` exactly (shallow to deep finishes each forward job's groups, a
+prefix, at the earliest ``C(U_J)``); ``backward`` attains it while the thread keeps up with the
+backward, but with a backlog at ``E`` it steps the shallowest group last, so ``F0`` waits for the
+whole backlog (``X = C(all) - E``, up to ``a_L`` above ``B``); ``latest`` steps the backlog shallow
+first. The verdict allows one group's step (the largest): the thread never interrupts a group step,
+so a shallow group that becomes final while a deep one runs may wait that long. A simulated ``X``
+below ``B`` would mean the bound is wrong (printed as "BOUND BROKEN"); it is checked on the first
+iteration after an isolated one (``B``'s releases are an isolated iteration's).
 """
 
 from __future__ import annotations
@@ -31,7 +84,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bubble_paper import DEFAULT_JSON, model_inputs  # noqa: E402
 
 from lightning_roundpipe.planning.partition import plan_auto  # noqa: E402
-from lightning_roundpipe.planning.simulate import simulate_1f1b, simulate_gpipe, simulate_roundpipe  # noqa: E402
+from lightning_roundpipe.planning.simulate import (  # noqa: E402
+    choose_round_size,
+    exposed_step_bound,
+    layer_step_seconds,
+    simulate_1f1b,
+    simulate_gpipe,
+    simulate_roundpipe,
+    step_groups,
+)
+
+MODES = ("off", "backward", "latest", "forward")
 
 
 def parameters(name: str) -> float:
@@ -46,71 +109,153 @@ def pct(value: float) -> str:
     return f"{100 * max(value, 0.0):5.1f}"  # a steady state can round to -1e-12
 
 
+def dispatch(round_size: int | None) -> str:
+    return "whole" if round_size is None else f"R={round_size}"
+
+
 def iteration_time(result, iterations: int) -> float:
     """Mean time per iteration after the first two (warm-up)."""
     ends = result.iteration_ends
     return (ends[-1] - ends[1]) / (iterations - 2)
 
 
+def sync_bubble(plan, costs, n: int, m: int, hop: float, ahead: bool) -> tuple[float, float, int | None, float]:
+    """Isolated sync iteration: bubble with whole jobs, with rounds of N, the chosen dispatch and its bubble."""
+    whole = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", recompute_ahead=ahead).bubble_ratio
+    rounds = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", round_size=n, recompute_ahead=ahead).bubble_ratio
+    chosen = choose_round_size(plan, costs, n, m, hop, recompute_ahead=ahead)
+    bubble = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", round_size=chosen,
+                                recompute_ahead=ahead).bubble_ratio
+    return whole, rounds, chosen, bubble
+
+
 def schedules_table(ref: dict) -> dict[str, dict[str, float]]:
     n, m = ref["num_devices"], ref["num_microbatches"]
     paper = ref["bubble_ratio_percent"]
     print(f"1. Bubble %, {n} devices, {m} microbatches (paper's costs; ours = our planner + runtime schedule)")
-    print(f"{'model':<12} {'stages p/o':>10} {'GPipe':>6} {'1F1B':>6} | {'sync':>5} {'paper':>5} | "
-          f"{'async':>5} {'paper':>5}")
+    print(f"{'':<35}| ours, sync: recompute after the gradient | recompute ahead of it  |")
+    print(f"{'':<35}| (the runtime: whole jobs; rounds are a   | (not in the runtime:   |")
+    print(f"{'':<35}|  simulated design, not in the runtime)   |  a simulated design)   |")
+    print(f"{'model':<12} {'stages p/o':>10} {'GPipe':>5} {'1F1B':>5} | {'whole':>5} {'R=N':>5} {'chosen':>13} "
+          f"{'verdict':>9} | {'chosen':>13} {'verdict':>8} | {'paper':>5} | {'async':>5} {'paper':>5}")
     rows = {}
     for name in ref["models"]:
         costs, plan, baseline, hop = model_inputs(ref, name)
         ours = plan_auto(costs, num_devices=n)
         gpipe, one_f_one_b = simulate_gpipe(baseline, costs, m, hop), simulate_1f1b(baseline, costs, m, hop)
-        sync = simulate_roundpipe(ours, costs, n, m, hop, mode="sync")
+        whole, rounds, chosen, sync = sync_bubble(ours, costs, n, m, hop, False)
+        _, _, chosen_ahead, sync_ahead = sync_bubble(ours, costs, n, m, hop, True)
         steady = simulate_roundpipe(ours, costs, n, m, hop, iterations=n + 3).steady_bubble_ratio()
-        rows[name] = {"gpipe": gpipe.bubble_ratio, "1f1b": one_f_one_b.bubble_ratio, "sync": sync.bubble_ratio,
-                      "async": steady}
-        print(f"{name:<12} {plan.num_stages:>4}/{ours.num_stages:<5} {pct(gpipe.bubble_ratio):>6} "
-              f"{pct(one_f_one_b.bubble_ratio):>6} | {pct(sync.bubble_ratio):>5} "
-              f"{paper['RoundPipe-sync (one isolated iteration)'][name]:5.1f} | {pct(steady):>5} "
+        figure = paper["RoundPipe-sync (one isolated iteration)"][name]
+
+        def verdict(value: float, figure: float = figure) -> str:
+            return "at/below" if 100 * value <= figure + 0.05 else "ABOVE"  # published to 0.1
+
+        rows[name] = {"gpipe": gpipe.bubble_ratio, "1f1b": one_f_one_b.bubble_ratio, "sync": sync,
+                      "sync_ahead": sync_ahead, "async": steady}
+        print(f"{name:<12} {plan.num_stages:>4}/{ours.num_stages:<5} {pct(gpipe.bubble_ratio):>5} "
+              f"{pct(one_f_one_b.bubble_ratio):>5} | {pct(whole):>5} {pct(rounds):>5} "
+              f"{pct(sync):>5} {dispatch(chosen):>7} {verdict(sync):>9} | {pct(sync_ahead):>5} "
+              f"{dispatch(chosen_ahead):>7} {verdict(sync_ahead):>8} | {figure:5.1f} | {pct(steady):>5} "
               f"{paper['RoundPipe-async (steady state)'][name]:5.1f}")
+    print("R=N: rounds of N microbatches (training_rounds); chosen: choose_round_size (whole jobs or rounds of N);")
+    print("verdict: chosen sync bubble against the paper's sync figure (published to 0.1). The runtime runs whole")
+    print("jobs with the recompute after the gradient: its figure is the 'whole' column.")
     return rows
 
 
-def sweep_table(ref: dict, name: str, devices: list[int], microbatches: list[int]) -> dict[int, list[tuple]]:
+def sweep_table(ref: dict, name: str, devices: list[int], microbatches: list[int],
+                ahead: bool = False) -> dict[int, list[tuple]]:
     costs, _, _, hop = model_inputs(ref, name)
-    print(f"\n2. {name}: our sync / async-steady bubble % by devices (rows) and microbatches (columns)")
+    print(f"\n2. {name}: our sync / async-steady bubble % by devices (rows) and microbatches (columns), whole jobs"
+          + (", recompute ahead" if ahead else ""))
     print(f"{'devices':>7} " + " ".join(f"{f'M={m}':>11}" for m in microbatches))
     sweep: dict[int, list[tuple]] = {}
     for n in devices:
         plan = plan_auto(costs, num_devices=n)
         cells = []
         for m in microbatches:
-            sync = simulate_roundpipe(plan, costs, n, m, hop, mode="sync").bubble_ratio
-            steady = simulate_roundpipe(plan, costs, n, m, hop, iterations=n + 3).steady_bubble_ratio()
+            sync = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", recompute_ahead=ahead).bubble_ratio
+            steady = simulate_roundpipe(plan, costs, n, m, hop, iterations=n + 3,
+                                        recompute_ahead=ahead).steady_bubble_ratio()
             cells.append((m, sync, steady))
         sweep[n] = cells
         print(f"{n:>7} " + " ".join(f"{pct(s)}/{pct(a)}".rjust(11) for _, s, a in cells))
     return sweep
 
 
-def optimizer_table(ref: dict, ns_per_param: float) -> dict[str, tuple[float, float, float]]:
+def optimizer_table(ref: dict, ns_per_param: float, label: str, ahead: bool = False,
+                    rounds: bool = False) -> dict[str, dict[str, float]]:
+    """Section 3 for one step cost: per model and streaming mode, the exposed time and the bound."""
     n, m = ref["num_devices"], ref["num_microbatches"]
-    iterations = 6
-    print(f"\n3. Host optimizer step ({ns_per_param} ns/parameter) exposed per iteration, {n} devices, {m} microbatches")
-    print(f"{'model':<12} {'step ms':>8} {'iter ms':>8} | {'sync exposed %':>14} {'async exposed %':>15}")
-    rows = {}
+    iterations = 4
+    print(f"\n3. Host optimizer step, {label}: {ns_per_param:.3g} ns/parameter, sync mode, {n} devices, {m} "
+          f"microbatches{', recompute ahead' if ahead else ''}")
+    print(f"{'model':<12} {'step ms':>10} | {'mode':<8} {'dispatch':>8} {'iter ms':>10} | {'exposed ms':>10} "
+          f"{'bound ms':>10} {'tol ms':>8} | {'exposed %':>9} {'bound %':>7}  verdict")
+    rows: dict[str, dict[str, float]] = {}
     for name in ref["models"]:
         costs, _, _, hop = model_inputs(ref, name)
         plan = plan_auto(costs, num_devices=n)
-        step_ms = parameters(name) * ns_per_param * 1e-6
-        runs = {(mode, t): simulate_roundpipe(plan, costs, n, m, hop, iterations=iterations, mode=mode, optimizer_time=t)
-                for mode in ("sync", "async") for t in (0.0, step_ms)}
-        base = iteration_time(runs[("sync", 0.0)], iterations)
-        sync = iteration_time(runs[("sync", step_ms)], iterations)
+        host = layer_step_seconds(costs, parameters(name), ns_per_param * 1e-6)  # per layer, in ms
+        step = sum(host)
+        tol = max(sum(host[i] for i in g) for g in step_groups(plan))
+        rows[name] = {"step": step}
+        for k, mode in enumerate(MODES):
+            kwargs = dict(host_step=host, streaming=mode, recompute_ahead=ahead)
+            chosen = choose_round_size(plan, costs, n, m, hop, **kwargs) if rounds else None
+            base = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", round_size=chosen,
+                                      recompute_ahead=ahead).makespan
+            ends = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", iterations=iterations, round_size=chosen,
+                                      **kwargs).iteration_ends
+            first = ends[1] - ends[0] - base  # after an isolated iteration: what the bound speaks of
+            exposed = (ends[-1] - ends[1]) / (iterations - 2) - base  # steady state
+            rows[name][mode] = exposed / (base + exposed)
+            head = f"{name:<12} {step:10.1f}" if k == 0 else " " * 23
+            cells = f"{head} | {mode:<8} {dispatch(chosen):>8} {base + exposed:10.1f} | {exposed:10.1f}"
+            if mode == "off":
+                print(f"{cells} {'-':>10} {'-':>8} | {pct(rows[name][mode]):>9} {'-':>7}  (whole step after the backward)")
+                continue
+            bound = exposed_step_bound(plan, costs, n, m, hop, round_size=chosen, **kwargs)
+            eps = 1e-9 * (base + step)
+            if first < bound - eps:
+                verdict = f"BOUND BROKEN (first iteration {first:.1f} ms)"
+            elif exposed <= bound + eps:
+                verdict = "at bound"
+            elif exposed <= bound + tol + eps:
+                verdict = "at/below bound + tol"
+            else:
+                verdict = "ABOVE bound + tol"
+            print(f"{cells} {bound:10.1f} {tol:8.1f} | {pct(rows[name][mode]):>9} "
+                  f"{pct(bound / (base + bound)):>7}  {verdict}")
         # async: the step of iteration k runs beside iteration k+1 and is exposed only past it
-        async_base = iteration_time(runs[("async", 0.0)], iterations)
-        async_exposed = max(step_ms - async_base, 0.0) / max(step_ms, async_base)
-        rows[name] = (step_ms, (sync - base) / sync, async_exposed)
-        print(f"{name:<12} {step_ms:8.1f} {base:8.1f} | {pct((sync - base) / sync):>14} {pct(async_exposed):>15}")
+        async_base = iteration_time(simulate_roundpipe(plan, costs, n, m, hop, iterations=6,
+                                                       recompute_ahead=ahead), 6)
+        rows[name]["async"] = max(step - async_base, 0.0) / max(step, async_base)
+        print(f"{'':23} | async    {'whole':>8} {max(step, async_base):10.1f} | "
+              f"{max(step - async_base, 0.0):10.1f} {'':>10} {'':>8} | {pct(rows[name]['async']):>9}")
+    print("exposed: the sync iteration beyond an isolated one (steady state), % of the sync iteration; bound: the")
+    print("lower bound of the docstring for any step order; tol: the largest group's step.")
     return rows
+
+
+def measured_ns_per_param(host_kernels: str) -> tuple[float, str]:
+    """AdamW's host step on this machine (``engine.host_step.measure_step`` on 4M scratch parameters) and a
+    line saying how it was measured."""
+    import torch
+
+    from lightning_roundpipe.engine.host_step import SCRATCH_ELEMENTS, measure_step
+
+    scratch = torch.nn.Parameter(torch.zeros(SCRATCH_ELEMENTS))
+    figure = measure_step(torch.optim.AdamW([scratch]), host_kernels)
+    if figure.seconds_per_param is None:
+        raise RuntimeError(f"AdamW could not be measured: {figure.problem}")
+    ns = figure.seconds_per_param * 1e9
+    text = (f"AdamW measured here: {ns:.3g} ns/parameter ({figure.kernel} kernel, {figure.threads} thread(s), "
+            f"{figure.sample:,} scratch parameters, best of a few steps"
+            + (f"; the fused kernel: {figure.fused_seconds_per_param * 1e9:.3g} ns" if figure.fused_seconds_per_param
+               else "") + "). A shared or busy machine measures slower.")
+    return ns, text
 
 
 def draw(path: Path, sweep_model: str, schedules: dict, sweep: dict, optimizer: dict) -> None:
@@ -139,8 +284,9 @@ def draw(path: Path, sweep_model: str, schedules: dict, sweep: dict, optimizer: 
     middle.set_ylabel("bubble %")
     middle.set_title(f"{sweep_model}: where the bubble vanishes")
     middle.legend(fontsize=7)
-    right.bar([i - 0.2 for i in range(len(names))], [100 * optimizer[name][1] for name in names], 0.4, label="sync")
-    right.bar([i + 0.2 for i in range(len(names))], [100 * optimizer[name][2] for name in names], 0.4, label="async")
+    for offset, key in enumerate(("off", "backward", "forward", "async")):
+        right.bar([i + (offset - 1.5) * width for i in range(len(names))], [100 * optimizer[name][key] for name in names],
+                  width, label=f"sync, streaming {key}" if key != "async" else "async")
     right.set_xticks(range(len(names)), names, rotation=20)
     right.set_ylabel("% of the iteration")
     right.set_title("host optimizer step, exposed")
@@ -158,6 +304,15 @@ def main() -> int:
     parser.add_argument("--microbatches", default="4,8,16,32,64")
     parser.add_argument("--adam-ns-per-param", type=float, default=0.5,
                         help="host AdamW time per parameter (an assumption: ~32 bytes moved a parameter at ~64 GB/s)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="skip the second table of section 3 (AdamW measured on this machine)")
+    parser.add_argument("--host-optimizer", choices=("exact", "fused"), default="exact",
+                        help="the kernel to measure AdamW with (the engine option host_optimizer)")
+    parser.add_argument("--recompute-ahead", action="store_true",
+                        help="sections 2 and 3: backward stages recompute before their output gradient arrives")
+    parser.add_argument("--rounds", action="store_true",
+                        help="section 3: dispatch in rounds where choose_round_size prefers them (a simulated design; "
+                             "the runtime runs whole jobs)")
     parser.add_argument("--plot", type=Path, help="also draw the three panels into this PNG (needs matplotlib)")
     args = parser.parse_args()
     ref = json.loads(args.json.read_text())["simulation"]
@@ -165,8 +320,13 @@ def main() -> int:
         parser.error(f"--sweep-model must be one of {sorted(ref['models'])}")
     schedules = schedules_table(ref)
     sweep = sweep_table(ref, args.sweep_model, [int(x) for x in args.devices.split(",")],
-                        [int(x) for x in args.microbatches.split(",")])
-    optimizer = optimizer_table(ref, args.adam_ns_per_param)
+                        [int(x) for x in args.microbatches.split(",")], args.recompute_ahead)
+    optimizer = optimizer_table(ref, args.adam_ns_per_param, "assumed", args.recompute_ahead, args.rounds)
+    if not args.no_measure:
+        ns, text = measured_ns_per_param(args.host_optimizer)
+        print(f"\n{text}")
+        optimizer_table(ref, ns, f"AdamW measured here (host_optimizer={args.host_optimizer!r})", args.recompute_ahead,
+                        args.rounds)
     if args.plot:
         draw(args.plot, args.sweep_model, schedules, sweep, optimizer)
     return 0

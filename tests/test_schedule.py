@@ -17,7 +17,9 @@ from lightning_roundpipe.planning.schedule import (
     format_grid,
     forward_jobs,
     training_jobs,
+    training_rounds,
     validate,
+    validate_rounds,
 )
 
 # 12 layers: forward [0-2] [3-5] [6-8] [9-10], fused [11], backward [10] [9] ... [0].
@@ -35,6 +37,55 @@ def test_training_jobs_ring_and_dependencies():
     assert jobs[5].layers == range(10, 11) and jobs[-1].layers == range(0, 1)
     assert {j.num_microbatches for j in jobs} == {4}
     validate(jobs, 12, 3)
+
+
+def test_training_rounds():
+    tiny = Plan.from_sizes([1], 1, [1])  # F0 | L | B0
+    jobs = training_rounds(tiny, 2, 5, 2, first_index=3)
+    # rounds of 2, 2, 1 microbatches; ring positions 3..11 continue across rounds (devices 1 0 1 0 ...)
+    assert [(j.label, j.index, j.device, j.first_microbatch, j.num_microbatches) for j in jobs] == [
+        ("F0", 3, 1, 0, 2), ("L", 4, 0, 0, 2), ("B0", 5, 1, 0, 2),
+        ("F0", 6, 0, 2, 2), ("L", 7, 1, 2, 2), ("B0", 8, 0, 2, 2),
+        ("F0", 9, 1, 4, 1), ("L", 10, 0, 4, 1), ("B0", 11, 1, 4, 1),
+    ]
+    # each round's first job consumes the caller's data; the others the job before, in the same round
+    assert [j.depends_on for j in jobs] == [(), (3,), (4,), (), (6,), (7,), (), (9,), (10,)]
+    assert jobs[4].microbatches == range(2, 4) and jobs[8].microbatches == range(4, 5)
+    validate_rounds(jobs, 2, 2)
+    validate(jobs[3:6], 2, 2)  # one round is one training call
+    # A round of all microbatches is the whole-job call; validate_rounds accepts that too.
+    assert training_rounds(tiny, 2, 5, 5) == training_jobs(tiny, 2, 5)
+    assert training_jobs(tiny, 2, 5)[0].microbatches == range(5)
+    validate_rounds(training_jobs(PLAN, 3, 4), 12, 3)
+    assert training_jobs(tiny, 2, 3, 1, first_microbatch=4)[2] == Job(3, 1, StageKind.BACKWARD, 0, range(0, 1), 3,
+                                                                       (2,), 4)
+    with pytest.raises(ValueError, match="round_size must be >= 1, got 0"):
+        training_rounds(tiny, 2, 5, 0)
+    with pytest.raises(ValueError, match="first_microbatch must be >= 0, got -1"):
+        training_jobs(tiny, 2, 5, first_microbatch=-1)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda j: j[3:], r"round 0 starts at microbatch 2, expected 0: rounds cover the batch in order"),
+        (lambda j: j[:3] + j[6:], r"round 1 starts at microbatch 4, expected 2"),
+        (lambda j: j[:3] + [dataclasses.replace(x, index=x.index + 1, device=(x.index + 1) % 2) for x in j[3:]],
+         r"round 1 starts at ring position 4, expected 3: the ring counter continues"),
+        (lambda j: [dataclasses.replace(x, num_microbatches=1) for x in j[:3]]
+         + [dataclasses.replace(x, first_microbatch=1) for x in j[3:]],
+         r"round 1 has 2 microbatches, expected 1: all rounds but the last have the first round's size"),
+        (lambda j: j[:3] + [dataclasses.replace(x, first_microbatch=3) for x in j[3:6]] + j[6:],
+         r"round 1 starts at microbatch 3, expected 2"),
+        (lambda j: j[:1] + j[3:], r"round 0 runs F0: a round is a whole training call"),
+        (lambda j: j[:4] + [dataclasses.replace(j[4], depends_on=(1,))] + j[5:],
+         r"job L \(index 4\) depends on \(1,\), expected \(3,\)"),
+        (lambda j: [], r"a schedule needs at least one job, got none"),
+    ],
+)
+def test_validate_rounds_messages(mutate, message):
+    with pytest.raises(ValueError, match=message):
+        validate_rounds(mutate(training_rounds(Plan.from_sizes([1], 1, [1]), 2, 5, 2)), 2, 2)
 
 
 def test_transparent_path_jobs():
@@ -74,6 +125,7 @@ def _replace(jobs: list[Job], k: int, **changes) -> list[Job]:
         (lambda j: _replace(j, 3, index=9), r"job F3 has index 9, expected 3: a call's jobs take consecutive ring positions"),
         (lambda j: _replace(j, 1, num_microbatches=0), r"job F1 has num_microbatches=0, expected >= 1"),
         (lambda j: _replace(j, 1, num_microbatches=3), r"job F1 has 3 microbatches but job F0 has 2: one call splits its batch once"),
+        (lambda j: _replace(j, 1, first_microbatch=2), r"job F1 starts at microbatch 2 but job F0 at 0: the jobs of one call \(or round\) run the same microbatches"),
         (lambda j: _replace(j, 2, depends_on=(5,)), r"job F2 \(index 2\) depends on \(5,\): dependencies must point to earlier jobs"),
         (lambda j: _replace(j, 2, depends_on=(0,)), r"job F2 \(index 2\) depends on \(0,\), expected \(1,\): each job consumes the previous job in the data flow"),
         (lambda j: _replace(j, 0, depends_on=(-1,)), r"job F0 \(index 0\) depends on \(-1,\), expected \(\): each job"),

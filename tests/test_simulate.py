@@ -12,14 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from lightning_roundpipe.planning.partition import LayerCost, Plan
+from lightning_roundpipe.planning.partition import LayerCost, Plan, plan_auto
 from lightning_roundpipe.planning.schedule import backward_jobs, training_jobs
 from lightning_roundpipe.planning.simulate import (
+    HostStep,
+    choose_round_size,
+    exposed_step_bound,
+    layer_step_seconds,
     simulate_1f1b,
     simulate_gpipe,
     simulate_jobs,
     simulate_paper_roundpipe,
     simulate_roundpipe,
+    step_groups,
+    sync_iteration_time,
 )
 
 UNIT = [LayerCost(1.0, 1.0)] * 3
@@ -85,6 +91,109 @@ def test_recompute_ahead_and_simulate_jobs():
     assert same.events == simulate_roundpipe(TINY, UNIT, 2, 2).events
 
 
+def test_rounds_by_hand():
+    # M=4 in rounds of 2: round 0 = jobs 0-4 (mb 0,1) on devices 0 1 0 1 0, round 1 = jobs 5-9 (mb 2,3)
+    # on devices 1 0 1 0 1. Round 0 is the 2-microbatch timeline above (dev0 free at 10, dev1 at 8).
+    # Round 1: F0 dev1 [8,9] [9,10]; F1 dev0 [10,11] [11,12]; L dev1 [11,13] [13,15];
+    # B0 dev0 [13,15] [15,17]; B1 dev1 [15,17] [17,19].
+    r = simulate_roundpipe(TINY, UNIT, 2, 4, round_size=2)
+    assert r.makespan == 19
+    assert [(e.label, e.microbatch, e.start, e.end, e.job) for e in r.events if e.device == 1 and e.start >= 8] == [
+        ("F0", 2, 8, 9, 5), ("F0", 3, 9, 10, 5), ("L", 2, 11, 12, 7), ("L", 2, 12, 13, 7), ("L", 3, 13, 14, 7),
+        ("L", 3, 14, 15, 7), ("B1", 2, 15, 16, 9), ("B1", 2, 16, 17, 9), ("B1", 3, 17, 18, 9), ("B1", 3, 18, 19, 9),
+    ]
+    assert r.busy == (16, 16)  # dev0 F0 L B1 of round 0 (10) + F1 B0 of round 1 (6); dev1 the other way
+    # Whole jobs take 20: dev0 F0 [0,4], L [4,12] (L.0 waits for the device); dev1 B0 [6,14]; dev0 B1 [12,20].
+    assert simulate_roundpipe(TINY, UNIT, 2, 4).makespan == 20
+    assert simulate_roundpipe(TINY, UNIT, 2, 4, round_size=4).events == simulate_roundpipe(TINY, UNIT, 2, 4).events
+    assert choose_round_size(TINY, UNIT, 2, 4) == 2  # candidates N = 2 (2N = 4 is whole jobs)
+    # M=3 in rounds of 2: round 1 (mb 2) runs F0 dev1 [8,9], F1 dev0 [10,11], L dev1 [11,13],
+    # B0 dev0 [13,15], B1 dev1 [15,17]: 17, against 15 for whole jobs, which stay.
+    assert simulate_roundpipe(TINY, UNIT, 2, 3, round_size=2).makespan == 17
+    assert simulate_roundpipe(TINY, UNIT, 2, 3).makespan == 15
+    assert choose_round_size(TINY, UNIT, 2, 3) is None
+    assert sync_iteration_time(TINY, UNIT, 2, 3, round_size=2) == 17
+
+
+# Step groups of TINY, deep to shallow: g0 = layer 2 (fused), g1 = layer 1 (B0), g2 = layer 0 (B1). In the
+# first iteration (the 2-microbatch timeline above) their gradients are final at 6 (L), 8 (B0), 10 (B1) = E.
+# The next iteration's jobs 5-9 are F0 (layer 0, dev1), F1 (layer 1, dev0), L (layer 2, dev1), B0 (dev0),
+# B1 (dev1). host_step is per layer: [layer 0, layer 1, layer 2].
+
+
+def steps(result, iteration=0):
+    return [(s.group, s.start, s.end) for s in result.host_steps if s.iteration == iteration]
+
+
+def test_streaming_backward_by_hand():
+    assert step_groups(TINY) == (range(2, 3), range(1, 2), range(0, 1))
+    # Group steps g0 3, g1 1, g2 2. Thread: g0 [6,9], g1 [9,10] (final at 8, thread free at 9), g2 [10,12].
+    # F0' waits for g2: dev1 [12,13] [13,14]; F1' dev0 [13,14] [14,15]; L' dev1 [14,16] [16,18];
+    # B0' dev0 [16,18] [18,20]; B1' dev1 [18,20] [20,22]. Exposed: 22 - 10 - 10 = 2 = g2's step.
+    r = simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", iterations=2, host_step=[2.0, 1.0, 3.0], streaming="backward")
+    assert steps(r) == [(0, 6, 9), (1, 9, 10), (2, 10, 12)]
+    assert r.iteration_ends == (10, 22)
+    assert [(e.label, e.start) for e in r.events if e.job == 5] == [("F0", 12), ("F0", 13)]
+    # Iteration 2's gradients are final at 18, 20, 22: g0 [18,21], g1 [21,22], g2 [22,24].
+    assert steps(r, 1) == [(0, 18, 21), (1, 21, 22), (2, 22, 24)]
+    assert r.host_steps[0] == HostStep(0, 0, range(2, 3), 6, 9)
+    # The whole step after the backward ("off"): the next iteration starts at 10 + 6 = 16.
+    off = simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", iterations=2, host_step=[2.0, 1.0, 3.0])
+    assert off.iteration_ends == (10, 26) and steps(off) == [(0, 10, 13), (1, 13, 14), (2, 14, 16)]
+    assert off.events == simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", iterations=2, optimizer_time=6.0).events
+    # Lower bound (any step order): F0 needs {g2}, done >= 10 + 2, the rest after it takes T0 = 10 -> 2.
+    assert exposed_step_bound(TINY, UNIT, 2, 2, host_step=[2.0, 1.0, 3.0], streaming="backward") == 2
+
+
+def test_streaming_backlog_backward_latest_and_bound():
+    # Group steps g0 5, g1 1, g2 1: g0 runs [6,11], past both other gradients becoming final.
+    # "backward": g1 [11,12], g2 [12,13]; F0' starts at 13 and iteration 2 is iteration 1 shifted: 23.
+    slow = [1.0, 1.0, 5.0]
+    b = simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", iterations=2, host_step=slow, streaming="backward")
+    assert steps(b) == [(0, 6, 11), (1, 11, 12), (2, 12, 13)]
+    assert b.iteration_ends == (10, 23)
+    # "latest": at 11 both g1 and g2 are final; the shallower g2 goes first: g2 [11,12], g1 [12,13].
+    # F0' dev1 [12,13] [13,14]; F1' (g1 done at 13) dev0 [13,14] [14,15]; L' dev1 [14,16] [16,18];
+    # B0' dev0 [16,18] [18,20]; B1' dev1 [18,20] [20,22].
+    lat = simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", iterations=2, host_step=slow, streaming="latest")
+    assert steps(lat) == [(0, 6, 11), (2, 11, 12), (1, 12, 13)]
+    assert lat.iteration_ends == (10, 22)
+    # Bound: releases 6, 8, 10. F0 needs {g2}: done >= 11, + T0 10 - 20 = 1. L needs all (its
+    # ancestors F0, F1 too): done >= 6 + 7 = 13, + its tail (L.0 L.1 B1.0 B1.1 = 8) - 20 = 1. F1:
+    # {g1, g2} done >= 11, + tail 9 (F1.0 L.0 L.1 B1.0 B1.1) - 20 = 0. So 1 <= latest's 2 <= backward's 3.
+    assert exposed_step_bound(TINY, UNIT, 2, 2, host_step=slow, streaming="backward") == 1
+    assert exposed_step_bound(TINY, UNIT, 2, 2, host_step=slow, streaming="latest") == 1
+
+
+def test_streaming_forward_by_hand():
+    # Clipping: all steps after the backward (10), shallow to deep: g2 [10,12], g1 [12,13], g0 [13,16].
+    # F0' (g2) dev1 [12,13] [13,14]; F1' (g1, 13) dev0 [13,14] [14,15]; L' (g0, 16) dev1 [16,18] [18,20];
+    # B0' dev0 [18,20] [20,22]; B1' dev1 [20,22] [22,24]. Exposed 24 - 20 = 4.
+    r = simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", iterations=2, host_step=[2.0, 1.0, 3.0], streaming="forward")
+    assert steps(r) == [(2, 10, 12), (1, 12, 13), (0, 13, 16)]
+    assert r.iteration_ends == (10, 24)
+    # Bound: L needs every group: 10 + 6 = 16, + tail 8 - 20 = 4 (F0: 12 + 10 - 20 = 2; F1: 13 + 9 - 20 = 2).
+    assert exposed_step_bound(TINY, UNIT, 2, 2, host_step=[2.0, 1.0, 3.0], streaming="forward") == 4
+
+
+def test_streaming_with_rounds_by_hand():
+    # M=3 in rounds of 2 (timeline in test_rounds_by_hand): L jobs end at 6 and 13, B0 at 8 and 15,
+    # B1 at 10 and 17 = E. A group's gradients are final after its stage's last round: 13, 15, 17.
+    r = simulate_roundpipe(TINY, UNIT, 2, 3, mode="sync", iterations=2, round_size=2, host_step=[1.0, 1.0, 1.0],
+                           streaming="backward")
+    assert steps(r) == [(0, 13, 14), (1, 15, 16), (2, 17, 18)]
+    # Iteration 2 = jobs 10-19; its F0 (job 10, device 0) waits for g2: [18,19].
+    assert [(e.label, e.microbatch, e.start) for e in r.events if e.job == 10] == [("F0", 0, 18), ("F0", 1, 19)]
+
+
+def test_layer_step_seconds():
+    # 10 parameters at 2 s each, by param_bytes when any is set, else by forward time.
+    assert layer_step_seconds([LayerCost(1.0, 0.0, 3), LayerCost(3.0, 0.0, 2)], 10, 2.0) == [12.0, 8.0]
+    assert layer_step_seconds([LayerCost(1.0, 0.0), LayerCost(3.0, 0.0)], 10, 2.0) == [5.0, 15.0]
+    with pytest.raises(ValueError, match="every layer has zero param_bytes and zero forward time"):
+        layer_step_seconds([LayerCost(0.0, 1.0)], 10, 2.0)
+
+
 def test_paper_simulator_by_hand():
     # M=3 on 2 devices: round 0 = mb 0,1 from device 0; round 1 = mb 2 from the earliest-free device.
     # Round 0, recompute/LM-forward slid to end right when the backward may start:
@@ -132,6 +241,18 @@ def test_input_errors():
         simulate_roundpipe(TINY, UNIT, 2, 2, mode="fast")
     with pytest.raises(ValueError, match="fused stage"):
         simulate_roundpipe(TINY, UNIT[:2], 2, 2)
+    with pytest.raises(ValueError, match="round_size must be >= 1 or None"):
+        simulate_roundpipe(TINY, UNIT, 2, 2, round_size=0)
+    with pytest.raises(ValueError, match=r"streaming='backward' needs mode='sync' and host_step"):
+        simulate_roundpipe(TINY, UNIT, 2, 2, streaming="backward")
+    with pytest.raises(ValueError, match="streaming must be one of"):
+        simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", host_step=[1.0] * 3, streaming="sideways")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host_step needs a finite step time >= 0 for each of the 3 layers"):
+        simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", host_step=[1.0] * 2)
+    with pytest.raises(ValueError, match="not both"):
+        simulate_roundpipe(TINY, UNIT, 2, 2, mode="sync", host_step=[1.0] * 3, optimizer_time=1.0)
+    with pytest.raises(ValueError, match="streaming must be 'backward', 'latest' or 'forward'"):
+        exposed_step_bound(TINY, UNIT, 2, 2, host_step=[1.0] * 3, streaming="off")
 
 
 # ---- The paper's figures -----------------------------------------------------------------------
@@ -210,3 +331,24 @@ def test_runtime_schedule_on_paper_partition_is_sane():
         # every layer runs forward twice (forward stage + recompute) but the head, in the fused stage
         work = 16 * sum(c.forward + c.backward for c in costs) + 16 * sum(costs[i].forward for i in range(len(costs) - 1))
         assert sum(r.busy) == pytest.approx(11 * work)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-1.7B", "GPT-OSS-20B"])
+def test_exposed_step_bound_holds_on_paper_profiles(name):
+    # The bound is a lower bound: the first iteration after an isolated one never beats it; clipping's
+    # shallow-to-deep order attains it. 0.5 ns/parameter, the parameters spread by forward time.
+    costs, _, _, comm = paper_inputs(name)
+    plan = plan_auto(costs, num_devices=8)
+    host = layer_step_seconds(costs, float(name.split("-")[-1][:-1]) * 1e9, 0.5e-6)
+    for round_size in (None, 8):
+        for ahead in (False, True):
+            base = simulate_roundpipe(plan, costs, 8, 16, comm, round_size=round_size, recompute_ahead=ahead).makespan
+            for streaming in ("backward", "latest", "forward"):
+                ends = simulate_roundpipe(plan, costs, 8, 16, comm, mode="sync", iterations=2, round_size=round_size,
+                                          host_step=host, streaming=streaming, recompute_ahead=ahead).iteration_ends
+                exposed = ends[1] - ends[0] - base
+                bound = exposed_step_bound(plan, costs, 8, 16, comm, host_step=host, streaming=streaming,
+                                           round_size=round_size, recompute_ahead=ahead)
+                assert 0 <= bound <= exposed + 1e-6
+                if streaming == "forward":
+                    assert exposed == pytest.approx(bound, abs=1e-6)

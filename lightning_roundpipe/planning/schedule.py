@@ -3,7 +3,9 @@
 Pure module (standard library and :mod:`.partition` only). The runtime executes exactly the
 :class:`Job` lists built here; the simulator times them; tests check them with :func:`validate`.
 
-A *job* is one stage over all ``M`` microbatches, run in microbatch order ``0 .. M-1``. Jobs are
+A *job* is one stage over all ``M`` microbatches, run in microbatch order ``0 .. M-1`` (or, in a
+training iteration dispatched in *rounds* by :func:`training_rounds`, over one round's microbatches
+``job.microbatches``: each round is a whole training chain over its share of the batch). Jobs are
 dealt to devices round-robin by a counter that is never reset, so job ``j`` runs on device
 ``j % N`` and the next call (or iteration) simply continues the count. One training iteration
 (the fused path) on 2 devices with 2 forward stages and 3 backward stages::
@@ -49,6 +51,14 @@ class Job:
     layers: range
     num_microbatches: int
     depends_on: tuple[int, ...]  #: jobs whose microbatch ``m`` output microbatch ``m`` consumes
+    first_microbatch: int = 0  #: global index of the job's first microbatch (a round's offset into the batch)
+
+    @property
+    def microbatches(self) -> range:
+        """The global microbatch indices the job runs, in order: ``first_microbatch ..`` (all ``M`` for a
+        whole job, one round's for a job of :func:`training_rounds`). Its ``k``-th microbatch consumes the
+        ``k``-th of each job in ``depends_on``."""
+        return range(self.first_microbatch, self.first_microbatch + self.num_microbatches)
 
     @property
     def label(self) -> str:
@@ -61,6 +71,7 @@ def _chain(
     num_devices: int,
     num_microbatches: int,
     first_index: int,
+    first_microbatch: int = 0,
 ) -> list[Job]:
     """Jobs for ``stages`` at consecutive ring positions, each consuming the one before it (in all
     three calls the data flows straight down the dispatch order)."""
@@ -68,21 +79,52 @@ def _chain(
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if first_microbatch < 0:
+        raise ValueError(f"first_microbatch must be >= 0, got {first_microbatch}")
     jobs: list[Job] = []
     for k, (kind, stage, layers) in enumerate(stages):
         index = first_index + k
         deps = (index - 1,) if k > 0 else ()
-        jobs.append(Job(index, index % num_devices, kind, stage, layers, num_microbatches, deps))
+        jobs.append(Job(index, index % num_devices, kind, stage, layers, num_microbatches, deps, first_microbatch))
     return jobs
 
 
-def training_jobs(plan: Plan, num_devices: int, num_microbatches: int, first_index: int = 0) -> list[Job]:
-    """One iteration of the fused path: forward stages, the fused stage, backward stages."""
+def training_jobs(
+    plan: Plan, num_devices: int, num_microbatches: int, first_index: int = 0, *, first_microbatch: int = 0
+) -> list[Job]:
+    """One iteration of the fused path: forward stages, the fused stage, backward stages, each over
+    microbatches ``first_microbatch .. first_microbatch + num_microbatches - 1`` (one round of
+    :func:`training_rounds`; the whole batch by default)."""
     stages = [(StageKind.FORWARD, s, r) for s, r in enumerate(plan.forward)]
     stages.append((StageKind.FUSED, 0, plan.fused))
     stages += [(StageKind.BACKWARD, b, r) for b, r in enumerate(plan.backward)]
     # In the fused path every job consumes the one dispatched just before it.
-    return _chain(stages, num_devices, num_microbatches, first_index)
+    return _chain(stages, num_devices, num_microbatches, first_index, first_microbatch)
+
+
+def training_rounds(
+    plan: Plan, num_devices: int, num_microbatches: int, round_size: int, first_index: int = 0
+) -> list[Job]:
+    """One iteration of the fused path dispatched in rounds: round ``r`` is a whole
+    :func:`training_jobs` chain over microbatches ``[r R, min(M, (r+1) R))``, at the ring positions
+    following round ``r - 1``'s (the counter is never reset). Returns every round's jobs in dispatch
+    order. Jobs depend only on jobs of their own round. ``round_size >= num_microbatches`` gives
+    :func:`training_jobs`. 2 devices, plan ``F0 | L | B0``, 3 microbatches in rounds of 2::
+
+        index       0    1    2    3    4    5
+        job         F0   L    B0   F0   L    B0
+        device      0    1    0    1    0    1
+        microbatch  0-1  0-1  0-1  2    2    2
+    """
+    if round_size < 1:
+        raise ValueError(f"round_size must be >= 1, got {round_size}")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    jobs: list[Job] = []
+    for first in range(0, num_microbatches, round_size):
+        size = min(round_size, num_microbatches - first)
+        jobs += training_jobs(plan, num_devices, size, first_index + len(jobs), first_microbatch=first)
+    return jobs
 
 
 def forward_jobs(plan: Plan, num_devices: int, num_microbatches: int, first_index: int = 0) -> list[Job]:
@@ -131,6 +173,11 @@ def validate(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
                 f"job {job.label} has {job.num_microbatches} microbatches but job {first.label} has "
                 f"{first.num_microbatches}: one call splits its batch once"
             )
+        if job.first_microbatch != first.first_microbatch:
+            raise ValueError(
+                f"job {job.label} starts at microbatch {job.first_microbatch} but job {first.label} at "
+                f"{first.first_microbatch}: the jobs of one call (or round) run the same microbatches"
+            )
         if any(d >= job.index for d in job.depends_on):
             raise ValueError(
                 f"job {job.label} (index {job.index}) depends on {tuple(job.depends_on)}: dependencies "
@@ -160,6 +207,45 @@ def validate(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
         _check_forward([*fwd, *fused], num_layers)
     if fused or bwd:
         _check_backward(bwd, fused[0].layers.start if fused else num_layers)
+
+
+def validate_rounds(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
+    """Raise ``ValueError`` unless ``jobs`` is one training iteration in rounds (:func:`training_rounds`):
+    consecutive runs of jobs with the same ``first_microbatch`` are the rounds; each must pass
+    :func:`validate` as a training call (with the fused stage), the first starts at microbatch 0, each
+    next one where the previous ended, all rounds but the last have the same size and the ring
+    positions continue from round to round. Whole jobs (one round) pass too."""
+    if not jobs:
+        raise ValueError("a schedule needs at least one job, got none")
+    rounds: list[list[Job]] = []
+    for job in jobs:
+        if not rounds or job.first_microbatch != rounds[-1][0].first_microbatch:
+            rounds.append([])
+        rounds[-1].append(job)
+    expected_mb, expected_index = 0, jobs[0].index
+    size = rounds[0][0].num_microbatches
+    for r, group in enumerate(rounds):
+        head = group[0]
+        if head.first_microbatch != expected_mb:
+            raise ValueError(
+                f"round {r} starts at microbatch {head.first_microbatch}, expected {expected_mb}: rounds cover "
+                f"the batch in order from microbatch 0"
+            )
+        if head.index != expected_index:
+            raise ValueError(
+                f"round {r} starts at ring position {head.index}, expected {expected_index}: the ring counter "
+                f"continues from round to round"
+            )
+        if head.num_microbatches > size or (head.num_microbatches < size and r < len(rounds) - 1):
+            raise ValueError(
+                f"round {r} has {head.num_microbatches} microbatches, expected {size}: all rounds but the last "
+                f"have the first round's size, the last at most that"
+            )
+        if not any(j.kind is StageKind.FUSED for j in group):
+            raise ValueError(f"round {r} runs {' '.join(j.label for j in group)}: a round is a whole training call")
+        validate(group, num_layers, num_devices)
+        expected_mb = head.first_microbatch + head.num_microbatches
+        expected_index = group[-1].index + 1
 
 
 def _check_forward(jobs: Sequence[Job], num_layers: int) -> None:

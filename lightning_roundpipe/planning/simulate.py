@@ -9,7 +9,11 @@ microbatch; it delays the consumer and never occupies a device, so where it stal
 Four schedules, one placement rule (an op starts when its device is free and its inputs arrived):
 
 * :func:`simulate_roundpipe`: our runtime. Jobs from :func:`.schedule.training_jobs` in ring order,
-  each over all ``M`` microbatches; optionally several iterations, the ring counter continuing.
+  each over all ``M`` microbatches, or from :func:`.schedule.training_rounds` (rounds of ``R``);
+  optionally several iterations, the ring counter continuing, and in sync mode the host optimizer
+  step between them, whole or streamed per stage (:func:`step_groups`). :func:`choose_round_size`
+  picks whole jobs or rounds from the predicted sync iteration; :func:`exposed_step_bound` bounds
+  the host step's exposed time from below.
 * :func:`simulate_paper_roundpipe`: the paper's simulator (RoundPipe artifact, ``pp-simulate``), to
   compare against its published figures. It differs from our runtime in three ways, all needed to
   reproduce its numbers: microbatches go in *rounds* of at most ``N``, the whole stage sequence per
@@ -31,12 +35,15 @@ forward before the first backward) and its first backward phase; *intra* is the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from lightning_roundpipe.planning.partition import LayerCost, Plan
-from lightning_roundpipe.planning.schedule import Job, StageKind, training_jobs
+from lightning_roundpipe.planning.schedule import Job, StageKind, training_jobs, training_rounds
+
+Streaming = Literal["off", "backward", "latest", "forward"]
+STREAMING: tuple[str, ...] = ("off", "backward", "latest", "forward")
 
 
 class Event(NamedTuple):
@@ -49,6 +56,16 @@ class Event(NamedTuple):
     end: float
     phase: str  #: ``fwd`` (forward stages and the fused stage's forward), ``recompute`` or ``bwd``
     job: int  #: dispatch position (the ring index for our runtime)
+
+
+class HostStep(NamedTuple):
+    """One group's optimizer step on the host's optimizer thread (:func:`simulate_roundpipe`)."""
+
+    iteration: int  #: the iteration whose gradients it applies
+    group: int  #: position in :func:`step_groups`: 0 the fused stage's layers, ``b + 1`` backward stage ``b``
+    layers: range
+    start: float
+    end: float
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,7 @@ class SimResult:
     intra: float
     events: tuple[Event, ...]
     iteration_ends: tuple[float, ...] = ()  #: when each simulated iteration's last op ended
+    host_steps: tuple[HostStep, ...] = ()  #: the optimizer thread's group steps (sync mode with ``host_step``)
 
     @property
     def num_devices(self) -> int:
@@ -157,7 +175,8 @@ class _Timeline:
             ready = max(ready, end + (self.hop if dev != device else 0.0))
         pre = phases[0][1]
         if pre_ahead:
-            start = max(self.free[device] + pre, ready) - pre
+            # ``not_before`` (the parameters' optimizer step) holds the recompute too
+            start = max(max(self.free[device] + pre, ready) - pre, not_before)
         else:
             start = max(self.free[device], ready)
         t = start
@@ -169,7 +188,9 @@ class _Timeline:
         return t
 
 
-def _breakdown(timeline: _Timeline, warmup_phase: bool, iteration_ends: Sequence[float] = ()) -> SimResult:
+def _breakdown(
+    timeline: _Timeline, warmup_phase: bool, iteration_ends: Sequence[float] = (), host_steps: Sequence[HostStep] = ()
+) -> SimResult:
     """Fill / switch / drain / intra per the paper's definitions (see the module docstring)."""
     events = timeline.events
     n = len(timeline.free)
@@ -199,7 +220,8 @@ def _breakdown(timeline: _Timeline, warmup_phase: bool, iteration_ends: Sequence
         switch += max(first_bwd - lo - inside, 0.0)
     idle = makespan * n - sum(busy)
     intra = max(idle - fill - switch - drain, 0.0)
-    return SimResult(makespan, tuple(busy), fill, switch, drain, intra, tuple(events), tuple(iteration_ends))
+    return SimResult(makespan, tuple(busy), fill, switch, drain, intra, tuple(events), tuple(iteration_ends),
+                     tuple(host_steps))
 
 
 def _phases(job: Job, costs: Sequence[LayerCost]) -> tuple[tuple[str, float], tuple[str, float]]:
@@ -230,6 +252,25 @@ def _run(
     """Place ``jobs`` in order, microbatches in order; return when the last op ends. Microbatch
     ``m`` waits for microbatch ``m`` of each job in ``depends_on`` (a job's device is its index mod
     N). ``paper_edges`` adds the paper's edge from the last forward stage to every backward stage."""
+    ends = _run_jobs(tl, jobs, costs, not_before=not_before, pre_ahead=pre_ahead, paper_edges=paper_edges,
+                     first_mb=first_mb, job_offset=job_offset)
+    return max((t for e in ends.values() for t in e), default=not_before)
+
+
+def _run_jobs(
+    tl: _Timeline,
+    jobs: Sequence[Job],
+    costs: Sequence[LayerCost],
+    *,
+    not_before: float = 0.0,
+    ready: Mapping[int, float] | None = None,
+    pre_ahead: bool = False,
+    paper_edges: bool = False,
+    first_mb: int = 0,
+    job_offset: int = 0,
+) -> dict[int, list[float]]:
+    """:func:`_run`, returning each job's microbatch end times. ``ready[job.index]`` (when given) is a
+    further earliest start for that job's microbatches (its parameters' optimizer steps)."""
     n = len(tl.free)
     ends: dict[int, list[float]] = {}
     last_fwd = max((j.index for j in jobs if j.kind is StageKind.FORWARD), default=None)
@@ -238,14 +279,15 @@ def _run(
         if paper_edges and job.kind is StageKind.BACKWARD and last_fwd is not None:
             deps.append(last_fwd)
         phases = _phases(job, costs)
+        start = not_before if ready is None else max(not_before, ready.get(job.index, not_before))
         ends[job.index] = [
             tl.place(
-                job.device, job.label, job.index + job_offset, first_mb + m, phases,
-                [(ends[d][m], d % n) for d in deps], not_before=not_before, pre_ahead=pre_ahead,
+                job.device, job.label, job.index + job_offset, first_mb + job.first_microbatch + m, phases,
+                [(ends[d][m], d % n) for d in deps], not_before=start, pre_ahead=pre_ahead,
             )
             for m in range(job.num_microbatches)
         ]
-    return max((t for e in ends.values() for t in e), default=not_before)
+    return ends
 
 
 def simulate_jobs(
@@ -262,6 +304,85 @@ def simulate_jobs(
     return _breakdown(tl, warmup_phase=False)
 
 
+def step_groups(plan: Plan) -> tuple[range, ...]:
+    """The layer groups of the streaming host step, deep to shallow: the fused stage's layers, then
+    each backward stage's (``plan.backward`` order). Group ``g``'s gradients are final when the last
+    job of its stage in the iteration has ended."""
+    return (plan.fused, *plan.backward)
+
+
+def layer_step_seconds(costs: Sequence[LayerCost], parameters: float, seconds_per_param: float) -> list[float]:
+    """Per-layer host step seconds for a model of ``parameters`` trainable parameters stepped at
+    ``seconds_per_param``: the parameters are spread over the layers in proportion to their
+    ``param_bytes``, or to their ``forward`` time where every ``param_bytes`` is 0 (profiles that only
+    carry times, such as the paper's)."""
+    if parameters < 0 or seconds_per_param < 0:
+        raise ValueError(f"need parameters >= 0 and seconds_per_param >= 0, got {parameters}, {seconds_per_param}")
+    weights = [float(c.param_bytes) for c in costs]
+    if not any(weights):
+        weights = [c.forward for c in costs]
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError("cannot spread the parameters: every layer has zero param_bytes and zero forward time")
+    return [parameters * seconds_per_param * w / total for w in weights]
+
+
+def _groups_of(layers: range, groups: Sequence[range]) -> list[int]:
+    """The step groups holding any of ``layers``."""
+    return [g for g, r in enumerate(groups) if r.start < layers.stop and layers.start < r.stop]
+
+
+def _final_times(jobs: Sequence[Job], ends: Mapping[int, Sequence[float]], num_groups: int) -> list[float]:
+    """When each step group's gradients are final: the end of the last of its stage's jobs (every
+    round's) in one iteration."""
+    final = [0.0] * num_groups
+    for job in jobs:
+        if job.kind is not StageKind.FORWARD:
+            g = 0 if job.kind is StageKind.FUSED else job.stage + 1
+            final[g] = max(final[g], ends[job.index][-1])
+    return final
+
+
+def _iteration_jobs(plan: Plan, num_devices: int, num_microbatches: int, round_size: int | None,
+                    first_index: int) -> list[Job]:
+    if round_size is None:
+        return training_jobs(plan, num_devices, num_microbatches, first_index)
+    return training_rounds(plan, num_devices, num_microbatches, round_size, first_index)
+
+
+def _step_thread(
+    iteration: int,
+    groups: Sequence[range],
+    group_cost: Sequence[float],
+    final: Sequence[float],
+    end: float,
+    free: float,
+    streaming: str,
+) -> list[HostStep]:
+    """The optimizer thread's steps for one iteration, one group at a time from ``free`` on (see
+    :func:`simulate_roundpipe`): ``"backward"`` deep to shallow, each once its gradients are final;
+    ``"latest"`` whenever the thread is free, the shallowest group whose gradients are final;
+    ``"forward"`` after the whole backward (``end``), shallow to deep; ``"off"`` after ``end``, deep to
+    shallow (its order does not matter: the next iteration waits for all of it)."""
+    steps: list[HostStep] = []
+    t = free if streaming in ("backward", "latest") else max(free, end)
+    if streaming == "latest":
+        pending = list(range(len(groups)))
+        while pending:
+            t = max(t, min(final[h] for h in pending))  # idle until some gradients are final
+            g = max(h for h in pending if final[h] <= t)
+            pending.remove(g)
+            steps.append(HostStep(iteration, g, groups[g], t, t + group_cost[g]))
+            t += group_cost[g]
+        return steps
+    order = range(len(groups) - 1, -1, -1) if streaming == "forward" else range(len(groups))
+    for g in order:
+        start = max(t, final[g]) if streaming == "backward" else t
+        t = start + group_cost[g]
+        steps.append(HostStep(iteration, g, groups[g], start, t))
+    return steps
+
+
 def simulate_roundpipe(
     plan: Plan,
     costs: Sequence[LayerCost],
@@ -273,28 +394,232 @@ def simulate_roundpipe(
     mode: str = "async",
     optimizer_time: float = 0.0,
     recompute_ahead: bool = False,
+    round_size: int | None = None,
+    host_step: Sequence[float] | None = None,
+    streaming: Streaming = "off",
 ) -> SimResult:
-    """Our runtime's schedule (:func:`.schedule.training_jobs`) for ``iterations`` iterations.
+    """Our runtime's schedule for ``iterations`` iterations: :func:`.schedule.training_jobs` (whole
+    jobs, ``round_size=None``) or :func:`.schedule.training_rounds` (rounds of ``round_size``
+    microbatches), the ring counter continuing from iteration to iteration.
 
     ``mode="async"``: iteration ``k+1`` needs nothing from iteration ``k`` (its weights are one step
     older), so its first forward runs as soon as its ring device is free, overlapping the backward
-    tail. ``mode="sync"``: iteration ``k+1`` starts ``optimizer_time`` after iteration ``k``'s last
-    op (the host step in between). ``iteration_ends`` gives each iteration's end."""
+    tail; the host step is not modelled. ``mode="sync"``: iteration ``k+1`` waits for iteration
+    ``k``'s host optimizer step, which costs ``optimizer_time`` in all, or ``sum(host_step)`` with
+    ``host_step`` the step seconds of each layer's parameters. One optimizer thread steps the layer
+    groups of :func:`step_groups` one at a time (:attr:`SimResult.host_steps`), per ``streaming``:
+
+    * ``"off"``: the whole step after iteration ``k``'s last op; every job of iteration ``k+1``
+      waits for all of it;
+    * ``"backward"`` (no whole-gradient consumer): groups deep to shallow, each as soon as its
+      gradients are final (the last job of its stage ended) and the thread is free;
+    * ``"latest"``: as ``"backward"``, but whenever the thread is free it steps the *shallowest*
+      group whose gradients are final. The same order while the thread keeps up with the backward;
+      with a backlog the shallow groups the next iteration needs first go first;
+    * ``"forward"`` (clipping): all groups after iteration ``k``'s last op, shallow to deep.
+
+    With ``"backward"``, ``"latest"`` or ``"forward"`` a job of iteration ``k+1`` waits only for the steps of the
+    groups holding any of its layers (per-stage readiness). ``iteration_ends`` gives each
+    iteration's end."""
     _check(plan, costs, num_microbatches)
     if iterations < 1 or mode not in ("async", "sync") or optimizer_time < 0:
         raise ValueError(
             f"need iterations >= 1, mode 'async' or 'sync' and optimizer_time >= 0; got {iterations}, "
             f"{mode!r}, {optimizer_time}"
         )
+    if round_size is not None and round_size < 1:
+        raise ValueError(f"round_size must be >= 1 or None (whole jobs), got {round_size}")
+    if streaming not in STREAMING:
+        raise ValueError(f"streaming must be one of {STREAMING}, got {streaming!r}")
+    groups = step_groups(plan)
+    group_cost: list[float] = []
+    if host_step is not None:
+        if len(host_step) != len(costs) or not all(0 <= t < float("inf") for t in host_step):
+            raise ValueError(f"host_step needs a finite step time >= 0 for each of the {len(costs)} layers")
+        if optimizer_time:
+            raise ValueError("give the host step as optimizer_time (one figure) or host_step (per layer), not both")
+        group_cost = [sum(host_step[i] for i in g) for g in groups]
+    if streaming != "off" and (host_step is None or mode != "sync"):
+        raise ValueError(f"streaming={streaming!r} needs mode='sync' and host_step (per-layer step seconds)")
+    step_time = optimizer_time if host_step is None else sum(group_cost)
+    needs: dict[range, list[int]] = {}  # the groups whose steps a job waits for, by its layers
     tl = _Timeline(num_devices, hop)
     iteration_ends: list[float] = []
-    barrier = 0.0
+    steps: list[HostStep] = []
+    barrier, thread_free = 0.0, 0.0
+    done: list[float] = []  # when each group's step of the previous iteration ended
+    first_index = 0
     for it in range(iterations):
-        jobs = training_jobs(plan, num_devices, num_microbatches, first_index=it * plan.num_stages)
-        iteration_ends.append(_run(tl, jobs, costs, not_before=barrier, pre_ahead=recompute_ahead))
-        if mode == "sync":
-            barrier = iteration_ends[-1] + optimizer_time
-    return _breakdown(tl, warmup_phase=False, iteration_ends=iteration_ends)
+        jobs = _iteration_jobs(plan, num_devices, num_microbatches, round_size, first_index)
+        first_index += len(jobs)
+        ready: dict[int, float] | None = None
+        if done:
+            ready = {}
+            for job in jobs:
+                if job.layers not in needs:
+                    needs[job.layers] = _groups_of(job.layers, groups)
+                ready[job.index] = max(done[g] for g in needs[job.layers])
+        ends = _run_jobs(tl, jobs, costs, not_before=barrier, ready=ready, pre_ahead=recompute_ahead)
+        end = max((t for e in ends.values() for t in e), default=barrier)
+        iteration_ends.append(end)
+        if mode != "sync":
+            continue
+        if host_step is None or streaming == "off":
+            barrier = end + step_time
+        if host_step is not None:
+            final = _final_times(jobs, ends, len(groups))
+            new = _step_thread(it, groups, group_cost, final, end, thread_free, streaming)
+            steps += new
+            thread_free = max(s.end for s in new)
+            if streaming != "off":
+                done = [0.0] * len(groups)
+                for s in new:
+                    done[s.group] = s.end
+    return _breakdown(tl, warmup_phase=False, iteration_ends=iteration_ends, host_steps=steps)
+
+
+def sync_iteration_time(
+    plan: Plan,
+    costs: Sequence[LayerCost],
+    num_devices: int,
+    num_microbatches: int,
+    hop: float = 0.0,
+    *,
+    round_size: int | None = None,
+    host_step: Sequence[float] | None = None,
+    streaming: Streaming = "off",
+    recompute_ahead: bool = False,
+) -> float:
+    """Predicted time of one sync iteration: the makespan of an isolated iteration without a host
+    step; with ``host_step``, the gap between the ends of the third and the second of three sync
+    iterations (the step's exposed part included; the first gap carries the start-up)."""
+    if host_step is None:
+        return simulate_roundpipe(plan, costs, num_devices, num_microbatches, hop, mode="sync",
+                                  round_size=round_size, recompute_ahead=recompute_ahead).makespan
+    ends = simulate_roundpipe(plan, costs, num_devices, num_microbatches, hop, mode="sync", iterations=3,
+                              round_size=round_size, host_step=host_step, streaming=streaming,
+                              recompute_ahead=recompute_ahead).iteration_ends
+    return ends[2] - ends[1]
+
+
+def _tails(jobs: Sequence[Job], costs: Sequence[LayerCost], num_devices: int, hop: float,
+           pre_ahead: bool) -> dict[int, float]:
+    """For each job, the longest path from the start of its first op to the end of the last op of
+    ``jobs`` when run alone (:func:`_run_jobs`): the least time the rest takes once that job starts,
+    given each device's program order, the data edges and the hops. :meth:`_Timeline.place` sets
+    ``start = max(release, end of the device's previous op, each input's end + hop - (recompute, when
+    it runs ahead))``, a max-plus system, so the run's end is ``max(release + tail)`` over its ops."""
+    ops: list[tuple[float, list[tuple[int, float]]]] = []  # (duration, successors with edge weights)
+    first: dict[int, int] = {}
+    at: dict[tuple[int, int], int] = {}
+    last_on: dict[int, int] = {}
+    for job in jobs:
+        (_, pre), (_, main) = _phases(job, costs)
+        for m in range(job.num_microbatches):
+            i = len(ops)
+            ops.append((pre + main, []))
+            at[(job.index, m)] = i
+            first.setdefault(job.index, i)
+            if job.device in last_on:
+                ops[last_on[job.device]][1].append((i, 0.0))
+            last_on[job.device] = i
+            for d in job.depends_on:
+                w = (hop if d % num_devices != job.device else 0.0) - (pre if pre_ahead else 0.0)
+                ops[at[(d, m)]][1].append((i, w))
+    tail = [0.0] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):
+        duration, succ = ops[i]
+        tail[i] = duration + max([0.0] + [w + tail[k] for k, w in succ])
+    return {index: tail[i] for index, i in first.items()}
+
+
+def exposed_step_bound(
+    plan: Plan,
+    costs: Sequence[LayerCost],
+    num_devices: int,
+    num_microbatches: int,
+    hop: float = 0.0,
+    *,
+    host_step: Sequence[float],
+    streaming: Streaming,
+    round_size: int | None = None,
+    recompute_ahead: bool = False,
+) -> float:
+    """A lower bound on the host step's exposed time per sync iteration (the next iteration's end,
+    minus this one's end, minus an isolated iteration's makespan ``T0``) for any order of the group
+    steps on one thread, given the dispatch and ``streaming``'s dependencies (``benchmarks/bubble.py``
+    derives it)::
+
+        max(0, max over jobs J of the next iteration of  C(U_J) + tail_J - E - T0)
+
+    ``E = T0`` is this (isolated) iteration's end; ``U_J`` the groups of :func:`step_groups` holding
+    layers of ``J`` or of any job ``J`` waits for (data edges, its device's earlier jobs); ``C(U)`` the
+    earliest the thread can finish all of ``U``: with releases ``r_g`` (``"backward"``, ``"latest"``: when ``g``'s
+    gradients are final; ``"forward"``: ``E``), ``max over g in U of r_g + (steps of U released at or
+    after r_g)``; ``tail_J`` the longest path from ``J``'s start to the iteration's end (:func:`_tails`)."""
+    if streaming not in ("backward", "latest", "forward"):
+        raise ValueError(f"streaming must be 'backward', 'latest' or 'forward', got {streaming!r}")
+    if len(host_step) != len(costs):
+        raise ValueError(f"host_step needs a step time for each of the {len(costs)} layers")
+    _check(plan, costs, num_microbatches)
+    jobs = _iteration_jobs(plan, num_devices, num_microbatches, round_size, 0)
+    tl = _Timeline(num_devices, hop)
+    ends = _run_jobs(tl, jobs, costs, pre_ahead=recompute_ahead)
+    end = max(t for e in ends.values() for t in e)
+    groups = step_groups(plan)
+    cost = [sum(host_step[i] for i in g) for g in groups]
+    # "backward", "latest": a group may go once its gradients are final; "forward": after the backward
+    release = [end] * len(groups) if streaming == "forward" else _final_times(jobs, ends, len(groups))
+    tails = _tails(jobs, costs, num_devices, hop, recompute_ahead)
+    union: dict[int, frozenset[int]] = {}
+    previous: dict[int, int] = {}
+    best = 0.0
+    for job in jobs:
+        own = set(_groups_of(job.layers, groups))
+        for d in (*job.depends_on, previous.get(job.device)):
+            if d is not None:
+                own |= union[d]
+        union[job.index] = frozenset(own)
+        previous[job.device] = job.index
+        done, work = 0.0, 0.0
+        # one thread's earliest finish of ``own``: the greedy in release order, max of r_g + later work
+        for g in sorted(own, key=lambda g: release[g], reverse=True):
+            work += cost[g]
+            done = max(done, release[g] + work)
+        best = max(best, done + tails[job.index] - end - end)
+    return best
+
+
+def choose_round_size(
+    plan: Plan,
+    costs: Sequence[LayerCost],
+    num_devices: int,
+    num_microbatches: int,
+    hop: float = 0.0,
+    *,
+    host_step: Sequence[float] | None = None,
+    streaming: Streaming = "off",
+    recompute_ahead: bool = False,
+    candidates: Sequence[int] | None = None,
+) -> int | None:
+    """Whole jobs (``None``) or rounds of ``R`` microbatches, whichever :func:`sync_iteration_time`
+    predicts fastest. Candidates: ``N`` and ``2N`` (the paper dispatches rounds of at most ``N``),
+    those below ``num_microbatches`` (a round of all of them is whole jobs); ties go to fewer rounds.
+
+    Assumption: the simulator has no upload cost. Rounds upload each stage's parameters once per
+    round instead of once per iteration; in our runtime those uploads are prefetched behind the
+    previous job's compute, so only the first job's upload is exposed, and that one exists with
+    whole jobs as well. Cost: one simulation per candidate (three iterations with a host step)."""
+    if candidates is None:
+        candidates = [num_devices, 2 * num_devices]
+    options: list[int | None] = [None] + sorted({r for r in candidates if 1 <= r < num_microbatches}, reverse=True)
+    best: tuple[float, int | None] = (float("inf"), None)
+    for r in options:
+        t = sync_iteration_time(plan, costs, num_devices, num_microbatches, hop, round_size=r, host_step=host_step,
+                                streaming=streaming, recompute_ahead=recompute_ahead)
+        if t < best[0] * (1 - 1e-12):
+            best = (t, r)
+    return best[1]
 
 
 def simulate_paper_roundpipe(
