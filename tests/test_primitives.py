@@ -295,36 +295,41 @@ def test_a_replica_shares_tensors_and_hooks_but_has_its_own_tables_and_flags():
     assert copy.inner.linear._forward_hooks is host.inner.linear._forward_hooks  # hooks registered later fire too
 
 
+def binding_of(host: nn.Module) -> replica.Binding:
+    return replica.Binding(host, Trunk([host]).states[0])
+
+
 def test_bind_and_unbind_swap_the_replicas_tensors_and_leave_the_host_alone():
     host = Layer()
     state = Trunk([host]).states[0]
     assert [slots[0].module_path + "." + slots[0].name for slots in state.param_slots] == [
         "inner.linear.weight", "inner.linear.bias", "norm.weight", "norm.bias"]
     assert [[s.module_path for s in slots] for slots in state.buffer_slots] == [["inner", "again"]]
-    copy = replica.make_replica(host)
+    binding = replica.Binding(host, state)
+    copy = binding.replica
     params = [param.detach() + 1 for param in state.params]
     buffers = [torch.full((), 7.0)]
-    replica.bind(copy, state, params, buffers)
+    binding.bind(params, buffers)
     assert copy.inner.linear.weight is params[0] and copy.norm.bias is params[3]
     assert copy.inner.count is buffers[0] and copy.again.count is buffers[0]
     assert host.inner.linear.weight is state.params[0] and host.inner.count is state.buffers[0]
-    assert replica.rebound_buffers(copy, state, buffers) == []
+    assert binding.rebound_buffers(state, buffers) == []
     copy.inner._buffers["count"] = torch.ones(())  # what `self.count = self.count + 1` does
-    assert replica.rebound_buffers(copy, state, buffers) == ["inner.count", "again.count"]  # one module, two names
-    replica.unbind(copy, state)
+    assert binding.rebound_buffers(state, buffers) == ["inner.count", "again.count"]  # one module, two names
+    binding.unbind(state)
     assert copy.inner.linear.weight is state.params[0] and copy.inner.count is state.buffers[0]
 
 
 def test_sync_attributes_gives_the_replica_the_hosts_attributes_and_written_attributes_finds_its_own_writes():
     host = Layer()
-    copy = replica.make_replica(host)
-    pairs = replica.module_pairs(copy, host)
-    assert [type(pair[0]) for pair in pairs] == [Layer, Inner, nn.Linear, nn.LayerNorm]
+    binding = binding_of(host)
+    copy = binding.replica
+    assert [type(pair[0]) for pair in binding.pairs] == [Layer, Inner, nn.Linear, nn.LayerNorm]
     host.inner.scale = 0.5         # changed on the host after the replica was made
     host.label = "new"             # added
     del host.norm.eps              # deleted
     copy.eval()                    # the replica's own training flags are not synced
-    snapshot = replica.sync_attributes(pairs)
+    snapshot = binding.sync_attributes()
     assert copy.inner.scale == 0.5 and copy.label == "new" and "eps" not in copy.norm.__dict__
     assert not copy.training and host.training
     assert replica.written_attributes(copy, snapshot) == []
@@ -339,9 +344,9 @@ def test_sync_attributes_gives_the_replica_the_hosts_attributes_and_written_attr
 
 
 def test_attributes_a_layer_declares_transient_are_no_writes():
-    host = CachingLayer()
-    copy = replica.make_replica(host)
-    snapshot = replica.sync_attributes(replica.module_pairs(copy, host))
+    binding = binding_of(CachingLayer())
+    copy = binding.replica
+    snapshot = binding.sync_attributes()
     copy.cache = torch.zeros(1)
     assert replica.written_attributes(copy, snapshot) == []
     copy.other = 1
@@ -349,10 +354,13 @@ def test_attributes_a_layer_declares_transient_are_no_writes():
 
 
 def test_set_training_flags_sets_each_module_in_modules_order():
-    copy = replica.make_replica(Layer())
-    replica.set_training_flags(copy, [False, True, False, True])
+    host = Layer()
+    binding = binding_of(host)
+    copy = binding.replica
+    binding.set_training_flags((False, True, False, True))
     assert [module.training for module in copy.modules()] == [False, True, False, True]
     assert [type(module) for module in copy.modules()] == [Layer, Inner, nn.Linear, nn.LayerNorm]
+    assert host.training
 
 
 # ------------------------------------------------------------------ byte counts

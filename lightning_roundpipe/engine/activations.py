@@ -14,11 +14,17 @@ and backward stages with it.
 Not counted: temporaries that live within one op or one layer call and are never saved (an attention score
 matrix before its softmax, say); the activation reserve of the budget (``partition.ACTIVATION_RESERVE``)
 covers them.
+
+Counting costs a Python call per saved tensor in the forward, and one per saved tensor in the backward (the
+unpack hook), where autograd must take the GIL for it: beside the engine's other threads that stalls the
+backward. So a meter can also hold known figures instead (``figures``): it charges each layer's figure to the
+residency as the layer runs and installs no hook. The stage runner meters a stage's compute until its figures
+have settled for the inputs' shapes, and again from time to time (see ``StageRunner.activation_meter``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -45,18 +51,35 @@ class ActivationMeter:
 
     ``accounted``: tensors already counted elsewhere (the stage's parameters and buffers, the microbatch's
     inputs), which a layer may save without any new memory. Used from the compute stream's thread only.
+
+    ``figures`` (per layer, bytes): do not count, charge these instead, each layer's once between releases
+    (:attr:`measured` is then False and :attr:`by_layer` stays empty). ``key``: the caller's, carried along.
     """
 
-    def __init__(self, residency: Residency, accounted: Iterable[torch.Tensor]) -> None:
+    def __init__(self, residency: Residency, accounted: Iterable[torch.Tensor],
+                 figures: Mapping[int, int] | None = None, key: Hashable = None) -> None:
         self._residency = residency
-        self._accounted = frozenset(_storage(tensor)[0] for tensor in accounted)
+        self._figures = figures
+        self.measured = figures is None        # counted as saved, not charged from figures
+        self.key = key
+        self._accounted = frozenset(_storage(tensor)[0] for tensor in accounted) if figures is None else frozenset()
         self._seen: set[int] = set(self._accounted)
+        self._charged: set[int] = set()       # figures: the layers charged since the last release
         self.held = 0                         # bytes held in the residency now
-        self.by_layer: dict[int, int] = {}    # bytes each layer saved, this microbatch
+        self.by_layer: dict[int, int] = {}    # bytes each layer saved, this microbatch (measured only)
 
     @contextmanager
     def saving(self, layer: int) -> Iterator[None]:
-        """Count what runs inside as saved by ``layer``; allocated in the residency once it has run."""
+        """Count what runs inside as saved by ``layer``; allocated in the residency once it has run. With
+        ``figures``: the layer's figure, the first time it runs since the last release."""
+        if self._figures is not None:
+            yield
+            if layer not in self._charged:
+                self._charged.add(layer)
+                charged = self._figures.get(layer, 0)
+                self._residency.allocate(charged, f"the activations layer {layer} keeps for backward")
+                self.held += charged
+            return
         saved = 0
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,3 +101,4 @@ class ActivationMeter:
         self._residency.release(self.held)
         self.held = 0
         self._seen = set(self._accounted)
+        self._charged.clear()

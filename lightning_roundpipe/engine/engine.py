@@ -834,7 +834,7 @@ class RoundPipeEngine:
                 forward, backward = times.forward[index], times.backward[index]
                 measured.append(LayerCost(max(sum(forward) / len(forward), 1e-9),
                                           max(sum(backward) / len(backward), 1e-9), param_bytes, grad_bytes))
-            self.planner.observe(measured)
+            self.planner.observe(measured, job_cost=times.job_cost())  # so one device gets few, large stages
         self.planner.replan()
 
     def _estimate_autocast_copies(self, context: CallContext) -> None:

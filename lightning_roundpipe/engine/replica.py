@@ -13,16 +13,23 @@ and its own ``training`` flag, while other attributes and the hook tables are sh
 layer, so hooks registered later fire in the replicas too.
 
 Plain attributes follow the host: every job starts by giving the replica the host layer's current
-attributes (:func:`sync_attributes`), so ``layer.scale = 0.5`` or ``dropout.p = 0.2`` set on the host
+attributes (:meth:`Binding.sync_attributes`), so ``layer.scale = 0.5`` or ``dropout.p = 0.2`` set on the host
 between steps reaches the devices. The other way does not work: an attribute a layer assigns in its
 forward (``self.calls += 1``, ``self.last = x``) lands on the replica, and the host layer never sees
-it. :func:`written_attributes` and :func:`rebound_buffers` find such writes after a job, so the stage
+it. :func:`written_attributes` and :meth:`Binding.rebound_buffers` find such writes after a job, so the stage
 runner can warn (state belongs in registered buffers updated in place).
+
+Every job binds, syncs, checks and unbinds each of its layers, so the stage runner keeps a :class:`Binding`
+per device and layer: the replica with the dictionaries its tensors go into resolved once (no submodule
+lookups per job), and what it gave the replica at the last sync, so a job whose host layer and replica are
+as the last job left them skips the attribute-by-attribute sync (one identity check per submodule,
+done in C).
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 from torch import nn
@@ -43,7 +50,7 @@ AttributeSnapshot = list[tuple[nn.Module, dict]]
 
 def make_replica(layer: nn.Module) -> nn.Module:
     """A structural copy of ``layer`` that shares (does not copy) its parameters, buffers and hooks; its
-    tensor tables start as copies of the host layer's, and :func:`bind` fills them per job."""
+    tensor tables start as copies of the host layer's, and :meth:`Binding.bind` fills them per job."""
     return _structural_copy(layer, {})
 
 
@@ -60,27 +67,15 @@ def _structural_copy(module: nn.Module, copies: dict[int, nn.Module]) -> nn.Modu
     return replica
 
 
-def _assign(replica: nn.Module, slots: list[TensorSlot], tensor: torch.Tensor, kind: str) -> None:
-    for slot in slots:
-        module = replica.get_submodule(slot.module_path) if slot.module_path else replica
-        getattr(module, kind)[slot.name] = tensor
-
-
-def bind(replica: nn.Module, state: LayerState, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-    """Make ``replica`` compute with ``params`` and ``buffers`` (device tensors, in ``state``'s order)."""
-    for slots, tensor in zip(state.param_slots, params, strict=True):
-        _assign(replica, slots, tensor, "_parameters")
-    bind_buffers(replica, state, buffers)
-
-
-def bind_buffers(replica: nn.Module, state: LayerState, buffers: list[torch.Tensor]) -> None:
-    for slots, tensor in zip(state.buffer_slots, buffers, strict=True):
-        _assign(replica, slots, tensor, "_buffers")
-
-
-def unbind(replica: nn.Module, state: LayerState) -> None:
-    """Point ``replica`` back at the host tensors, dropping its references to device memory."""
-    bind(replica, state, list(state.params), list(state.buffers))
+def _unchanged(now: dict, before: dict) -> bool:
+    """``now`` holds ``before``'s names in the same order, bound to the very same objects. Loops in C (no bytecode
+    runs between items, so another thread cannot change ``now`` midway); a dict resized meanwhile counts as
+    changed."""
+    try:
+        return (len(now) == len(before) and all(map(operator.is_, now.values(), before.values()))
+                and all(map(operator.eq, now, before)))
+    except RuntimeError:  # changed size during iteration
+        return False
 
 
 def module_pairs(replica: nn.Module, host: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -88,21 +83,17 @@ def module_pairs(replica: nn.Module, host: nn.Module) -> list[tuple[nn.Module, n
     return list(zip(replica.modules(), host.modules(), strict=True))
 
 
-def sync_attributes(pairs: list[tuple[nn.Module, nn.Module]]) -> AttributeSnapshot:
-    """Give every replica submodule its host module's current plain attributes (the tables and ``training``
-    excepted); return a snapshot of them for :func:`written_attributes`."""
-    snapshot = []
-    for copied, original in pairs:
-        # a copy taken under the GIL: the main thread may add an attribute to the host module meanwhile
-        mine, theirs = copied.__dict__, original.__dict__.copy()
-        for name, value in theirs.items():
-            if name not in _OWN and mine.get(name, _MISSING) is not value:
-                mine[name] = value
-        if len(mine) != len(theirs):
-            for name in [name for name in mine if name not in theirs]:
-                del mine[name]
-        snapshot.append((copied, dict(mine)))
-    return snapshot
+def _sync(copied: nn.Module, original: nn.Module) -> dict:
+    """Give ``copied`` the plain attributes of ``original``; returns the host attributes given (a copy)."""
+    # a copy taken under the GIL: the main thread may add an attribute to the host module meanwhile
+    mine, theirs = copied.__dict__, original.__dict__.copy()
+    for name, value in theirs.items():
+        if name not in _OWN and mine.get(name, _MISSING) is not value:
+            mine[name] = value
+    if len(mine) != len(theirs):
+        for name in [name for name in mine if name not in theirs]:
+            del mine[name]
+    return theirs
 
 
 def written_attributes(replica: nn.Module, snapshot: AttributeSnapshot) -> list[str]:
@@ -111,7 +102,7 @@ def written_attributes(replica: nn.Module, snapshot: AttributeSnapshot) -> list[
     paths: dict[int, str] | None = None
     for copied, before in snapshot:
         now = copied.__dict__
-        if len(now) == len(before) and all(now.get(name, _MISSING) is value for name, value in before.items()):
+        if _unchanged(now, before):
             continue  # the common case, checked cheaply
         if paths is None:
             paths = {id(module): path for path, module in replica.named_modules()}
@@ -133,20 +124,79 @@ def _transient(module: nn.Module) -> set[str]:
     return names
 
 
-def rebound_buffers(replica: nn.Module, state: LayerState, buffers: list[torch.Tensor]) -> list[str]:
-    """The buffer slots of ``replica`` that no longer hold the tensors :func:`bind` put there (the layer
-    assigned new tensors to them in its forward instead of updating them in place)."""
-    rebound = []
-    for slots, tensor in zip(state.buffer_slots, buffers, strict=True):
+class Binding:
+    """One device's replica of one host layer, and where its tensors go.
+
+    The replica comes from :func:`make_replica`, and is bound once per job: the tensor dictionaries of its
+    slots are looked up once, here, and :meth:`sync_attributes` skips a submodule whose host attributes and
+    own attributes are still the very objects of its last sync. Made again (the stage runner drops it)
+    when the trunk collects the layer's state again.
+    """
+
+    __slots__ = ("replica", "pairs", "modules", "_param_tables", "_buffer_tables", "_synced")
+
+    def __init__(self, host: nn.Module, state: LayerState) -> None:
+        self.replica = make_replica(host)
+        self.pairs = module_pairs(self.replica, host)
+        self.modules = [copied for copied, _ in self.pairs]  # in modules() order, as the training flags are
+        self._param_tables = [self._tables(slots, "_parameters") for slots in state.param_slots]
+        self._buffer_tables = [self._tables(slots, "_buffers") for slots in state.buffer_slots]
+        # per pair, after its last full sync: the host attributes given, and the replica's own attributes
+        self._synced: list[tuple[dict, dict] | None] = [None] * len(self.pairs)
+
+    def _tables(self, slots: list[TensorSlot], kind: str) -> list[tuple[dict, str]]:
+        tables = []
         for slot in slots:
-            module = replica.get_submodule(slot.module_path) if slot.module_path else replica
-            if module._buffers.get(slot.name) is not tensor:
-                rebound.append(f"{slot.module_path}.{slot.name}" if slot.module_path else slot.name)
-    return rebound
+            module = self.replica.get_submodule(slot.module_path) if slot.module_path else self.replica
+            tables.append((getattr(module, kind), slot.name))
+        return tables
 
+    def bind(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """Make the replica compute with ``params`` and ``buffers`` (device tensors, in the state's order)."""
+        for tables, tensor in zip(self._param_tables, params, strict=True):
+            for table, name in tables:
+                table[name] = tensor
+        self.bind_buffers(buffers)
 
-def set_training_flags(replica: nn.Module, flags: list[bool]) -> None:
-    """Set each submodule's ``training`` flag, in ``modules()`` order (the host layer's flags at call time)."""
-    # not strict: a submodule added to the host layer after its replica was made has no copy to set
-    for module, flag in zip(replica.modules(), flags, strict=False):
-        module.training = flag
+    def bind_buffers(self, buffers: list[torch.Tensor]) -> None:
+        for tables, tensor in zip(self._buffer_tables, buffers, strict=True):
+            for table, name in tables:
+                table[name] = tensor
+
+    def unbind(self, state: LayerState) -> None:
+        """Point the replica back at ``state``'s host tensors, dropping its references to device memory."""
+        self.bind(list(state.params), list(state.buffers))
+
+    def set_training_flags(self, flags: tuple[bool, ...] | list[bool]) -> None:
+        """Set each submodule's ``training`` flag, in ``modules()`` order (the host layer's flags at call time)."""
+        # not strict: a submodule added to the host layer after its replica was made has no copy to set
+        for module, flag in zip(self.modules, flags, strict=False):
+            if module.training != flag:
+                module.training = flag
+
+    def sync_attributes(self) -> AttributeSnapshot:
+        """Give every replica submodule its host module's current plain attributes (the tables and ``training``
+        excepted); return a snapshot of them for :func:`written_attributes`. The snapshot's dicts may be shared
+        with later jobs' snapshots: read only."""
+        snapshot = []
+        for index, (copied, original) in enumerate(self.pairs):
+            synced = self._synced[index]
+            if synced is not None and _unchanged(original.__dict__, synced[0]) and _unchanged(copied.__dict__,
+                                                                                                synced[1]):
+                snapshot.append((copied, synced[1]))  # both sides as the last sync left them
+                continue
+            given = _sync(copied, original)
+            kept = dict(copied.__dict__)
+            self._synced[index] = (given, kept)
+            snapshot.append((copied, kept))
+        return snapshot
+
+    def rebound_buffers(self, state: LayerState, buffers: list[torch.Tensor]) -> list[str]:
+        """The buffer slots that no longer hold the tensors :meth:`bind` put there (``buffers``): the layer
+        assigned new tensors to them in its forward instead of updating them in place."""
+        rebound = []
+        for tables, slots, tensor in zip(self._buffer_tables, state.buffer_slots, buffers, strict=True):
+            for (table, name), slot in zip(tables, slots, strict=True):
+                if table.get(name) is not tensor:
+                    rebound.append(f"{slot.module_path}.{slot.name}" if slot.module_path else slot.name)
+        return rebound

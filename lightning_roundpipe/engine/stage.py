@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,20 @@ from lightning_roundpipe.engine.transfer import (
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 from lightning_roundpipe.planning.schedule import Job, StageKind
+
+ACTIVATIONS_SETTLE = 3
+"""Metered microbatches in a row that find no layer keeping more than before, after which a stage's compute is
+charged its known figures instead of metered (for the same inputs' shapes, autocast and training flags)."""
+
+ACTIVATIONS_REMETER = 50
+"""Once settled, one microbatch in this many is metered again (a layer that keeps more for the same shapes, a
+data-dependent one say, is found within that many)."""
+
+_ACTIVATION_KEYS = 1024
+"""Distinct (stage, inputs' shapes, ...) whose activation figures the stage runner keeps (the oldest go first)."""
+
+_RECENT_JOBS = 4096
+"""Jobs whose compute bounds the stage runner keeps for :attr:`StepTimes.job_seconds` (far more than a step has)."""
 
 
 class ReplicaWriteWarning(UserWarning):
@@ -91,15 +106,46 @@ class StageCopy:
 
 
 @dataclass
+class _ActivationFigures:
+    """What one stage's compute keeps for backward per microbatch, for inputs of one shape (see
+    :meth:`StageRunner.activation_meter`)."""
+
+    per_layer: dict[int, int]
+    agreeing: int = 1    # metered microbatches in a row that found no layer above ``per_layer``
+    charged: int = 0     # microbatches charged from ``per_layer`` since the last metered one
+
+
+@dataclass
 class StepTimes:
-    """One optimizer step's measured per-layer times per microbatch, in device time (for the planner)."""
+    """One optimizer step's measured per-layer times per microbatch, in device time (for the planner), and
+    its jobs' fixed cost."""
 
     forward: dict[int, list[float]] = field(default_factory=dict)
     backward: dict[int, list[float]] = field(default_factory=dict)
+    jobs: list[int] = field(default_factory=list)  # the jobs that reported times, by index
+    # per job that reads another job's output: how long its device waited to compute once both that output
+    # was computed and its own previous job was done (the hand-offs between them, unbinding and binding:
+    # what a job costs whatever its size), in seconds; filled when the step is taken
+    job_seconds: list[float] = field(default_factory=list)
 
     def complete(self, num_layers: int) -> bool:
         """Every layer has been measured forward and backward."""
         return all(layer in self.forward and layer in self.backward for layer in range(num_layers))
+
+    def job_cost(self) -> float | None:
+        """The fixed cost of one job in this step (the median of :attr:`job_seconds`), None if unmeasured:
+        ``Planner.observe(..., job_cost=...)``."""
+        if not self.job_seconds:
+            return None
+        ordered = sorted(self.job_seconds)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _copy_tensors(stage_copy: StageCopy) -> list[torch.Tensor]:
+    """The tensors of a stage's copy on its device, gradients included."""
+    tensors = [tensor for tensors in (*stage_copy.params.values(), *stage_copy.buffers.values()) for tensor in tensors]
+    return tensors + [tensor.grad for tensor in tensors if tensor.grad is not None]
 
 
 class StageRunner:
@@ -118,15 +164,20 @@ class StageRunner:
         self.timeline = timeline
         self.base_seed = base_seed
         self._sources = sources
-        self._replicas: list[dict[int, nn.Module]] = [{} for _ in range(num_devices)]
-        self._pairs: list[dict[int, list[tuple[nn.Module, nn.Module]]]] = [{} for _ in range(num_devices)]
+        self._bindings: list[dict[int, replicas.Binding]] = [{} for _ in range(num_devices)]  # per device, by layer
         self._measure = measure  # what layers keep for backward (and, with `_measure_times`, their times)
         self._measure_times = measure if measure_times is None else measure and measure_times
         self._measure_lock = threading.Lock()
         self._step_times: dict[int, StepTimes] = {}     # by optimizer step, until taken
+        self._num_devices = num_devices
+        # per recent job (by index, in the order they finished): the jobs it reads from, its first microbatch's
+        # compute start and end, and its last microbatch's compute end (for StepTimes.job_seconds)
+        self._job_spans: dict[int, tuple[tuple[int, ...], float, float, float]] = {}
         self._steps_taken = -1                          # the last step taken: later samples of it are dropped
         # per optimizer step (its window's number), per layer, the most one microbatch kept, until taken
         self._activation_bytes: dict[int, dict[int, int]] = {}
+        # per (stage, kind, inputs' shapes and dtypes, autocast, training flags): what its compute keeps
+        self._activation_figures: dict[Hashable, _ActivationFigures] = {}
         self._warned_writes: set[int] = set()  # layers warned about writing state in forward
         self._warn_lock = threading.Lock()
 
@@ -142,7 +193,25 @@ class StageRunner:
             self._steps_taken = complete[-1]
             taken = [self._step_times[step] for step in complete]
             self._step_times = {step: times for step, times in self._step_times.items() if step > self._steps_taken}
+            for times in taken:
+                times.job_seconds = [wait for wait in map(self._job_wait, times.jobs) if wait is not None]
         return taken
+
+    def _job_wait(self, index: int) -> float | None:
+        """For :attr:`StepTimes.job_seconds`: job ``index``'s wait, None where a job it depends on has not
+        reported (or it reads none: the call's inputs are there before it is dispatched)."""
+        if index not in self._job_spans:
+            return None
+        depends_on, start, _, _ = self._job_spans[index]
+        if not depends_on or any(job not in self._job_spans for job in depends_on):
+            return None
+        ready = max(self._job_spans[job][2] for job in depends_on)  # their first microbatch's output computed
+        previous = index - self._num_devices  # ring order: job j runs on device j mod N
+        if previous >= 0:
+            if previous not in self._job_spans:
+                return None
+            ready = max(ready, self._job_spans[previous][3])  # the device's previous job computed
+        return max(start - ready, 0.0)
 
     def take_activation_bytes(self, before: int | None = None) -> dict[int, int]:
         """Per layer, the most one microbatch's compute kept for backward, measured by the jobs of the
@@ -167,24 +236,64 @@ class StageRunner:
                 for layer, nbytes in per_layer.items():
                     merged[int(layer)] = max(merged.get(int(layer), 0), int(nbytes))
 
+    def activation_meter(self, device: Device, task: Task, stage_copy: StageCopy,
+                         inputs: list[torch.Tensor]) -> ActivationMeter:
+        """The meter of one microbatch of a differentiating job (``inputs``: its device inputs' tensors). It
+        counts what the layers save for backward (saved-tensor hooks) until that has settled for the job's
+        layers, kind, inputs' shapes and dtypes, autocast dtype and training flags: then it charges the known
+        figures and installs no hook (:data:`ACTIVATIONS_SETTLE`), metering again one microbatch in
+        :data:`ACTIVATIONS_REMETER`. Give it back with :meth:`activations_done`."""
+        call, job = task.call, task.job
+        key = (job.layers, job.kind, call.context.autocast_dtype(device.torch_device.type),
+               tuple(call.input_requires_grad), tuple(call.context.training[layer] for layer in job.layers),
+               tuple((tensor.shape, tensor.dtype) for tensor in inputs))
+        with self._measure_lock:
+            known = self._activation_figures.get(key)
+            if known is not None and known.agreeing >= ACTIVATIONS_SETTLE and known.charged < ACTIVATIONS_REMETER - 1:
+                known.charged += 1
+                return ActivationMeter(device.residency, (), figures=known.per_layer, key=key)
+        return ActivationMeter(device.residency, [*_copy_tensors(stage_copy), *inputs], key=key)
+
+    def activations_done(self, meter: ActivationMeter) -> dict[int, int]:
+        """Release what :meth:`activation_meter`'s meter still holds once the microbatch's compute is over;
+        returns what it measured per layer (nothing if it charged known figures)."""
+        meter.release()  # what no backward freed went with the compute's autograd graph
+        if not meter.measured:
+            return {}
+        with self._measure_lock:
+            known = self._activation_figures.get(meter.key)
+            if known is None:
+                self._activation_figures[meter.key] = _ActivationFigures(dict(meter.by_layer))
+                while len(self._activation_figures) > _ACTIVATION_KEYS:
+                    del self._activation_figures[next(iter(self._activation_figures))]
+            elif all(nbytes <= known.per_layer.get(layer, 0) for layer, nbytes in meter.by_layer.items()):
+                known.agreeing += 1
+                known.charged = 0
+            else:  # kept more than before: the larger figures, and settle again
+                for layer, nbytes in meter.by_layer.items():
+                    known.per_layer[layer] = max(known.per_layer.get(layer, 0), nbytes)
+                known.agreeing, known.charged = 1, 0
+        return meter.by_layer
+
     def follow_layers(self, layers: list[int]) -> None:
         """Layers whose state the trunk collected again (:meth:`Trunk.recollect`): their replicas are made
         again from the host layers at their next job, and their BatchNorms found again. Call it while no job
         runs (the engine waits for them first)."""
         for layer in layers:
-            for device_replicas, device_pairs in zip(self._replicas, self._pairs, strict=True):
-                device_replicas.pop(layer, None)
-                device_pairs.pop(layer, None)
+            for bindings in self._bindings:
+                bindings.pop(layer, None)
             if self._deferred_batchnorm:
                 self._norms[layer] = batchnorm.norm_slots(self.trunk.layers[layer], self.trunk.states[layer])
 
     def replica(self, device: Device, layer: int) -> nn.Module:
-        cache = self._replicas[device.index]
-        if layer not in cache:
-            replica = replicas.make_replica(self.trunk.layers[layer])
-            self._pairs[device.index][layer] = replicas.module_pairs(replica, self.trunk.layers[layer])
-            cache[layer] = replica
-        return cache[layer]
+        return self._binding(device, layer).replica
+
+    def _binding(self, device: Device, layer: int) -> replicas.Binding:
+        bindings = self._bindings[device.index]
+        binding = bindings.get(layer)
+        if binding is None:
+            binding = bindings[layer] = replicas.Binding(self.trunk.layers[layer], self.trunk.states[layer])
+        return binding
 
     def upload_stage(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
         """Copy the job's parameters and buffers to the device into ``stage_copy`` (made earlier by the
@@ -229,35 +338,35 @@ class StageRunner:
 
     def bind(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
         for layer in task.job.layers:
-            replica = self.replica(device, layer)
-            replicas.bind(replica, self.trunk.states[layer], stage_copy.params[layer], stage_copy.buffers[layer])
-            attributes = replicas.sync_attributes(self._pairs[device.index][layer])
-            replicas.set_training_flags(replica, list(task.call.context.training[layer]))
+            binding = self._binding(device, layer)
+            binding.bind(stage_copy.params[layer], stage_copy.buffers[layer])
+            # the flags first: the attribute snapshot then holds them, and the next job's sync finds them unchanged
+            binding.set_training_flags(task.call.context.training[layer])
+            attributes = binding.sync_attributes()
             task.bound[layer] = (attributes, stage_copy.buffers[layer])
             if self._norms[layer] and task.kind is not StageKind.BACKWARD:  # a backward job writes no buffer
-                deferred = batchnorm.defer(replica, self._norms[layer], stage_copy.buffers[layer])
+                deferred = batchnorm.defer(binding.replica, self._norms[layer], stage_copy.buffers[layer])
                 if deferred:
                     task.deferred[layer] = deferred
 
     def unbind(self, device: Device, task: Task) -> None:
         for layer in task.job.layers:
-            replica = self.replica(device, layer)
+            binding = self._binding(device, layer)
             bound = task.bound.pop(layer, None)
             deferred = task.deferred.pop(layer, None)
             if deferred is not None and bound is not None:  # before the check: the replica is as bound again
                 batchnorm.commit(deferred, bound[1])
-                replicas.bind_buffers(replica, self.trunk.states[layer], bound[1])
+                binding.bind_buffers(bound[1])
             if bound is not None and layer not in self._warned_writes:
-                self._check_writes(layer, replica, *bound, task.kind)
-            replicas.unbind(replica, self.trunk.states[layer])
+                self._check_writes(layer, binding, *bound, task.kind)
+            binding.unbind(self.trunk.states[layer])
 
-    def _check_writes(self, layer: int, replica: nn.Module, attributes: replicas.AttributeSnapshot,
+    def _check_writes(self, layer: int, binding: replicas.Binding, attributes: replicas.AttributeSnapshot,
                       buffers: list[torch.Tensor], kind: StageKind) -> None:
         """Warn (once per layer) when the layer's forward wrote state that stays on its replica."""
-        written = replicas.written_attributes(replica, attributes)
+        written = replicas.written_attributes(binding.replica, attributes)
         # a backward job rebinds buffers itself (snapshots for the recompute); its forward job already checked
-        rebound = [] if kind is StageKind.BACKWARD else replicas.rebound_buffers(replica, self.trunk.states[layer],
-                                                                                  buffers)
+        rebound = [] if kind is StageKind.BACKWARD else binding.rebound_buffers(self.trunk.states[layer], buffers)
         if not written and not rebound:
             return
         with self._warn_lock:
@@ -400,8 +509,7 @@ class StageRunner:
                                                      call.input_requires_grad if group.start == 0 else None)
                 for layer in group:
                     if layer in snapshots:
-                        replicas.bind_buffers(self.replica(device, layer), self.trunk.states[layer],
-                                              snapshots[layer])
+                        self._binding(device, layer).bind_buffers(snapshots[layer])
                     value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
                 outputs = differentiable_leaves(single_argument(value))
                 pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
@@ -417,15 +525,18 @@ class StageRunner:
         timeline's compute events and, unless the plan is frozen, what the layers kept for backward (by the
         job's optimizer step) and, unless times are not used (deterministic mode), per-layer times per
         microbatch (compute only, waits excluded), for the planner. A backward or fused
-        job's time beyond its layers' forward calls is split among them by forward time.
+        job's time beyond its layers' forward calls is split among them by forward time. With the times go the
+        job's compute bounds, from which :meth:`take_step_times` works out its fixed cost (``StepTimes.job_seconds``).
 
         Called when the job finishes, on its download stream after that stream has synchronized: the stream
         waited for the job's compute on the GPU, so its CUDA events are complete and resolve at no cost."""
         job = task.job
         compute_spans, stage_copy.compute_spans = stage_copy.compute_spans, []
         layer_spans, stage_copy.layer_spans = stage_copy.layer_spans, []
+        bounds = []
         for microbatch, span in compute_spans:
             start, end = span.bounds()
+            bounds.append((start, end))
             stage_copy.compute_time += end - start
             self.timeline.add_span(job.device, job.index, job.label, microbatch, job.kind.name.lower(), start, end)
         if stage_copy.device is not None:
@@ -443,9 +554,15 @@ class StageRunner:
                 per_layer = self._activation_bytes.setdefault(task.window.number, {})
                 for layer, nbytes in stage_copy.activation_bytes.items():
                     per_layer[layer] = max(per_layer.get(layer, 0), nbytes)
-            if not self._measure_times or not stage_copy.forward_time or task.call.step <= self._steps_taken:
+            if not self._measure_times or not bounds:
+                return
+            self._job_spans[job.index] = (job.depends_on, bounds[0][0], bounds[0][1], bounds[-1][1])
+            while len(self._job_spans) > _RECENT_JOBS:
+                del self._job_spans[next(iter(self._job_spans))]
+            if not stage_copy.forward_time or task.call.step <= self._steps_taken:
                 return
             times = self._step_times.setdefault(task.call.step, StepTimes())
+            times.jobs.append(job.index)
             for layer, forward in stage_copy.forward_time.items():
                 times.forward.setdefault(layer, []).append(forward / microbatches)
                 if task.kind is not StageKind.FORWARD:

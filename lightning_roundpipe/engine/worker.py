@@ -71,7 +71,6 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.call import PipelineError, Slot
 from lightning_roundpipe.engine.device import (
     AbortSignal,
@@ -378,9 +377,8 @@ class Worker:
             inputs, handoff.inputs = handoff.inputs, None
             assert inputs is not None, "the compute ran before its inputs were uploaded"  # [6]
             if task.needs_grad:  # what the layers save for backward is held in the residency until freed
-                stage_copy.activations = ActivationMeter(device.residency, [
-                    *_stage_tensors(stage_copy),
-                    *tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target])])
+                stage_copy.activations = runner.activation_meter(device, task, stage_copy, tree_tensors(
+                    [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target]))
             timer = device.compute_timer  # device time, resolved when the job finishes (timing.py)
             started = timer.start()
             if job.kind is StageKind.FORWARD:
@@ -397,9 +395,8 @@ class Worker:
                     device, task, stage_copy, microbatch, inputs.checkpoints, inputs.snapshots, inputs.layer_input))
             stage_copy.compute_spans.append((microbatch, timer.stop(started)))
             meter, stage_copy.activations = stage_copy.activations, None
-            if meter is not None:
-                meter.release()  # what no backward freed went with the compute's autograd graph
-                for layer, nbytes in meter.by_layer.items():
+            if meter is not None:  # what no backward freed went with the compute's autograd graph
+                for layer, nbytes in runner.activations_done(meter).items():
                     stage_copy.activation_bytes[layer] = max(stage_copy.activation_bytes.get(layer, 0), nbytes)
             device.residency.release(inputs.nbytes)
             if device.stress:  # released: poison what the outputs or the stage do not share

@@ -11,7 +11,10 @@ are fixed, both partitions are balanced: the largest stage as small as possible,
 even as possible with the lighter ones at the shallow end (no short leftover stage).
 
 Costs: a forward stage costs the sum of its layers' ``forward``; the fused stage and a (recomputing)
-backward stage cost the sum of ``forward + backward``. Memory: a forward stage needs its layers'
+backward stage cost the sum of ``forward + backward``. Every job also has a fixed cost whatever its size
+(``job_cost``: binding its replicas, the hand-offs between the streams that move its inputs and outputs);
+``plan_auto`` weighs it against the padded work, so that where it matters (one device, small layers) the
+plan has fewer, larger stages. Memory: a forward stage needs its layers'
 ``param_bytes`` on the device, the fused and backward stages ``param_bytes + grad_bytes +
 activation_bytes`` (what their compute keeps for backward); each must fit in half of the memory budget,
 because one stage runs while the next one is prefetched.
@@ -358,6 +361,7 @@ def plan_auto(
     num_devices: int,
     memory_budget: int | None = None,
     upper_threshold: float = 1.1,
+    job_cost: float = 0.0,
 ) -> Plan:
     """Choose the stage counts the way the RoundPipe planner does, then balance the stages.
 
@@ -368,31 +372,86 @@ def plan_auto(
     layers while their ``forward + backward`` stays within ``W`` and memory (at least the last
     layer), and the forward and backward stage counts are the fewest that cover the rest within
     ``W`` (greedy packing, as the reference). The shape minimising ``max(num_stages, num_devices) *
-    W`` (the padded work of one iteration: fewer stages than devices leave devices idle) wins; ties
-    go to fewer stages, then to the smaller ``W``. Its forward and backward partitions are then
-    balanced at those counts (:func:`_balanced_split`: the largest stage minimised, lighter stages at
-    the shallow end), which removes the short leftover stage greedy packing leaves.
+    W + num_stages * job_cost`` (the padded work of one iteration: fewer stages than devices leave
+    devices idle; and each job's fixed cost, in the units of the costs) wins; ties go to fewer
+    stages, then to the smaller ``W``. Its forward and backward partitions are then balanced at those
+    counts (:func:`_balanced_split`: the largest stage minimised, lighter stages at the shallow end),
+    which removes the short leftover stage greedy packing leaves.
+
+    With ``job_cost == 0`` this is the reference planner. On several devices the window stays: it keeps
+    the stages even and many enough to rotate over the ring, where the padded work is a fair model (a
+    bound far above ``Wmax`` gives a few stages that fill the ring unevenly, which it does not see), and
+    ``job_cost`` only weighs the shapes in it. On one device the stages run one after another, so the
+    objective is the iteration's time exactly (the stage sums and the jobs' cost) and a positive
+    ``job_cost`` opens every run sum above the window, as far as any could still win (``W + job_cost``
+    below the best objective found): without a memory budget that is the fused stage alone (no plan's
+    padded work is less: it recomputes nothing); with one, the fewest stages that fit it, as far as they
+    pay. The shape changes only at a few bounds (each count and the fused stage's start fall as ``W``
+    grows), so they are found by bisection, not packed one by one.
 
     Balancing does not change the choice: a shape's balanced slowest stage equals the smallest
     candidate ``W`` that gives the shape (that ``W`` is where a count dropped or the fused stage
     grew, so some optimal stage sum reaches it, and balancing never exceeds it), so the objective is
-    the :func:`predicted_cost` of the plan returned. O(L^2) candidates x O(L) packing.
+    the :func:`predicted_cost` of the plan returned. O(L^2) candidates, O(L) packing for O(L log L)
+    of them.
     """
     if num_devices < 1 or upper_threshold < 1:
         raise ValueError(f"need num_devices >= 1 and upper_threshold >= 1, got {num_devices}, {upper_threshold}")
+    if not (math.isfinite(job_cost) and job_cost >= 0):
+        raise ValueError(f"job_cost must be finite and >= 0, got {job_cost}")
     fwd, both, fsize, bsize = _split(costs)
     cap = _stage_cap(costs, memory_budget)
     wmax = max(max(fwd), max(both))
     hi = upper_threshold * wmax
-    candidates = {wmax} | _run_sums(fwd, wmax, hi) | _run_sums(both, wmax, hi)
     best: tuple[float, int, float, tuple[int, int, int]] = (math.inf, 0, 0.0, (0, 0, 0))
-    for w in sorted(candidates):
-        shape = _counts_for(fwd, both, fsize, bsize, w, cap)
-        stages = shape[1] + 1 + shape[2]
-        cost = max(stages, num_devices) * w
-        if (cost, stages) < best[:2]:
-            best = (cost, stages, w, shape)
+
+    def consider(candidates: set[float]) -> None:
+        nonlocal best
+        for w, shape in _shape_starts(sorted(candidates), lambda w: _counts_for(fwd, both, fsize, bsize, w, cap)):
+            stages = shape[1] + 1 + shape[2]
+            cost = max(stages, num_devices) * w + stages * job_cost
+            if (cost, stages) < best[:2]:
+                best = (cost, stages, w, shape)
+
+    consider({wmax} | _run_sums(fwd, wmax, hi) | _run_sums(both, wmax, hi))
+    if job_cost > 0 and num_devices == 1:
+        # any W' >= W costs at least W + job_cost (one stage at least): beyond that nothing wins
+        reach = best[0] - job_cost
+        if reach > hi:
+            consider({w for w in _run_sums(fwd, hi, reach) | _run_sums(both, hi, reach) if w > hi})
     return _balanced_plan(fwd, both, fsize, bsize, *best[3], cap, best[2])
+
+
+def _shape_starts(
+    ws: Sequence[float], shape_of: Any
+) -> list[tuple[float, tuple[int, int, int]]]:
+    """``(w, shape_of(w))`` for the first ``w`` of each run of equal shapes along ascending ``ws``.
+
+    Each part of a shape (the fused stage's start, the forward and the backward stage counts) never grows
+    as ``w`` grows, so two bounds with the same shape have it for every bound between them: bisection finds
+    where it changes, with O(log len(ws)) evaluations per change."""
+    if not ws:
+        return []
+    shapes: dict[int, tuple[int, int, int]] = {}
+
+    def shape(index: int) -> tuple[int, int, int]:
+        if index not in shapes:
+            shapes[index] = shape_of(ws[index])
+        return shapes[index]
+
+    starts = [0]
+    pending = [(0, len(ws) - 1)]
+    while pending:  # intervals whose ends differ in shape; depth first, lower half first, so starts ascend
+        lo, hi = pending.pop()
+        if shape(lo) == shape(hi):
+            continue
+        if hi == lo + 1:
+            starts.append(hi)
+            continue
+        mid = (lo + hi) // 2
+        pending.append((mid, hi))
+        pending.append((lo, mid))
+    return [(ws[index], shape(index)) for index in starts]
 
 
 def _balanced_plan(
@@ -419,10 +478,11 @@ def _slowest(plan: Plan, fwd: Sequence[float], both: Sequence[float]) -> float:
     )
 
 
-def predicted_cost(plan: Plan, costs: Sequence[LayerCost], num_devices: int) -> float:
-    """``max(num_stages, num_devices) * (slowest stage)``: the padded work of one iteration."""
+def predicted_cost(plan: Plan, costs: Sequence[LayerCost], num_devices: int, job_cost: float = 0.0) -> float:
+    """``max(num_stages, num_devices) * (slowest stage) + num_stages * job_cost``: the padded work of one
+    iteration and its jobs' fixed cost."""
     fwd, both, _, _ = _split(costs)
-    return max(plan.num_stages, num_devices) * _slowest(plan, fwd, both)
+    return max(plan.num_stages, num_devices) * _slowest(plan, fwd, both) + plan.num_stages * job_cost
 
 
 def plan_fits(plan: Plan, costs: Sequence[LayerCost], memory_budget: int | None) -> bool:
@@ -452,6 +512,12 @@ class Planner:
     per-layer ``forward + backward`` times, so a layer weighs by its share of the work), and adopted only
     if it is better by ``hysteresis``.
 
+    Jobs: ``mode="auto"`` also weighs each job's fixed cost (:func:`plan_auto`'s ``job_cost``, in seconds like
+    the measured times): ``job_cost`` until a step reports one (``observe(..., job_cost=...)``, from the stage
+    runner's ``StepTimes.job_cost``: how long a job's hand-offs and binding keep its device from computing),
+    then the smoothed reports, like the times. It applies to measured times only: first estimates are in
+    other units.
+
     Bytes: parameter and gradient bytes come from :meth:`initial`; what each layer's compute keeps for
     backward from :meth:`observe_activations`. A plan that no longer fits memory is replaced at once:
     memory is a hard limit, not a matter of trust.
@@ -470,6 +536,7 @@ class Planner:
         warmup: int = 1,
         settle: int = 2,
         tolerance: float = 0.25,
+        job_cost: float = 0.0,
     ) -> None:
         if num_layers < 1 or num_devices < 1:
             raise ValueError(f"need num_layers >= 1 and num_devices >= 1, got {num_layers}, {num_devices}")
@@ -477,6 +544,8 @@ class Planner:
             raise ValueError(f"need 0 <= smoothing < 1 and hysteresis >= 0, got {smoothing}, {hysteresis}")
         if warmup < 0 or settle < 1 or tolerance < 0:
             raise ValueError(f"need warmup >= 0, settle >= 1 and tolerance >= 0, got {warmup}, {settle}, {tolerance}")
+        if not (math.isfinite(job_cost) and job_cost >= 0):
+            raise ValueError(f"job_cost must be finite and >= 0, got {job_cost}")
         if isinstance(mode, Plan):
             try:
                 mode.validate(num_layers)
@@ -499,12 +568,15 @@ class Planner:
         self._ema: list[tuple[float, float]] = []
         self._recent: deque[list[float]] = deque(maxlen=settle)  # the last observations' per-layer fwd+bwd times
         self._seen = 0  # observations, the discarded warm-up included
+        self._job_cost = job_cost  # until a job cost is observed
+        self._job_ema = 0.0        # smoothed observed job costs (biased toward 0 like _ema), and their count
+        self._jobs_seen = 0
 
-    def _make(self, costs: Sequence[LayerCost]) -> Plan:
+    def _make(self, costs: Sequence[LayerCost], job_cost: float = 0.0) -> Plan:
         if isinstance(self.mode, Plan):
             return self.mode
         if self.mode == "auto":
-            return plan_auto(costs, num_devices=self.num_devices, memory_budget=self.memory_budget)
+            return plan_auto(costs, num_devices=self.num_devices, memory_budget=self.memory_budget, job_cost=job_cost)
         return plan_chunks(costs, self.mode, memory_budget=self.memory_budget)
 
     def _check_len(self, costs: Sequence[LayerCost]) -> None:
@@ -525,14 +597,19 @@ class Planner:
             raise RuntimeError("Planner.initial() must be called before the plan is read")
         return self._plan
 
-    def observe(self, measured: Sequence[LayerCost]) -> None:
-        """Fold one step's measured per-layer times into the smoothed estimate (the first ``warmup`` are
-        discarded)."""
+    def observe(self, measured: Sequence[LayerCost], *, job_cost: float | None = None) -> None:
+        """Fold one step's measured per-layer times, and the fixed cost of its jobs if measured (seconds per
+        job, see the class docstring), into the smoothed estimates (the first ``warmup`` are discarded)."""
         self._check_len(measured)
+        if job_cost is not None and not (math.isfinite(job_cost) and job_cost >= 0):
+            raise ValueError(f"job_cost must be finite and >= 0, got {job_cost}")
         self._seen += 1
         if self._seen <= self.warmup:
             return
         a = self.smoothing
+        if job_cost is not None:
+            self._job_ema = a * self._job_ema + (1 - a) * job_cost
+            self._jobs_seen += 1
         if not self._ema:
             self._ema = [(0.0, 0.0)] * self.num_layers
         self._ema = [(a * f + (1 - a) * m.forward, a * b + (1 - a) * m.backward)
@@ -559,6 +636,22 @@ class Planner:
                 in zip(self._ema, self._bytes, self._activations, strict=True)]
 
     @property
+    def job_cost(self) -> float:
+        """The fixed cost per job the plan weighs (seconds): the bias-corrected smoothed observations, else
+        the ``job_cost`` given."""
+        if not self._jobs_seen:
+            return self._job_cost
+        return self._job_ema / (1 - self.smoothing ** self._jobs_seen)
+
+    def _costs_job(self) -> tuple[list[LayerCost] | None, float]:
+        """The costs to plan with (the smoothed measurements, else the first estimates) and the job cost that
+        goes with them (none with the first estimates: they are not in seconds)."""
+        estimate = self.estimate
+        if estimate is not None:
+            return estimate, self.job_cost
+        return self._initial_costs(), 0.0
+
+    @property
     def activation_bytes(self) -> list[int]:
         """Per layer, what its compute keeps for backward per microbatch, as far as known (0: nothing yet)."""
         return list(self._activations)
@@ -578,13 +671,13 @@ class Planner:
                 self._measured_activations.add(layer)
             elif layer not in self._measured_activations:
                 self._activations[layer] = max(self._activations[layer], nbytes)
-        costs = self.estimate or self._initial_costs()
+        costs, job_cost = self._costs_job()
         if self.frozen or isinstance(self.mode, Plan) or self._plan is None or costs is None:
             return False
         if plan_fits(self._plan, costs, self.memory_budget):
             return False
         try:
-            candidate = self._make(costs)
+            candidate = self._make(costs, job_cost)
         except ValueError:  # no plan fits: a layer alone is over half the budget
             return False
         changed, self._plan = candidate != self._plan, candidate
@@ -605,14 +698,15 @@ class Planner:
         costs = self.estimate
         if self.frozen or isinstance(self.mode, Plan) or costs is None or self._plan is None or not self.settled:
             return False
+        job_cost = self.job_cost
         try:
-            candidate = self._make(costs)
+            candidate = self._make(costs, job_cost)
         except ValueError:  # no plan fits memory with these activations: keep the current one
             return False
         if candidate == self._plan:
             return False
-        now = predicted_cost(self._plan, costs, self.num_devices)
-        if predicted_cost(candidate, costs, self.num_devices) < now * (1 - self.hysteresis):
+        now = predicted_cost(self._plan, costs, self.num_devices, job_cost)
+        if predicted_cost(candidate, costs, self.num_devices, job_cost) < now * (1 - self.hysteresis):
             self._plan = candidate
             return True
         return False
@@ -626,7 +720,7 @@ class Planner:
             "activations": list(self._activations), "measured_activations": sorted(self._measured_activations),
             "activations_observed": self.activations_observed,
             "ema": [list(pair) for pair in self._ema], "recent": [list(times) for times in self._recent],
-            "seen": self._seen,
+            "seen": self._seen, "job_ema": self._job_ema, "jobs_seen": self._jobs_seen,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> bool:
@@ -643,14 +737,17 @@ class Planner:
         self._ema = [(float(forward), float(backward)) for forward, backward in state["ema"]]
         self._recent = deque(([float(x) for x in times] for times in state["recent"]), maxlen=self.settle)
         self._seen = int(state["seen"])
+        # a checkpoint from before job costs were measured has none: this planner's stands
+        self._job_ema = float(state.get("job_ema", 0.0))
+        self._jobs_seen = int(state.get("jobs_seen", 0))
         if isinstance(self.mode, Plan):
             return True
         self._plan = Plan.from_sizes(**state["plan"])
         self._plan.validate(self.num_layers)
-        costs = self.estimate or self._initial_costs()
+        costs, job_cost = self._costs_job()
         if not self.frozen and costs is not None and not plan_fits(self._plan, costs, self.memory_budget):
             with contextlib.suppress(ValueError):  # no plan fits: keep it, the device accounting reports it
-                self._plan = self._make(costs)
+                self._plan = self._make(costs, job_cost)
         return True
 
 
