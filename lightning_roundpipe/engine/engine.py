@@ -594,7 +594,7 @@ class RoundPipeEngine:
             groups[0].params += outside  # one step call, as built
         elif outside:
             groups.insert(0, StepGroup(range(0), outside, frozenset()))
-        number = self._step
+        number = self._step + 1  # called before step() counts it
         for group in groups:
             group.ready.name = (f"the weights of layers {group.label} "
                                 f"{'published' if self.options.async_step else 'updated'} by optimizer step {number}")
