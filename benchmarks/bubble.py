@@ -1,31 +1,32 @@
 """Where the pipeline bubble goes: the paper's model profiles under GPipe, 1F1B and our schedules.
 
 Run: ``python benchmarks/bubble.py [--plot bubble.png] [--adam-ns-per-param 0.5] [--no-measure]
-[--host-optimizer exact|fused] [--recompute-ahead]``. Not a test: it prints tables (and draws a
-picture with ``--plot``, which needs matplotlib).
+[--host-optimizer exact|fused] [--recompute-after] [--whole-jobs]``. Not a test: it prints tables (and
+draws a picture with ``--plot``, which needs matplotlib).
 
 Inputs are the paper's measured per-layer costs (RTX 4090, ``lightning_roundpipe/observe/paper_profiles.json``); every
 schedule is simulated with the same costs and per-hop time (``lightning_roundpipe.planning.simulate``):
 
 1. 8 devices, 16 microbatches: GPipe and 1F1B on the paper's one-stage-per-device baselines, our
    runtime's sync and async schedules on our planner's partition (``plan_auto``), beside the paper's
-   figures and stage counts. Sync: one isolated iteration, with whole jobs, with rounds of N
-   microbatches and with the dispatch ``choose_round_size`` picks, once as our runtime runs a
-   backward stage (recompute after the output gradient arrived) and once with the recompute run
-   ahead of it (as the paper's simulator does); a verdict per model against the paper's sync figure
-   (published to 0.1, so "at or below" allows 0.05). Async is the measured steady state of N + 3
-   iterations (whole jobs).
+   figures and stage counts. Sync: one isolated iteration. The runtime: backward stages recompute ahead
+   of their output gradient, and the dispatch is the one ``choose_round_size`` picks (whole jobs or
+   rounds of N or 2N microbatches, ``round_size="auto"``), with a verdict per model against the paper's
+   sync figure (published to 0.1, so "at or below" allows 0.05). Beside it, the earlier runtime's design
+   (recompute after the output gradient arrived) with whole jobs, rounds of N and the chosen dispatch.
+   Async is the measured steady state of N + 3 iterations (whole jobs, as the runtime runs async).
 2. A sweep of devices and microbatches (one model): our sync bubble shrinks as microbatches grow and
-   as the ring gets shorter, and async removes most of what is left (whole jobs).
+   as the ring gets shorter, and async removes most of what is left.
 3. The host optimizer, in sync mode: a step costing ``ns-per-param x parameters`` (AdamW on the CPU;
    0.5 ns by default, then the figure measured here with ``engine.host_step.measure_step``), whole
    after the backward (``off``) or streamed per stage group (``backward``: deepest first as gradients
    become final; ``latest``: the shallowest final group first, which is what the runtime's
    ``streaming_step`` does; ``forward``: with clipping, after the backward, shallowest first, also the
-   runtime's). Whole jobs, as the runtime dispatches (``--rounds``: the dispatch ``choose_round_size``
-   picks, a simulated design). Printed: the
-   exposed time (the sync iteration beyond an isolated one), the lower bound below, and a verdict.
-   Async mode overlaps the whole step with the next iteration; its exposed share is on the ``off`` row.
+   runtime's), in the dispatch the runtime picks. Printed: the exposed time (the sync iteration beyond
+   an isolated one), the lower bound below, and a verdict. Async mode overlaps the whole step with the
+   next iteration; its exposed share is on the ``off`` row.
+
+Sections 2 and 3 run the runtime's design; ``--recompute-after`` and ``--whole-jobs`` show the earlier one.
 
 The paper's profiles carry no parameter counts per layer: the model's count (from its name, e.g.
 ``Llama3-8B`` -> 8e9) is spread over the costed layers (decoders and LM head; the free embedding is
@@ -133,9 +134,9 @@ def schedules_table(ref: dict) -> dict[str, dict[str, float]]:
     n, m = ref["num_devices"], ref["num_microbatches"]
     paper = ref["bubble_ratio_percent"]
     print(f"1. Bubble %, {n} devices, {m} microbatches (paper's costs; ours = our planner + runtime schedule)")
-    print(f"{'':<35}| ours, sync: recompute after the gradient | recompute ahead of it  |")
-    print(f"{'':<35}| (the runtime: whole jobs; rounds are a   | (not in the runtime:   |")
-    print(f"{'':<35}|  simulated design, not in the runtime)   |  a simulated design)   |")
+    print(f"{'':<35}| ours, sync: recompute after the gradient | the runtime: recompute |")
+    print(f"{'':<35}| (the earlier runtime, and rounds on it:  | ahead of the gradient, |")
+    print(f"{'':<35}|  simulated designs)                      | the chosen dispatch    |")
     print(f"{'model':<12} {'stages p/o':>10} {'GPipe':>5} {'1F1B':>5} | {'whole':>5} {'R=N':>5} {'chosen':>13} "
           f"{'verdict':>9} | {'chosen':>13} {'verdict':>8} | {'paper':>5} | {'async':>5} {'paper':>5}")
     rows = {}
@@ -145,7 +146,7 @@ def schedules_table(ref: dict) -> dict[str, dict[str, float]]:
         gpipe, one_f_one_b = simulate_gpipe(baseline, costs, m, hop), simulate_1f1b(baseline, costs, m, hop)
         whole, rounds, chosen, sync = sync_bubble(ours, costs, n, m, hop, False)
         _, _, chosen_ahead, sync_ahead = sync_bubble(ours, costs, n, m, hop, True)
-        steady = simulate_roundpipe(ours, costs, n, m, hop, iterations=n + 3).steady_bubble_ratio()
+        steady = simulate_roundpipe(ours, costs, n, m, hop, iterations=n + 3, recompute_ahead=True).steady_bubble_ratio()
         figure = paper["RoundPipe-sync (one isolated iteration)"][name]
 
         def verdict(value: float, figure: float = figure) -> str:
@@ -158,24 +159,28 @@ def schedules_table(ref: dict) -> dict[str, dict[str, float]]:
               f"{pct(sync):>5} {dispatch(chosen):>7} {verdict(sync):>9} | {pct(sync_ahead):>5} "
               f"{dispatch(chosen_ahead):>7} {verdict(sync_ahead):>8} | {figure:5.1f} | {pct(steady):>5} "
               f"{paper['RoundPipe-async (steady state)'][name]:5.1f}")
-    print("R=N: rounds of N microbatches (training_rounds); chosen: choose_round_size (whole jobs or rounds of N);")
-    print("verdict: chosen sync bubble against the paper's sync figure (published to 0.1). The runtime runs whole")
-    print("jobs with the recompute after the gradient: its figure is the 'whole' column.")
+    print("R=N: rounds of N microbatches (training_rounds); chosen: choose_round_size (whole jobs or rounds of N or")
+    print("2N); verdict: chosen sync bubble against the paper's sync figure (published to 0.1). The runtime (sync,")
+    print("round_size='auto') recomputes ahead of the gradient and dispatches as choose_round_size picks (with its")
+    print("measured cost per job, 0 here): its figure is the right-hand 'chosen' column.")
     return rows
 
 
 def sweep_table(ref: dict, name: str, devices: list[int], microbatches: list[int],
-                ahead: bool = False) -> dict[int, list[tuple]]:
+                ahead: bool = True, rounds: bool = True) -> dict[int, list[tuple]]:
     costs, _, _, hop = model_inputs(ref, name)
-    print(f"\n2. {name}: our sync / async-steady bubble % by devices (rows) and microbatches (columns), whole jobs"
-          + (", recompute ahead" if ahead else ""))
+    print(f"\n2. {name}: our sync / async-steady bubble % by devices (rows) and microbatches (columns), "
+          + ("sync in the dispatch choose_round_size picks" if rounds else "whole jobs") + ", async whole jobs"
+          + (", recompute ahead" if ahead else ", recompute after the gradient"))
     print(f"{'devices':>7} " + " ".join(f"{f'M={m}':>11}" for m in microbatches))
     sweep: dict[int, list[tuple]] = {}
     for n in devices:
         plan = plan_auto(costs, num_devices=n)
         cells = []
         for m in microbatches:
-            sync = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", recompute_ahead=ahead).bubble_ratio
+            chosen = choose_round_size(plan, costs, n, m, hop, recompute_ahead=ahead) if rounds else None
+            sync = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", round_size=chosen,
+                                      recompute_ahead=ahead).bubble_ratio
             steady = simulate_roundpipe(plan, costs, n, m, hop, iterations=n + 3,
                                         recompute_ahead=ahead).steady_bubble_ratio()
             cells.append((m, sync, steady))
@@ -184,13 +189,13 @@ def sweep_table(ref: dict, name: str, devices: list[int], microbatches: list[int
     return sweep
 
 
-def optimizer_table(ref: dict, ns_per_param: float, label: str, ahead: bool = False,
-                    rounds: bool = False) -> dict[str, dict[str, float]]:
+def optimizer_table(ref: dict, ns_per_param: float, label: str, ahead: bool = True,
+                    rounds: bool = True) -> dict[str, dict[str, float]]:
     """Section 3 for one step cost: per model and streaming mode, the exposed time and the bound."""
     n, m = ref["num_devices"], ref["num_microbatches"]
     iterations = 4
     print(f"\n3. Host optimizer step, {label}: {ns_per_param:.3g} ns/parameter, sync mode, {n} devices, {m} "
-          f"microbatches{', recompute ahead' if ahead else ''}")
+          f"microbatches{', recompute ahead' if ahead else ', recompute after the gradient'}")
     print(f"{'model':<12} {'step ms':>10} | {'mode':<8} {'dispatch':>8} {'iter ms':>10} | {'exposed ms':>10} "
           f"{'bound ms':>10} {'tol ms':>8} | {'exposed %':>9} {'bound %':>7}  verdict")
     rows: dict[str, dict[str, float]] = {}
@@ -203,6 +208,7 @@ def optimizer_table(ref: dict, ns_per_param: float, label: str, ahead: bool = Fa
         rows[name] = {"step": step}
         for k, mode in enumerate(MODES):
             kwargs = dict(host_step=host, streaming=mode, recompute_ahead=ahead)
+            # the runtime's choice weighs the host step too, in the order its parts run
             chosen = choose_round_size(plan, costs, n, m, hop, **kwargs) if rounds else None
             base = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", round_size=chosen,
                                       recompute_ahead=ahead).makespan
@@ -308,25 +314,26 @@ def main() -> int:
                         help="skip the second table of section 3 (AdamW measured on this machine)")
     parser.add_argument("--host-optimizer", choices=("exact", "fused"), default="exact",
                         help="the kernel to measure AdamW with (the engine option host_optimizer)")
-    parser.add_argument("--recompute-ahead", action="store_true",
-                        help="sections 2 and 3: backward stages recompute before their output gradient arrives")
-    parser.add_argument("--rounds", action="store_true",
-                        help="section 3: dispatch in rounds where choose_round_size prefers them (a simulated design; "
-                             "the runtime runs whole jobs)")
+    parser.add_argument("--recompute-after", action="store_true",
+                        help="sections 2 and 3: backward stages recompute only once their output gradient has arrived "
+                             "(the earlier runtime; the runtime recomputes ahead of it)")
+    parser.add_argument("--whole-jobs", action="store_true",
+                        help="sections 2 and 3: every job runs all microbatches (the runtime, sync: the dispatch "
+                             "choose_round_size picks)")
     parser.add_argument("--plot", type=Path, help="also draw the three panels into this PNG (needs matplotlib)")
     args = parser.parse_args()
     ref = json.loads(args.json.read_text())["simulation"]
     if args.sweep_model not in ref["models"]:
         parser.error(f"--sweep-model must be one of {sorted(ref['models'])}")
     schedules = schedules_table(ref)
+    ahead, rounds = not args.recompute_after, not args.whole_jobs
     sweep = sweep_table(ref, args.sweep_model, [int(x) for x in args.devices.split(",")],
-                        [int(x) for x in args.microbatches.split(",")], args.recompute_ahead)
-    optimizer = optimizer_table(ref, args.adam_ns_per_param, "assumed", args.recompute_ahead, args.rounds)
+                        [int(x) for x in args.microbatches.split(",")], ahead, rounds)
+    optimizer = optimizer_table(ref, args.adam_ns_per_param, "assumed", ahead, rounds)
     if not args.no_measure:
         ns, text = measured_ns_per_param(args.host_optimizer)
         print(f"\n{text}")
-        optimizer_table(ref, ns, f"AdamW measured here (host_optimizer={args.host_optimizer!r})", args.recompute_ahead,
-                        args.rounds)
+        optimizer_table(ref, ns, f"AdamW measured here (host_optimizer={args.host_optimizer!r})", ahead, rounds)
     if args.plot:
         draw(args.plot, args.sweep_model, schedules, sweep, optimizer)
     return 0

@@ -11,10 +11,12 @@ Columns:
 * ``sim/paper-plan``: our re-implementation of the paper's simulator on the paper's partition
   (this checks the simulator; it should equal ``paper`` up to rounding).
 * ``sim/our-plan``: the same simulator on ``plan_auto(costs, num_devices=8)``: planner vs planner.
-* ``runtime/*``: our runtime's schedule (stage x all 16 microbatches, no rounds) with our plan
-  and with the paper's. ``sync`` is one isolated iteration. For ``async`` two figures: the paper's
-  definition (``switch + intra`` of one isolated iteration) and the measured steady state of a run
-  of N + 3 iterations (2 warm-up iterations, then a whole rotation of the ring).
+* ``runtime/*``: our runtime's schedule with our plan and with the paper's: backward stages recompute
+  ahead of their output gradient; ``sync`` is one isolated iteration in the dispatch
+  ``choose_round_size`` picks (whole jobs or rounds, the runtime's ``round_size="auto"``). ``async``
+  runs whole jobs (as the runtime does in async mode), two figures: the paper's definition (``switch +
+  intra`` of one isolated iteration) and the measured steady state of a run of N + 3 iterations (2
+  warm-up iterations, then a whole rotation of the ring).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_roundpipe.planning.partition import LayerCost, Plan, plan_auto  # noqa: E402
 from lightning_roundpipe.planning.simulate import (  # noqa: E402
+    choose_round_size,
     simulate_1f1b,
     simulate_gpipe,
     simulate_paper_roundpipe,
@@ -113,13 +116,17 @@ def main() -> int:
         plans[name] = (plan, ours)
         sp, so = simulate_paper_roundpipe(plan, costs, n, m, hop), simulate_paper_roundpipe(ours, costs, n, m, hop)
         iters = n + 3
-        rt_o = simulate_roundpipe(ours, costs, n, m, hop, iterations=iters)
-        rt_p = simulate_roundpipe(plan, costs, n, m, hop, iterations=iters)
-        one_o, one_p = simulate_roundpipe(ours, costs, n, m, hop), simulate_roundpipe(plan, costs, n, m, hop)
+        rt_o = simulate_roundpipe(ours, costs, n, m, hop, iterations=iters, recompute_ahead=True)
+        rt_p = simulate_roundpipe(plan, costs, n, m, hop, iterations=iters, recompute_ahead=True)
+        one_o, one_p = (simulate_roundpipe(ours, costs, n, m, hop, recompute_ahead=True),
+                        simulate_roundpipe(plan, costs, n, m, hop, recompute_ahead=True))
+        sync_o, sync_p = (simulate_roundpipe(p, costs, n, m, hop, mode="sync", recompute_ahead=True,
+                                             round_size=choose_round_size(p, costs, n, m, hop, recompute_ahead=True))
+                          for p in (ours, plan))
         print(
             f"{name:<12} {plan.num_stages:>4}/{ours.num_stages:<4} | "
             f"{rows['RoundPipe-sync (one isolated iteration)'][name]:11.1f} {pct(sp.bubble_ratio):>9} {pct(so.bubble_ratio):>8} "
-            f"{pct(one_o.bubble_ratio):>7} {pct(one_p.bubble_ratio):>8} | "
+            f"{pct(sync_o.bubble_ratio):>7} {pct(sync_p.bubble_ratio):>8} | "
             f"{rows['RoundPipe-async (steady state)'][name]:12.1f} {pct(sp.async_bubble_ratio):>9} {pct(so.async_bubble_ratio):>8} "
             f"{pct(one_o.async_bubble_ratio):>7} {pct(rt_o.steady_bubble_ratio()):>6} "
             f"{pct(one_p.async_bubble_ratio):>8} {pct(rt_p.steady_bubble_ratio()):>6}"

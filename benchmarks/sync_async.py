@@ -123,6 +123,7 @@ from lightning_roundpipe import RoundPipeStrategy, pipeline_loss  # noqa: E402
 from lightning_roundpipe.engine.engine import RoundPipeEngine  # noqa: E402
 from lightning_roundpipe.engine.host_step import measure_step  # noqa: E402
 from lightning_roundpipe.engine.options import EngineOptions  # noqa: E402
+from lightning_roundpipe.observe.trace import COMPUTE_KINDS  # noqa: E402
 from lightning_roundpipe.planning.partition import LayerCost, Plan  # noqa: E402
 from lightning_roundpipe.planning.simulate import simulate_roundpipe  # noqa: E402
 
@@ -279,7 +280,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     last: dict[int, float] = {}
     steps: dict[int, float] = {}
     for event in events:
-        if event.kind in ("forward", "fused", "backward"):
+        if event.kind in COMPUTE_KINDS:
             first[event.job] = min(first.get(event.job, event.start), event.start)
             last[event.job] = max(last.get(event.job, event.end), event.end)
         elif event.kind == "optimizer":

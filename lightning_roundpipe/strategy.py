@@ -89,6 +89,8 @@ class RoundPipeStrategy(ParallelStrategy):
         num_microbatches: microbatches per batch. Default: devices + 1.
         num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
         async_step: ``False``: exact sync step. ``True``: the paper's one-step-stale update.
+        round_size: ``"auto"`` (sync: whole jobs or rounds of microbatches, whichever is predicted faster),
+            ``"whole"`` (each stage job runs every microbatch) or microbatches per round.
         streaming_step: ``"auto"``: a ``torch.optim`` optimizer steps stage by stage, each backward stage's
             parameters as soon as their gradients are final, and each upload waits only for its own; ``"on"``:
             also another optimizer, declared to update each parameter on its own; ``"off"``: whole steps.
@@ -128,7 +130,7 @@ class RoundPipeStrategy(ParallelStrategy):
                  recompute: Recompute = "stage", pin_memory: bool = True,
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
                  streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
-                 ring: list[int] | None = None,
+                 round_size: Literal["auto", "whole"] | int = "auto", ring: list[int] | None = None,
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
@@ -143,7 +145,7 @@ class RoundPipeStrategy(ParallelStrategy):
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
-            streaming_step=streaming_step, host_optimizer=host_optimizer,
+            streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
             freeze_plan=freeze_plan,
             replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm, seed=seed, jitter=jitter,
             stress=stress,

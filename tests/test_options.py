@@ -182,6 +182,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "preflight": ("warn", "warn"),
     "num_microbatches": ("4", 4),
     "num_stages": ("6", 6),
+    "round_size": ("whole", "whole"),
     "async_step": ("true", True),
     "streaming_step": ("off", "off"),
     "host_optimizer": ("fused", "fused"),
@@ -226,6 +227,7 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
     ("num_microbatches", 0, "0", "must be a positive int (or None for devices + 1), got 0"),
     ("num_stages", 0, "0", "must be 'auto', a positive int (the number of forward stages) or a Plan, got 0"),
     ("recompute", "sometimes", "sometimes", "must be 'stage' or 'layer', got 'sometimes'"),
+    ("round_size", 0, "0", "must be 'auto', 'whole' or a positive int (microbatches per round), got 0"),
     ("device_memory_limit", "lots", "lots",
      "must be a positive number of bytes or a string such as '20GiB' or '512MB', got 'lots'"),
     ("replan_hysteresis", -0.5, "-0.5", "must be a fraction >= 0, got -0.5"),
@@ -256,6 +258,12 @@ def test_wrong_types_are_refused_with_the_option_named():
     for option, value in (("async_step", 1), ("seed", 1.5), ("timeline_dir", 3), ("jitter", "fast")):
         with pytest.raises(OptionError, match=f"^`{option}` must be .*got {re.escape(repr(value))}$"):
             RoundPipeStrategy(**{option: value})
+
+
+def test_rounds_are_refused_with_deferred_batchnorm_which_needs_whole_jobs():
+    with pytest.raises(OptionError, match="^`round_size` must be 'auto' or 'whole' with `deferred_batchnorm=True`"):
+        RoundPipeStrategy(round_size=2, deferred_batchnorm=True)
+    assert RoundPipeStrategy(round_size="auto", deferred_batchnorm=True).engine_options.round_size == "auto"
 
 
 def test_unknown_names_are_refused():

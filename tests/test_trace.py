@@ -83,7 +83,7 @@ def test_chrome_trace_of_a_real_run(recorded, tmp_path):
     for e in complete:
         track = names[e["tid"]]
         if track.endswith("compute"):
-            assert e["cat"] in ("forward", "fused", "backward") and track == f"device {e['args']['device']} · compute"
+            assert e["cat"] in ("forward", "fused", "recompute", "backward") and track == f"device {e['args']['device']} · compute"
     kinds = {e["cat"] for e in complete}
     assert {"forward", "fused", "backward", "upload_params", "upload_acts", "download", "release",
             "optimizer"} <= kinds

@@ -150,7 +150,7 @@ class Call:
     checkpoint_layers: frozenset[int]
     checkpoints: dict[tuple[int, int], Slot] = field(default_factory=dict)
     snapshots: dict[tuple[int, int], Slot] = field(default_factory=dict)
-    outputs: dict[int, list[Slot]] = field(default_factory=dict)   # job index -> per microbatch
+    outputs: dict[int, dict[int, Slot]] = field(default_factory=dict)  # job index -> microbatch -> its output
     fused: FusedLoss | None = None                            # fused path: set before its jobs are dispatched
     first_grads: list[Slot] | None = None                     # transparent backward: from autograd
     merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
@@ -163,17 +163,23 @@ class Call:
                                "set `Call.fused` before dispatching a fused-path call")
         return self.fused
 
-    def input_slots(self, job: Job) -> list[Slot]:
-        """What ``job`` reads per microbatch: the previous job's outputs, else the first output gradients
-        (the first backward stage of a transparent call), else the call's inputs."""
+    def input_slot(self, job: Job, microbatch: int) -> Slot:
+        """What ``job`` reads for ``microbatch`` (an index into the call's batch, one of ``job.microbatches``):
+        the previous job's output, else the first output gradient (the first backward stage of a transparent
+        call), else the call's input."""
         if job.depends_on:
-            return self.outputs[job.depends_on[-1]]
+            return self.outputs[job.depends_on[-1]][microbatch]
         if job.kind is StageKind.BACKWARD:
             if self.first_grads is None:
                 raise RuntimeError(f"backward stage {job.label} (job {job.index}) of call {self.index} has no "
                                    "output gradients to read; dispatch a transparent backward with them")
-            return self.first_grads
-        return self.inputs
+            return self.first_grads[microbatch]
+        return self.inputs[microbatch]
+
+    def job_outputs(self, job: Job) -> list[Slot]:
+        """``job``'s output slots, in microbatch order."""
+        outputs = self.outputs[job.index]
+        return [outputs[microbatch] for microbatch in job.microbatches]
 
     @property
     def num_microbatches(self) -> int:

@@ -11,7 +11,12 @@ Job kinds (see ``planning/schedule.py``)::
 
     forward   run layers without autograd; keep the inputs backward stages will need (checkpoints)
     fused     run the deepest layers, the loss and the backward per microbatch; never recomputed
-    backward  recompute the stage's layers from their checkpoint, then back-propagate
+    backward  recompute the stage's layers from their checkpoint (ahead of the output gradient), then
+              back-propagate
+
+A training call (``forward_backward``) may dispatch its microbatches in rounds (``round_size``): each
+round is the whole chain of jobs over its share of the batch, so backward starts before the last
+microbatch has run forward.
 
 Gradients of parameters accumulate on the device over the job's microbatches, then are added on
 the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`, in an order
@@ -65,7 +70,8 @@ from lightning_roundpipe.planning.partition import (
     stage_memory_budget,
     workspace_reserve,
 )
-from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_jobs
+from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_rounds
+from lightning_roundpipe.planning.simulate import Streaming, choose_round_size
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
 
@@ -148,6 +154,12 @@ class RoundPipeEngine:
         self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
         self._torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
+        # round_size="auto": for what (plan, microbatches, planner settled) the dispatch was chosen, and the choice
+        self._rounds_for: tuple[tuple[Plan, int, bool] | None, int | None] = (None, None)
+        # what the choice weighs of the host step: the order the last step's parts ran in (the simulator's
+        # name for it) and, per layer, the seconds the last whole step spent on its parameters (optimizer thread)
+        self._step_order: Streaming = "off"
+        self._layer_step_seconds: list[float] | None = None
         self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
         self._last_step_done: HostEvent | None = None
         self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
@@ -501,7 +513,9 @@ class RoundPipeEngine:
         fused = call.fused = FusedLoss(
             loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
             losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
-        jobs = training_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
+        round_size = self._round_size(call.plan, call.num_microbatches)
+        jobs = training_rounds(call.plan, self.num_devices, call.num_microbatches,
+                               round_size or call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=None)
         losses = []
@@ -541,6 +555,8 @@ class RoundPipeEngine:
         # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
         # parameters this optimizer does not step stay in param.grad, which only this thread may write
         gradients_final = before_step is not None or bool(unstepped)
+        self._step_order = ("off" if sum(1 for group in groups if group.layers) < 2
+                            else "forward" if gradients_final else "latest")
         if gradients_final:
             self._publish_gradients(window.wait_complete, window)
         if before_step is not None:
@@ -641,6 +657,7 @@ class RoundPipeEngine:
         def run_step() -> None:
             pending = list(range(len(groups)))  # shallowest first
             applied: list[str] = []
+            seconds = [0.0] * len(self.trunk)  # per layer, its parameters' share of the step
             try:
                 while pending:
                     window.forget_progress()  # what happens from here on wakes the wait below
@@ -661,12 +678,16 @@ class RoundPipeEngine:
                         held = grads.get(key)
                         grads[key] = grad if held is None else held + grad  # out of place: the lent one stays
                     if proceed:
+                        start = time.perf_counter()
                         with host.timed(f"step {number} {group.label}" if len(groups) > 1 else f"step {number}"):
                             self._step_group(optimizer, number, hyperparameters, group, stepped, grads, host_kernels)
                             if not async_step:  # the low-precision copies the next uploads read, cast once
                                 sources.refresh(group.params)
+                        self._spread_step_seconds(group, time.perf_counter() - start, seconds)
                         applied.append(group.label)
                     group.ready.set()
+                if proceed:
+                    self._layer_step_seconds = seconds  # one assignment: the main thread reads it whole
             except BaseException:
                 if applied and pending:  # stopped part-way: the pipeline failed, or the optimizer on a later part
                     self._torn = (number, applied)
@@ -675,6 +696,16 @@ class RoundPipeEngine:
         host.submit(run_step, finished, f"step {number}")
         self._upload_waits = upload_waits(groups, len(self.trunk))
         return finished
+
+    def _spread_step_seconds(self, group: StepGroup, seconds: float, per_layer: list[float]) -> None:
+        """Add a group's step time to its layers, in proportion to the elements of the group's parameters each
+        holds (the step's cost per element is about constant); parameters outside the trunk are left out."""
+        members = {id(param) for param in group.params}
+        sizes = [sum(param.numel() for param in self.trunk.states[layer].params if id(param) in members)
+                 for layer in group.layers]
+        total = sum(sizes)
+        for layer, size in zip(group.layers, sizes, strict=True):
+            per_layer[layer] += seconds * size / total if total else 0.0
 
     @staticmethod
     def _step_group(optimizer: torch.optim.Optimizer, number: int, hyperparameters: list[dict], group: StepGroup,
@@ -854,6 +885,31 @@ class RoundPipeEngine:
         self.planner.observe_activations(estimate, measured=False)
 
     # ------------------------------------------------------------------ dispatch
+    def _round_size(self, plan: Plan, num_microbatches: int) -> int | None:
+        """Microbatches per round of a training call, or None for whole jobs (``EngineOptions.round_size``).
+        ``"auto"``: the dispatch :func:`~lightning_roundpipe.planning.simulate.choose_round_size` predicts
+        fastest for a sync iteration, from the planner's costs and job cost and, once those are measured, the
+        last step's time per layer in the order its parts ran; decided once per plan, batch split and settled
+        state of the measurements, so the dispatch (and the order gradients are summed in) does not flap."""
+        option = self.options.round_size
+        if option == "whole" or num_microbatches == 1:
+            return None
+        if option != "auto":
+            return option if option < num_microbatches else None
+        if self.options.async_step or self.options.deferred_batchnorm:
+            return None
+        key = (plan, num_microbatches, self.planner.settled)
+        if self._rounds_for[0] != key:
+            costs, job_cost = self.planner.current_costs()
+            # the host step only beside measured layer times: first estimates are not in seconds
+            host_step = self._layer_step_seconds if self.planner.estimate is not None else None
+            chosen = None if costs is None else choose_round_size(
+                plan, costs, self.num_devices, num_microbatches, host_step=host_step,
+                streaming=self._step_order if host_step is not None else "off", recompute_ahead=True,
+                job_cost=job_cost)
+            self._rounds_for = (key, chosen)
+        return self._rounds_for[1]
+
     def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
         size = batch_size(inputs)
         if size is None:
@@ -897,7 +953,7 @@ class RoundPipeEngine:
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=None)
         outputs = []
-        for slot in call.outputs[jobs[-1].index]:
+        for slot in call.job_outputs(jobs[-1]):
             self._wait(slot.event)
             outputs.append(single_argument(slot.value))  # a stage's output slot holds the next layer's input
         return outputs
@@ -906,17 +962,17 @@ class RoundPipeEngine:
         jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
         self._next_job += len(jobs)
         self._dispatch(call, jobs, first_output_grads=output_grads)
-        return call.outputs[jobs[-1].index]
+        return call.job_outputs(jobs[-1])
 
     def _dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
         for job in jobs:
-            call.outputs[job.index] = [Slot(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
-                                    for m in range(call.num_microbatches)]
+            call.outputs[job.index] = {m: Slot(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
+                                       for m in job.microbatches}
         if first_output_grads is not None:
             call.first_grads = [Slot.ready(g) for g in first_output_grads]
         for job in jobs:
-            for slot in call.input_slots(job):
-                slot.expect_reader()
+            for microbatch in job.microbatches:
+                call.input_slot(job, microbatch).expect_reader()
             if job.kind is StageKind.FORWARD and call.checkpoint_layers:
                 self._make_checkpoint_slots(call, job)
         for job in jobs:
@@ -957,8 +1013,8 @@ class RoundPipeEngine:
     def _make_checkpoint_slots(self, call: Call, job: Job) -> None:
         """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
         order, because the backward job that reads them may be enqueued first by another worker."""
-        for microbatch in range(call.num_microbatches):
-            source = call.outputs[job.depends_on[-1]][microbatch] if job.depends_on else call.inputs[microbatch]
+        for microbatch in job.microbatches:
+            source = call.input_slot(job, microbatch)
             for layer in job.layers:
                 if layer in call.checkpoint_layers:
                     checkpoint = call.checkpoints[(layer, microbatch)] = (

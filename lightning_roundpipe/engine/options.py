@@ -85,6 +85,17 @@ class EngineOptions:
     stages and derives the (smaller) backward stages; a :class:`~lightning_roundpipe.planning.partition.Plan`
     fixes the partition exactly."""
 
+    round_size: Literal["auto", "whole"] | int = "auto"
+    """How a training call (``forward_backward``: the strategy's fused path) dispatches its M microbatches.
+    ``"whole"``: each stage job runs all M. An int R: in rounds of R microbatches (the paper's dispatch),
+    each round the whole chain of stage jobs over its share of the batch, so the first backward stages start
+    after R microbatches' forward instead of M's: less fill and drain in a sync iteration, for one upload of
+    each stage per round instead of per call. ``"auto"``: in sync mode, whole jobs or rounds of N or 2N
+    (N devices in the ring), whichever the simulator predicts faster for the current plan, its layer costs
+    and the measured cost of a job; decided again when the plan changes or its measured costs settle. Whole
+    jobs in async mode (the next iteration fills the drain) and with ``deferred_batchnorm``, which needs them.
+    Rounds sum the microbatches' gradients in another order (equal within float rounding)."""
+
     async_step: bool = False
     """``False`` (sync): exact, identical to plain training. ``True``: the paper's one-step-stale update,
     iteration k runs on W(k-2) and W(k) = step(W(k-1), g(k)), so the host step overlaps device work."""
@@ -193,6 +204,14 @@ class EngineOptions:
         )):
             raise OptionError("num_stages", f"must be 'auto', a positive int (the number of forward stages) or a "
                                             f"Plan, got {self.num_stages!r}")
+        if self.round_size not in ("auto", "whole") and (
+                isinstance(self.round_size, bool) or not isinstance(self.round_size, int) or self.round_size < 1):
+            raise OptionError("round_size", f"must be 'auto', 'whole' or a positive int (microbatches per round), "
+                                            f"got {self.round_size!r}")
+        if isinstance(self.round_size, int) and self.deferred_batchnorm:
+            raise OptionError("round_size", "must be 'auto' or 'whole' with `deferred_batchnorm=True`: the whole "
+                                            "batch's BatchNorm statistics are collected by jobs that run every "
+                                            f"microbatch, got {self.round_size!r}")
         if self.transport_dtype not in TRANSPORT_DTYPES:
             raise OptionError("transport_dtype", f"must be one of {', '.join(map(repr, TRANSPORT_DTYPES))}, "
                                                  f"got {self.transport_dtype!r}")

@@ -88,6 +88,16 @@ class Task:
 
 
 @dataclass
+class Recomputed:
+    """A recompute group's autograd graph on the device, from its recompute until its backward: the group's
+    layers, its input leaves (which collect the input gradients) and its output's differentiable leaves."""
+
+    group: range
+    leaves: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
+@dataclass
 class StageCopy:
     """One job's copy of its stage on one device: the uploaded parameters and buffers, bound into that
     device's layer replicas while the job computes, and what the job measured."""
@@ -98,7 +108,8 @@ class StageCopy:
     device: Device | None = None         # the device it is on (set by the worker that makes it)
     # device-time spans of the compute stream (timing.py), resolved when the job finishes
     layer_spans: list[tuple[int, Span]] = field(default_factory=list)    # (layer, span) per layer call
-    compute_spans: list[tuple[int, Span]] = field(default_factory=list)  # (microbatch, span) per compute
+    # (microbatch, timeline kind, span) per compute: a backward microbatch has two, "recompute" then "backward"
+    compute_spans: list[tuple[int, str, Span]] = field(default_factory=list)
     forward_time: dict[int, float] = field(default_factory=dict)  # per layer, summed over microbatches (resolved)
     compute_time: float = 0.0            # all compute of the job, summed over microbatches (resolved)
     activations: ActivationMeter | None = None  # differentiating job: what the computing microbatch keeps for backward
@@ -170,9 +181,10 @@ class StageRunner:
         self._measure_lock = threading.Lock()
         self._step_times: dict[int, StepTimes] = {}     # by optimizer step, until taken
         self._num_devices = num_devices
-        # per recent job (by index, in the order they finished): the jobs it reads from, its first microbatch's
+        # per recent job (by index, in the order they finished): the jobs it reads from, whether its first
+        # compute waits for their output (a backward job's recompute ahead does not), its first microbatch's
         # compute start and end, and its last microbatch's compute end (for StepTimes.job_seconds)
-        self._job_spans: dict[int, tuple[tuple[int, ...], float, float, float]] = {}
+        self._job_spans: dict[int, tuple[tuple[int, ...], bool, float, float, float]] = {}
         self._steps_taken = -1                          # the last step taken: later samples of it are dropped
         # per optimizer step (its window's number), per layer, the most one microbatch kept, until taken
         self._activation_bytes: dict[int, dict[int, int]] = {}
@@ -202,15 +214,18 @@ class StageRunner:
         reported (or it reads none: the call's inputs are there before it is dispatched)."""
         if index not in self._job_spans:
             return None
-        depends_on, start, _, _ = self._job_spans[index]
+        depends_on, gated, start, _, _ = self._job_spans[index]
         if not depends_on or any(job not in self._job_spans for job in depends_on):
             return None
-        ready = max(self._job_spans[job][2] for job in depends_on)  # their first microbatch's output computed
+        # their first microbatch's output computed, unless the job starts with a recompute that needs none
+        ready = max(self._job_spans[job][3] for job in depends_on) if gated else float("-inf")
         previous = index - self._num_devices  # ring order: job j runs on device j mod N
         if previous >= 0:
             if previous not in self._job_spans:
                 return None
-            ready = max(ready, self._job_spans[previous][3])  # the device's previous job computed
+            ready = max(ready, self._job_spans[previous][4])  # the device's previous job computed
+        if ready == float("-inf"):
+            return None  # a device's first job that waits for no output: nothing to measure the start against
         return max(start - ready, 0.0)
 
     def take_activation_bytes(self, before: int | None = None) -> dict[int, int]:
@@ -490,34 +505,58 @@ class StageRunner:
                     meter.release()  # the backward has freed what the forward saved
         return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
 
-    def backward_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
-                            checkpoints: dict[int, LayerInput], snapshots: dict[int, list[torch.Tensor]],
-                            output_grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
-        """Recompute a backward stage from its checkpoints on one microbatch and back-propagate
-        ``output_grads`` (per differentiable leaf of the stage output). Returns the gradients of the stage
-        input's differentiable leaves, or None when no gradient reaches the stage."""
-        if output_grads is None or all(g is None for g in output_grads):
-            return None
+    def _recompute_groups(self, layers: range) -> list[range]:
+        """A backward stage's recompute groups, shallow to deep: stage grain, one recompute of every layer
+        from the stage input; layer grain, one layer at a time from its own input."""
+        return [layers] if self.recompute == "stage" else [range(layer, layer + 1) for layer in layers]
+
+    def _recompute_group(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int, group: range,
+                         checkpoints: dict[int, LayerInput], snapshots: dict[int, list[torch.Tensor]]) -> Recomputed:
+        """Run ``group``'s layers from its checkpoint, recording the autograd graph (under the call's context
+        and :func:`recomputing`, which the caller enters)."""
         call = task.call
-        layers = task.job.layers
-        # stage grain: one recompute of every layer from the stage input; layer grain: one at a time
-        groups = [layers] if self.recompute == "stage" else [range(layer, layer + 1) for layer in layers]
+        leaves, value = self._prepare_inputs(checkpoints[group.start],
+                                             call.input_requires_grad if group.start == 0 else None)
+        for layer in group:
+            if layer in snapshots:
+                self._binding(device, layer).bind_buffers(snapshots[layer])
+            value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
+        return Recomputed(group, leaves, differentiable_leaves(single_argument(value)))
+
+    def recompute_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
+                             checkpoints: dict[int, LayerInput],
+                             snapshots: dict[int, list[torch.Tensor]]) -> Recomputed:
+        """The first part of a backward stage's microbatch, run before its output gradient has arrived (it
+        needs only the checkpoints, on the host long before): recompute the deepest group (the whole stage at
+        stage grain). :meth:`backward_microbatch` continues from it."""
+        with task.call.context.applied(grad=True), recomputing():
+            return self._recompute_group(device, task, stage_copy, microbatch,
+                                         self._recompute_groups(task.job.layers)[-1], checkpoints, snapshots)
+
+    def backward_microbatch(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
+                            recomputed: Recomputed, checkpoints: dict[int, LayerInput],
+                            snapshots: dict[int, list[torch.Tensor]],
+                            output_grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+        """Back-propagate ``output_grads`` (per differentiable leaf of the stage output) through the deepest
+        group ``recomputed`` ahead (:meth:`recompute_microbatch`), then recompute and back-propagate each
+        shallower group from its checkpoint (layer grain). Returns the gradients of the stage input's
+        differentiable leaves, or None when no gradient reaches the stage (the recompute ahead was wasted)."""
+        meter = stage_copy.activations
+        if output_grads is None or all(g is None for g in output_grads):
+            return None  # dropping the recomputed graph frees what it saved; the caller releases the meter
         grads = output_grads
-        with call.context.applied(grad=True), recomputing():
-            for group in reversed(groups):
-                leaves, value = self._prepare_inputs(checkpoints[group.start],
-                                                     call.input_requires_grad if group.start == 0 else None)
-                for layer in group:
-                    if layer in snapshots:
-                        self._binding(device, layer).bind_buffers(snapshots[layer])
-                    value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
-                outputs = differentiable_leaves(single_argument(value))
-                pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+        with task.call.context.applied(grad=True), recomputing():
+            for group in reversed(self._recompute_groups(task.job.layers)):
+                if group != recomputed.group:
+                    recomputed = self._recompute_group(device, task, stage_copy, microbatch, group, checkpoints,
+                                                       snapshots)
+                pairs = [(o, g) for o, g in zip(recomputed.outputs, grads, strict=True)
+                         if g is not None and o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if stage_copy.activations is not None:
-                    stage_copy.activations.release()  # the group's backward has freed what its recompute saved
-                grads = [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+                if meter is not None:
+                    meter.release()  # the group's backward has freed what its recompute saved
+                grads = [leaf.grad if leaf.requires_grad else None for leaf in recomputed.leaves]
         return grads
 
     def record_measurements(self, task: Task, stage_copy: StageCopy) -> None:
@@ -533,12 +572,12 @@ class StageRunner:
         job = task.job
         compute_spans, stage_copy.compute_spans = stage_copy.compute_spans, []
         layer_spans, stage_copy.layer_spans = stage_copy.layer_spans, []
-        bounds = []
-        for microbatch, span in compute_spans:
+        bounds: dict[int, tuple[float, float]] = {}  # per microbatch, its first compute's start, its last's end
+        for microbatch, kind, span in compute_spans:
             start, end = span.bounds()
-            bounds.append((start, end))
+            bounds[microbatch] = (bounds.get(microbatch, (start, end))[0], end)
             stage_copy.compute_time += end - start
-            self.timeline.add_span(job.device, job.index, job.label, microbatch, job.kind.name.lower(), start, end)
+            self.timeline.add_span(job.device, job.index, job.label, microbatch, kind, start, end)
         if stage_copy.device is not None:
             stage_copy.device.counters.compute_seconds += stage_copy.compute_time
         for layer, span in layer_spans:
@@ -546,7 +585,7 @@ class StageRunner:
             stage_copy.forward_time[layer] = stage_copy.forward_time.get(layer, 0.0) + (end - start)
         if not self._measure:
             return
-        microbatches = task.call.num_microbatches
+        microbatches = job.num_microbatches
         forward_total = sum(stage_copy.forward_time.values())
         beyond_forward = max(stage_copy.compute_time - forward_total, 0.0)
         with self._measure_lock:
@@ -556,7 +595,10 @@ class StageRunner:
                     per_layer[layer] = max(per_layer.get(layer, 0), nbytes)
             if not self._measure_times or not bounds:
                 return
-            self._job_spans[job.index] = (job.depends_on, bounds[0][0], bounds[0][1], bounds[-1][1])
+            first, last = bounds[job.microbatches[0]], bounds[job.microbatches[-1]]
+            # a backward job's first compute (its recompute ahead) waits for no other job's output
+            gated = job.kind is not StageKind.BACKWARD
+            self._job_spans[job.index] = (job.depends_on, gated, first[0], first[1], last[1])
             while len(self._job_spans) > _RECENT_JOBS:
                 del self._job_spans[next(iter(self._job_spans))]
             if not stage_copy.forward_time or task.call.step <= self._steps_taken:

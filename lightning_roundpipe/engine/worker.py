@@ -34,6 +34,11 @@ microbatches::
     layers' buffers has copied them back to the host (its [8]).
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
     backward job, its checkpoints and buffer snapshots: host slots another device's download fills.
+[4'] A backward job's microbatch is two uploads and two computes: its checkpoints and snapshots upload,
+    and its deepest recompute group (the whole stage at stage grain) recomputes, *ahead* of its output
+    gradient, which uploads after them; the backward proper waits for it. The recompute then overlaps the
+    previous stage's work instead of following it (a device runs a microbatch's recompute right after the
+    previous microbatch's backward, as the paper's simulator does).
     Each slot is consumed after its copy, which drops the host value after its last counted reader. On a
     GPU the copy is only enqueued then (no host sync): the host memory outlives it (see ``upload``).
 [5] Parameters and buffers are on the device: bind them into the device's layer replicas.
@@ -81,7 +86,7 @@ from lightning_roundpipe.engine.device import (
     join_until,
     poison,
 )
-from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
+from lightning_roundpipe.engine.stage import Recomputed, StageCopy, StageRunner, Task
 from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tensors_nbytes, tree_nbytes, tree_tensors
 from lightning_roundpipe.engine.transport import GradStaging
 from lightning_roundpipe.planning.schedule import StageKind
@@ -91,19 +96,20 @@ from lightning_roundpipe.planning.schedule import StageKind
 class _InputSlots:
     """The host slots one microbatch of a job reads [4]."""
 
-    layer_input: Slot  # the (args, kwargs) of the stage's first layer; for a backward job, output gradients
+    layer_input: Slot | None  # the (args, kwargs) of the stage's first layer; backward: output gradients
     checkpoints: list[tuple[int, Slot]] = field(default_factory=list)  # backward: per recompute start, its input
     snapshots: list[tuple[int, Slot]] = field(default_factory=list)    # backward: buffers the forward saw
 
     def all(self) -> list[Slot]:
-        return [self.layer_input, *(slot for _, slot in self.checkpoints), *(slot for _, slot in self.snapshots)]
+        first = [self.layer_input] if self.layer_input is not None else []
+        return [*first, *(slot for _, slot in self.checkpoints), *(slot for _, slot in self.snapshots)]
 
 
 @dataclass
 class _DeviceInputs:
     """One microbatch's inputs on the device, from their upload until its compute has run."""
 
-    layer_input: Any
+    layer_input: Any        # None in a backward job's recompute inputs (its output gradients come separately)
     checkpoints: dict[int, Any]
     snapshots: dict[int, Any]
     target: Any = None      # fused job: the loss target
@@ -126,7 +132,9 @@ class _Handoff:
     """What one microbatch's upload, compute and download pass on: each field is set by one operation
     and taken by the next, after the event between them ([6], [7])."""
 
-    inputs: _DeviceInputs | None = None
+    inputs: _DeviceInputs | None = None      # a backward job's: the checkpoints and snapshots it recomputes from
+    gradients: _DeviceInputs | None = None   # a backward job's output gradients, uploaded after its checkpoints
+    recomputed: tuple[Recomputed, _DeviceInputs] | None = None  # a backward job: from its recompute to its backward
     outputs: _DeviceOutputs | None = None
 
 
@@ -233,7 +241,7 @@ class Worker:
         where = f"stage {job.label} (job {job.index}) on device {device.index}"
         compute.wait_event(params_ready)  # [5]
         compute.submit(_named(lambda: runner.bind(device, task, stage_copy), lambda: f"binding {where}"))
-        for microbatch in range(task.call.num_microbatches):
+        for microbatch in job.microbatches:
             self._enqueue_microbatch(task, stage_copy, microbatch)
         # unbind on the compute stream: the next job on this device may reuse the same replicas
         compute.submit(_named(lambda: runner.unbind(device, task), lambda: f"unbinding {where}"))
@@ -303,15 +311,26 @@ class Worker:
         job, device = task.job, self.device
         where = f"stage {job.label} (job {job.index}) microbatch {microbatch} on device {device.index}"
         handoff = _Handoff()
-        inputs_uploaded = self._enqueue_input_upload(task, microbatch, handoff, where)
-        device.compute_stream.wait_event(inputs_uploaded)  # [6]
+        slots = self._input_slots(task, microbatch)
+        compute = device.compute_stream
+        if job.kind is StageKind.BACKWARD:
+            # [4'] the recompute needs only the checkpoints, on the host long before: it runs ahead of the
+            # output gradient, so that only the backward proper waits for the previous stage
+            recompute_inputs = _InputSlots(None, slots.checkpoints, slots.snapshots)
+            compute.wait_event(self._enqueue_input_upload(task, microbatch, recompute_inputs, handoff, where))  # [6]
+            self._enqueue_recompute(task, stage_copy, microbatch, handoff, where)
+            gradients = _InputSlots(slots.layer_input)
+            compute.wait_event(self._enqueue_input_upload(task, microbatch, gradients, handoff, where,
+                                                          gradients=True))
+        else:
+            compute.wait_event(self._enqueue_input_upload(task, microbatch, slots, handoff, where))  # [6]
         computed = self._enqueue_compute(task, stage_copy, microbatch, handoff, where)
         device.download_stream.wait_event(computed)  # [7]
         self._enqueue_download(task, stage_copy, microbatch, handoff, where)
 
     def _input_slots(self, task: Task, microbatch: int) -> _InputSlots:
         call, job = task.call, task.job
-        slots = _InputSlots(call.input_slots(job)[microbatch])
+        slots = _InputSlots(call.input_slot(job, microbatch))
         if job.kind is StageKind.BACKWARD:
             starts = [job.layers.start] if self.runner.recompute == "stage" else list(job.layers)
             slots.checkpoints = [  # layer 0 recomputes from the call's own input
@@ -321,11 +340,13 @@ class Worker:
                                if (layer, microbatch) in call.snapshots]
         return slots
 
-    def _enqueue_input_upload(self, task: Task, microbatch: int, handoff: _Handoff, where: str) -> HostEvent:
-        """[4] on the activation stream; returns ``inputs_uploaded[m]``."""
+    def _enqueue_input_upload(self, task: Task, microbatch: int, slots: _InputSlots, handoff: _Handoff,
+                              where: str, *, gradients: bool = False) -> HostEvent:
+        """[4] on the activation stream: ``slots`` to the device, into ``handoff.inputs`` (``gradients``: a
+        backward job's output gradients, uploaded after its recompute inputs, into ``handoff.gradients``);
+        returns the event after the copies (``inputs_uploaded[m]``)."""
         runner, device, job, call = self.runner, self.device, task.job, task.call
         acts, compute = device.act_stream, device.compute_stream
-        slots = self._input_slots(task, microbatch)
         for slot in slots.all():
             acts.wait_event(slot.event)  # [4]
 
@@ -340,7 +361,7 @@ class Worker:
                 return copied
 
             inputs = _DeviceInputs(
-                layer_input=to_device(slots.layer_input.value),
+                layer_input=to_device(slots.layer_input.value) if slots.layer_input is not None else None,
                 checkpoints={layer: to_device(slot.value) for layer, slot in slots.checkpoints},
                 snapshots={layer: to_device(slot.value) for layer, slot in slots.snapshots},
                 target=to_device(call.fused_loss.targets[microbatch]) if job.kind is StageKind.FUSED else None,
@@ -362,11 +383,33 @@ class Worker:
             inputs.nbytes = tensors_nbytes(tensors)
             device.residency.allocate(inputs.nbytes, f"the inputs of {job.label} microbatch {microbatch}")
             device.counters.uploaded_activation_bytes += inputs.nbytes
-            handoff.inputs = inputs
+            if gradients:
+                handoff.gradients = inputs
+            else:
+                handoff.inputs = inputs
             runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
         acts.submit(_named(upload, lambda: f"uploading the inputs of {where}"))
         return acts.record(f"the inputs of {where} uploaded")
+
+    def _enqueue_recompute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
+                           where: str) -> None:
+        """A backward job's recompute of one microbatch, ahead of its output gradient ([4'])."""
+        runner, device = self.runner, self.device
+
+        def run() -> None:
+            inputs, handoff.inputs = handoff.inputs, None
+            assert inputs is not None, "the recompute ran before its checkpoints were uploaded"  # [6]
+            stage_copy.activations = runner.activation_meter(device, task, stage_copy,
+                                                             tree_tensors([inputs.checkpoints, inputs.snapshots]))
+            timer = device.compute_timer
+            started = timer.start()
+            recomputed = runner.recompute_microbatch(device, task, stage_copy, microbatch, inputs.checkpoints,
+                                                     inputs.snapshots)
+            stage_copy.compute_spans.append((microbatch, "recompute", timer.stop(started)))
+            handoff.recomputed = (recomputed, inputs)
+
+        device.compute_stream.submit(_named(run, lambda: f"recomputing {where}"))
 
     def _enqueue_compute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
                          where: str) -> HostEvent:
@@ -374,11 +417,20 @@ class Worker:
         runner, device, job, call = self.runner, self.device, task.job, task.call
 
         def run() -> None:
-            inputs, handoff.inputs = handoff.inputs, None
-            assert inputs is not None, "the compute ran before its inputs were uploaded"  # [6]
-            if task.needs_grad:  # what the layers save for backward is held in the residency until freed
-                stage_copy.activations = runner.activation_meter(device, task, stage_copy, tree_tensors(
-                    [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target]))
+            recomputed = None
+            if job.kind is StageKind.BACKWARD:
+                pending, handoff.recomputed = handoff.recomputed, None
+                gradients, handoff.gradients = handoff.gradients, None
+                assert pending is not None and gradients is not None, "the backward ran before its inputs"  # [6]
+                recomputed, inputs = pending
+                inputs.layer_input, inputs.nbytes = gradients.layer_input, inputs.nbytes + gradients.nbytes
+            else:
+                taken, handoff.inputs = handoff.inputs, None
+                assert taken is not None, "the compute ran before its inputs were uploaded"  # [6]
+                inputs = taken
+                if task.needs_grad:  # what the layers save for backward is held in the residency until freed
+                    stage_copy.activations = runner.activation_meter(device, task, stage_copy, tree_tensors(
+                        [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target]))
             timer = device.compute_timer  # device time, resolved when the job finishes (timing.py)
             started = timer.start()
             if job.kind is StageKind.FORWARD:
@@ -391,9 +443,12 @@ class Worker:
                     device, task, stage_copy, microbatch, inputs.layer_input, inputs.target)
                 outputs = _DeviceOutputs(input_grads, loss=loss)
             else:
+                assert recomputed is not None
                 outputs = _DeviceOutputs(runner.backward_microbatch(
-                    device, task, stage_copy, microbatch, inputs.checkpoints, inputs.snapshots, inputs.layer_input))
-            stage_copy.compute_spans.append((microbatch, timer.stop(started)))
+                    device, task, stage_copy, microbatch, recomputed, inputs.checkpoints, inputs.snapshots,
+                    inputs.layer_input))
+            del recomputed  # its graph, if no gradient reached it
+            stage_copy.compute_spans.append((microbatch, job.kind.name.lower(), timer.stop(started)))
             meter, stage_copy.activations = stage_copy.activations, None
             if meter is not None:  # what no backward freed went with the compute's autograd graph
                 for layer, nbytes in runner.activations_done(meter).items():

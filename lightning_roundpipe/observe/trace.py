@@ -34,14 +34,15 @@ from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
-COMPUTE_KINDS = ("forward", "fused", "backward")
-"""Event kinds that occupy a device's compute stream."""
+COMPUTE_KINDS = ("forward", "fused", "recompute", "backward")
+"""Event kinds that occupy a device's compute stream (``recompute``: a backward stage's recompute, which runs
+ahead of its output gradient)."""
 
 STREAMS = ("compute", "params upload", "activations upload", "download")
 """A device's tracks in a Chrome trace, in display order."""
 
 _STREAM_OF_KIND = {
-    "forward": "compute", "fused": "compute", "backward": "compute",
+    "forward": "compute", "fused": "compute", "recompute": "compute", "backward": "compute",
     "upload_params": "params upload", "upload_acts": "activations upload",
     "download": "download", "release": "download",
 }

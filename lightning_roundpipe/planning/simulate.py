@@ -35,6 +35,7 @@ forward before the first backward) and its first backward phase; *intra* is the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -601,10 +602,13 @@ def choose_round_size(
     streaming: Streaming = "off",
     recompute_ahead: bool = False,
     candidates: Sequence[int] | None = None,
+    job_cost: float = 0.0,
 ) -> int | None:
     """Whole jobs (``None``) or rounds of ``R`` microbatches, whichever :func:`sync_iteration_time`
     predicts fastest. Candidates: ``N`` and ``2N`` (the paper dispatches rounds of at most ``N``),
     those below ``num_microbatches`` (a round of all of them is whole jobs); ties go to fewer rounds.
+    ``job_cost``: a fixed cost of each job (hand-offs, binding; seconds like ``costs``), paid by its device:
+    each candidate's time grows by it times the jobs per device, ``ceil(jobs / N)``.
 
     Assumption: the simulator has no upload cost. Rounds upload each stage's parameters once per
     round instead of once per iteration; in our runtime those uploads are prefetched behind the
@@ -614,9 +618,14 @@ def choose_round_size(
         candidates = [num_devices, 2 * num_devices]
     options: list[int | None] = [None] + sorted({r for r in candidates if 1 <= r < num_microbatches}, reverse=True)
     best: tuple[float, int | None] = (float("inf"), None)
+    if not (math.isfinite(job_cost) and job_cost >= 0):
+        raise ValueError(f"job_cost must be finite and >= 0, got {job_cost}")
+    stages = len(plan.forward) + 1 + len(plan.backward)
     for r in options:
         t = sync_iteration_time(plan, costs, num_devices, num_microbatches, hop, round_size=r, host_step=host_step,
                                 streaming=streaming, recompute_ahead=recompute_ahead)
+        jobs = stages * (1 if r is None else math.ceil(num_microbatches / r))
+        t += job_cost * math.ceil(jobs / num_devices)
         if t < best[0] * (1 - 1e-12):
             best = (t, r)
     return best[1]
