@@ -1,0 +1,349 @@
+"""Scale out: gloo all-reduce bandwidth here, and how data parallel over RoundPipe rings would scale.
+
+Run: ``python benchmarks/scaleout.py [--sizes-mib 1,4,16,64] [--dtypes float32,bfloat16] [--repeats 10]
+[--warmup 3] [--no-measure] [--nodes 2,4,8] [--links 25,100,400] [--iteration sim|paper] [--mode sync|async]
+[--no-overlap] [--link-efficiency 1.0] [--lora-params N]`` (default about 15 s on 2 cores; the projection
+alone, ``--no-measure``, about 2 s). Not a test: it prints two tables and always exits 0 unless the
+measurement fails.
+
+1. gloo ``all_reduce`` (SUM) on this machine. Two processes (``torch.multiprocessing.start_processes``,
+   spawn), one process group (``torch.distributed.init_process_group("gloo")`` over a ``FileStore`` in a
+   temporary directory), one intra-op thread each, CPU tensors. For each dtype and bucket size ``S`` bytes
+   (a tensor of ``S / element size`` zeros): ``--warmup`` untimed all-reduces, then ``--repeats`` timed
+   ones, each after a ``barrier`` so that both ranks start together. A repetition's time ``t`` is the slower
+   rank's (``time.perf_counter`` around the blocking call; the per-rank times are max-reduced at the end).
+   Printed per row: the median and the fastest ``t`` in ms, the median per element in ns, and (GB = 1e9
+   bytes)::
+
+       algbw = S / t_median                    busbw = algbw x 2(p-1)/p     (p = 2 processes: busbw = algbw)
+
+   ``busbw`` is the rate at which each process sends (and receives) in a ring all-reduce, so it is the
+   figure to hold against a link's speed. Loopback on 2 shared cores measures gloo's own cost (copies, the
+   reduction arithmetic, the TCP stack), not a network. bfloat16 is summed in bfloat16 (the precision a
+   bf16 reduction would have). Below the table, per other dtype: its time per element over float32's at the
+   largest bucket size both have (0.5 would be half the bytes at the same rate).
+
+2. A projection for K nodes (``--nodes``), each an 8-GPU RoundPipe ring (the paper's 8 x RTX 4090 box),
+   data parallel between them at ``--links`` Gb/s: every node keeps its batch (weak scaling: the global
+   batch grows K times) and all-reduces the gradients of its P parameters once per iteration, in fp32
+   (b = 4 bytes) or bf16 (b = 2). Formulas, printed above the table::
+
+       bytes(K)  = 2(K-1)/K x P x b                      per node, each way (ring all-reduce)
+       T_comm    = bytes(K) / (Gb/s x 1e9 / 8 x efficiency)
+       exposed   = max(0, T_comm - H)
+       T_K       = T1 + exposed
+       speedup   = K x T1 / T_K      efficiency = T1 / T_K      tokens/s = K x X1 x T1 / T_K
+
+   ``T1`` is one node's iteration and ``H`` the part of it the reduction can hide behind. ``--mode sync``
+   (default): the reduction starts when the step seals the gradient window and runs beside the backward
+   stages still running (``shared/notes/multinode_design.md`` §0, §6.2), so ``H`` is the backward after the
+   fused stage: from the end of the fused stage's last microbatch to the iteration's end. ``--mode async``:
+   the reduction of step k runs beside iteration k+1 (§6.3), ``H = T1``. ``--no-overlap``: ``H = 0``. Both
+   overlaps are optimistic: the shallowest bucket's reduction can only start after the last backward job,
+   and the host optimizer step (replicated on every node) is not counted. ``X1`` is the paper's measured
+   tokens/s on one 8 x 4090 node (``RoundPipe-sync`` for ``--mode sync``, ``RoundPipe`` for ``async``,
+   from ``throughput_tokens_per_s_8x4090_seq2048`` in ``lightning_roundpipe/observe/paper_profiles.json``).
+   ``efficiency`` is a link's achieved share of its line rate (``--link-efficiency``, default 1: line rate;
+   design note §3.1 cites about 1.07 GB/s, 8.6 Gb/s, for one gloo stream on 40 GbE: add ``--links 8.6``).
+
+   ``T1`` and ``H`` (``--iteration``):
+
+   * ``sim`` (default): the project's simulator on the paper's per-layer 4090 costs (8 devices, 16
+     microbatches, our planner's ``plan_auto`` partition, our runtime's schedule as ``benchmarks/bubble.py``
+     runs it: recompute ahead of the output gradient, sync in the dispatch ``choose_round_size`` picks): sync, the makespan of one isolated iteration and ``H`` from its events;
+     async, the steady-state period of N + 3 iterations (``bubble.iteration_time``). The simulator leaves
+     out the host optimizer step, so ``T1`` is short and the projection pessimistic; the paper's profiles do
+     not give a microbatch's tokens, so tokens/s is ``X1`` scaled by the simulated efficiency.
+   * ``paper``: ``T1`` = tokens per step / ``X1``, with the design note §6.4's tokens per step (512, 256 and
+     128 sequences of 2048 tokens for Qwen3-1.7B, Llama3-8B and Qwen3-32B; none is given for the other
+     models, which are left out); sync ``H`` = ``T1`` x the simulated sync iteration's backward share.
+
+   P is the count in the model's name (``bubble.parameters``: ``Llama3-8B`` -> 8e9), all of it trainable. The
+   paper trains Qwen3-235B with LoRA, where only the adapters are reduced; their size is not in the profiles,
+   so that model is left out unless ``--lora-params`` gives it.
+
+   Printed: per model its inputs (P, gradient bytes, ``T1``, ``H``, ``X1``), then one row per model, gradient
+   dtype and link speed with, per K: ``T_comm`` (s), ``T_K`` (s), the speedup, the efficiency (%) and the
+   projected tokens/s.
+
+The share of the reduction hidden behind the backward in a real 2-process run is not measured here; that
+section comes with the runtime's gradient communication thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from bubble import iteration_time, parameters  # noqa: E402
+from bubble_paper import DEFAULT_JSON, model_inputs  # noqa: E402
+
+from lightning_roundpipe.planning.partition import plan_auto  # noqa: E402
+from lightning_roundpipe.planning.simulate import choose_round_size, simulate_roundpipe  # noqa: E402
+
+WORLD = 2
+MIB = 2**20
+FUSED = "L"  # the fused stage's label in the simulator's events
+#: design note §6.4: the paper's tokens per step (sequences x 2048 tokens), where the note gives them
+DESIGN_NOTE_TOKENS_PER_STEP = {"Qwen3-1.7B": 512 * 2048, "Llama3-8B": 256 * 2048, "Qwen3-32B": 128 * 2048}
+GRAD_BYTES = {"fp32": 4, "bf16": 2}
+
+
+# --- 1. gloo all-reduce on this machine -------------------------------------------------------------------
+
+
+def _rank_main(rank: int, store: str, result: str, dtypes: list[str], sizes_mib: list[float], warmup: int,
+               repeats: int, timeout_s: float) -> None:
+    """One process of the measurement (spawned): times ``all_reduce`` per dtype and size; rank 0 writes the rows."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        rows = []
+        for name in dtypes:
+            dtype = getattr(torch, name)
+            element = torch.empty((), dtype=dtype).element_size()
+            for mib in sizes_mib:
+                numel = max(int(mib * MIB) // element, 1)
+                buffer = torch.zeros(numel, dtype=dtype)
+                times = []
+                for i in range(warmup + repeats):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    dist.all_reduce(buffer)
+                    if i >= warmup:
+                        times.append(time.perf_counter() - start)
+                slowest = torch.tensor(times, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                rows.append({"dtype": name, "mib": mib, "bytes": numel * element, "numel": numel,
+                             "seconds": slowest.tolist()})
+        if rank == 0:
+            Path(result).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(dtypes: list[str], sizes_mib: list[float], warmup: int, repeats: int, timeout_s: float) -> list[dict]:
+    """Spawn the two processes, wait for them (at most ``timeout_s`` in all) and return rank 0's rows."""
+    scratch = Path(tempfile.mkdtemp(prefix="scaleout-"))
+    store, result = scratch / "store", scratch / "result.json"
+    context = mp.start_processes(_rank_main, args=(str(store), str(result), dtypes, sizes_mib, warmup, repeats,
+                                                   timeout_s),
+                                 nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):  # raises if a process failed (and ends the others)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gloo measurement took more than {timeout_s:.0f} s")
+        return json.loads(result.read_text())
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def bandwidth_table(rows: list[dict], warmup: int, repeats: int) -> None:
+    factor = 2 * (WORLD - 1) / WORLD
+    print(f"1. gloo all_reduce (SUM) on this machine: {WORLD} processes on localhost (spawn, FileStore), "
+          f"torch {torch.__version__}, 1 intra-op thread each")
+    print(f"   t = the slower rank's time; median and fastest of {repeats} timed runs after {warmup} warm-up runs, "
+          "each run after a barrier")
+    print(f"   algbw = S / t_median (S: bucket bytes, GB = 1e9 B);  busbw = algbw x 2(p-1)/p = algbw x {factor:g} "
+          f"(p = {WORLD})")
+    print(f"{'dtype':<9} {'bucket MiB':>10} {'elements':>12} | {'median ms':>9} {'min ms':>8} {'ns/element':>10} | "
+          f"{'algbw GB/s':>10} {'busbw GB/s':>10}")
+    per_element: dict[str, dict[float, float]] = {}
+    for row in rows:
+        median = statistics.median(row["seconds"])
+        algbw = row["bytes"] / median / 1e9
+        per_element.setdefault(row["dtype"], {})[row["mib"]] = median / row["numel"]
+        print(f"{row['dtype']:<9} {row['mib']:>10g} {row['numel']:>12,} | {1e3 * median:9.2f} "
+              f"{1e3 * min(row['seconds']):8.2f} {1e9 * median / row['numel']:10.3f} | {algbw:10.3f} "
+              f"{algbw * factor:10.3f}")
+    print("Loopback: both processes share this machine's cores and memory; a real link adds its own limit.")
+    base = per_element.get("float32", {})
+    for name, sizes in per_element.items():
+        common = sorted(set(sizes) & set(base))
+        if name != "float32" and common:
+            size = common[-1]
+            print(f"{name} / float32 time per element at {size:g} MiB: {sizes[size] / base[size]:.2f} (section 2 "
+                  "takes bf16 to halve T_comm: half the bytes at the same link rate)")
+
+
+# --- 2. projection ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """One node's figures for a model: what it reduces, its iteration and the part of it that can hide it."""
+
+    name: str
+    params: float  #: reduced (trainable) parameters
+    lora: bool
+    t1: float  #: seconds
+    hidden: float  #: H, seconds
+    tokens_per_s: float  #: X1
+
+
+def paper_figure(figures: dict[str, float], name: str) -> tuple[str, float]:
+    """The paper's throughput entry for a profile's model (``Llama3-8B`` is ``Llama3.1-8B`` there, and
+    ``Qwen3-235B`` is ``Qwen3-235B-LoRA``)."""
+    for key in (name, name.replace("Llama3-", "Llama3.1-"), f"{name}-LoRA"):
+        if key in figures:
+            return key, figures[key]
+    raise KeyError(f"no throughput figure for {name!r} in {sorted(figures)}")
+
+
+def node_inputs(data: dict, mode: str, source: str, lora_params: float | None) -> tuple[list[Node], list[str]]:
+    ref = data["simulation"]
+    figures = data["throughput_tokens_per_s_8x4090_seq2048"]["RoundPipe-sync" if mode == "sync" else "RoundPipe"]
+    n, m = ref["num_devices"], ref["num_microbatches"]
+    nodes, skipped = [], []
+    for name in ref["models"]:
+        key, tokens_per_s = paper_figure(figures, name)
+        lora = key.endswith("-LoRA")
+        if lora and lora_params is None:
+            skipped.append(f"{name}: trained with LoRA in the paper ({key}); adapter size unknown (--lora-params)")
+            continue
+        if source == "paper" and name not in DESIGN_NOTE_TOKENS_PER_STEP:
+            skipped.append(f"{name}: no tokens per step in the design note (--iteration paper)")
+            continue
+        costs, _, _, hop = model_inputs(ref, name)
+        plan = plan_auto(costs, num_devices=n)
+        chosen = choose_round_size(plan, costs, n, m, hop, recompute_ahead=True)
+        isolated = simulate_roundpipe(plan, costs, n, m, hop, mode="sync", round_size=chosen, recompute_ahead=True)
+        fused_end = max(event.end for event in isolated.events if event.label == FUSED)
+        backward_share = (isolated.makespan - fused_end) / isolated.makespan
+        if source == "sim":
+            if mode == "sync":
+                t1 = isolated.makespan / 1e3
+            else:
+                iterations = n + 3
+                steady = simulate_roundpipe(plan, costs, n, m, hop, iterations=iterations, recompute_ahead=True)
+                t1 = iteration_time(steady, iterations) / 1e3
+        else:
+            t1 = DESIGN_NOTE_TOKENS_PER_STEP[name] / tokens_per_s
+        hidden = backward_share * t1 if mode == "sync" else t1
+        params = lora_params if lora and lora_params is not None else parameters(name)
+        nodes.append(Node(name, params, lora, t1, hidden, tokens_per_s))
+    return nodes, skipped
+
+
+def comm_seconds(params: float, grad_bytes: int, nodes: int, gbit_per_s: float, efficiency: float) -> float:
+    return 2 * (nodes - 1) / nodes * params * grad_bytes / (gbit_per_s * 1e9 / 8 * efficiency)
+
+
+def kilo(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1e3:.1f}k"
+
+
+def projection_table(nodes: list[Node], skipped: list[str], args: argparse.Namespace) -> None:
+    hide = ("0 (--no-overlap)" if args.no_overlap else
+            "the backward after the fused stage" if args.mode == "sync" else "T1 (the next iteration)")
+    source = ("simulated (planning.simulate, paper's 4090 per-layer costs, 8 devices, 16 microbatches, plan_auto, "
+              "the runtime's dispatch; no host step)" if args.iteration == "sim" else
+              "tokens per step (design note 6.4) / X1")
+    print(f"\n2. Projection: K nodes, one 8-GPU RoundPipe ring each (the paper's 8 x RTX 4090), data parallel between "
+          f"them, {args.mode} mode; weak scaling (each node keeps its batch)")
+    print("   bytes(K) = 2(K-1)/K x P x b            per node, each way (ring all-reduce); b = 4 (fp32), 2 (bf16)")
+    print(f"   T_comm   = bytes(K) / (Gb/s x 1e9 / 8 x {args.link_efficiency:g})")
+    print("   exposed  = max(0, T_comm - H)          T_K = T1 + exposed")
+    print("   speedup  = K x T1 / T_K                efficiency = T1 / T_K          tokens/s = K x X1 x T1 / T_K")
+    print(f"   T1: {source}; H: {hide}; X1: the paper's measured "
+          f"{'RoundPipe-sync' if args.mode == 'sync' else 'RoundPipe'} tokens/s on one node")
+    print(f"{'model':<12} {'P':>9} {'fp32 GB':>8} {'bf16 GB':>8} {'T1 s':>7} {'H s':>7} {'X1 tok/s':>9}")
+    for node in nodes:
+        print(f"{node.name:<12} {node.params:9.3g} {4 * node.params / 1e9:8.1f} {2 * node.params / 1e9:8.1f} "
+              f"{node.t1:7.2f} {0.0 if args.no_overlap else node.hidden:7.2f} {node.tokens_per_s:9,.0f}"
+              + ("  (LoRA adapters, --lora-params)" if node.lora else ""))
+    for line in skipped:
+        print(f"  left out: {line}")
+    head = " | ".join(f"{f'K={k}: comm s':>12} {'T_K s':>7} {'speedup':>7} {'eff%':>5} {'tok/s':>7}"
+                      for k in args.nodes)
+    print(f"\n{'model':<12} {'grads':<5} {'link':>9} | {head}")
+    for node in nodes:
+        hidden = 0.0 if args.no_overlap else node.hidden
+        for grads, size in GRAD_BYTES.items():
+            for link in args.links:
+                cells = []
+                for k in args.nodes:
+                    comm = comm_seconds(node.params, size, k, link, args.link_efficiency)
+                    t_k = node.t1 + max(0.0, comm - hidden)
+                    efficiency = node.t1 / t_k
+                    cells.append(f"{comm:12.2f} {t_k:7.2f} {k * efficiency:7.2f} {100 * efficiency:5.1f} "
+                                 f"{kilo(k * node.tokens_per_s * efficiency):>7}")
+                print(f"{node.name:<12} {grads:<5} {f'{link:g} Gb/s':>9} | " + " | ".join(cells))
+    print("comm s = T_comm per iteration; T_K s = the iteration with K nodes; tok/s = all K nodes together.")
+
+
+def numbers(text: str, kind: type = float) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=numbers, default=[1.0, 4.0, 16.0, 64.0],
+                        help="bucket sizes in MiB, comma separated (default 1,4,16,64)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="torch dtype names, comma separated")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed all-reduces per dtype and size")
+    parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per dtype and size")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for the whole measurement (also the process group's timeout)")
+    parser.add_argument("--no-measure", action="store_true", help="skip section 1 (the gloo measurement)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="the paper's profiles and figures")
+    parser.add_argument("--nodes", type=lambda text: numbers(text, int), default=[2, 4, 8],
+                        help="node counts K, comma separated")
+    parser.add_argument("--links", type=numbers, default=[25.0, 100.0, 400.0],
+                        help="link speeds in Gb/s, comma separated")
+    parser.add_argument("--link-efficiency", type=float, default=1.0,
+                        help="achieved share of the line rate (1: line rate)")
+    parser.add_argument("--iteration", choices=("sim", "paper"), default="sim",
+                        help="T1 from the simulator or from the design note's tokens per step / the paper's tokens/s")
+    parser.add_argument("--mode", choices=("sync", "async"), default="sync",
+                        help="sync: the reduction hides behind the backward; async: behind the next iteration")
+    parser.add_argument("--no-overlap", action="store_true", help="nothing hides the reduction (H = 0)")
+    parser.add_argument("--lora-params", type=float, default=None,
+                        help="adapter parameters of the paper's LoRA model (Qwen3-235B); left out without it")
+    args = parser.parse_args()
+    dtypes = [name.strip() for name in args.dtypes.split(",") if name.strip()]
+    for name in dtypes:
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            parser.error(f"--dtypes: {name!r} is not a torch dtype")
+    if not args.sizes_mib or min(args.sizes_mib) <= 0 or args.repeats < 1 or args.warmup < 0:
+        parser.error("need positive --sizes-mib, --repeats >= 1 and --warmup >= 0")
+    if not args.nodes or min(args.nodes) < 2 or not args.links or min(args.links) <= 0 or args.link_efficiency <= 0:
+        parser.error("need --nodes >= 2, positive --links and a positive --link-efficiency")
+
+    if not args.no_measure:
+        if not dist.is_available() or not dist.is_gloo_available():
+            print("1. skipped: this torch build has no gloo backend")
+        else:
+            rows = measure(dtypes, args.sizes_mib, args.warmup, args.repeats, args.timeout)
+            bandwidth_table(rows, args.warmup, args.repeats)
+    nodes, skipped = node_inputs(json.loads(args.json.read_text()), args.mode, args.iteration, args.lora_params)
+    projection_table(nodes, skipped, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
