@@ -887,26 +887,29 @@ class RoundPipeEngine:
     # ------------------------------------------------------------------ dispatch
     def _round_size(self, plan: Plan, num_microbatches: int) -> int | None:
         """Microbatches per round of a training call, or None for whole jobs (``EngineOptions.round_size``).
-        ``"auto"``: the dispatch :func:`~lightning_roundpipe.planning.simulate.choose_round_size` predicts
-        fastest for a sync iteration, from the planner's costs and job cost and, once those are measured, the
-        last step's time per layer in the order its parts ran; decided once per plan, batch split and settled
-        state of the measurements, so the dispatch (and the order gradients are summed in) does not flap."""
+        ``"auto"``: whole jobs until layer times and the cost of a job are measured (a round costs every stage's
+        fixed cost once more, which the first estimates do not know; under deterministic algorithms nothing is
+        measured, so always), then the dispatch :func:`~lightning_roundpipe.planning.simulate.choose_round_size`
+        predicts fastest for a sync iteration from those costs and the last step's time per layer, in the order
+        its parts ran. Decided again only when the plan, the batch split or the settled state of the
+        measurements changes, so the dispatch (and the order gradients are summed in) does not flap."""
         option = self.options.round_size
         if option == "whole" or num_microbatches == 1:
             return None
         if option != "auto":
             return option if option < num_microbatches else None
-        if self.options.async_step or self.options.deferred_batchnorm:
+        costs = self.planner.estimate
+        if self.options.async_step or self.options.deferred_batchnorm or costs is None:
             return None
         key = (plan, num_microbatches, self.planner.settled)
         if self._rounds_for[0] != key:
-            costs, job_cost = self.planner.current_costs()
-            # the host step only beside measured layer times: first estimates are not in seconds
-            host_step = self._layer_step_seconds if self.planner.estimate is not None else None
-            chosen = None if costs is None else choose_round_size(
-                plan, costs, self.num_devices, num_microbatches, host_step=host_step,
-                streaming=self._step_order if host_step is not None else "off", recompute_ahead=True,
-                job_cost=job_cost)
+            host_step = self._layer_step_seconds  # None until a step has run whole
+            chosen = choose_round_size(plan, costs, self.num_devices, num_microbatches, host_step=host_step,
+                                       streaming=self._step_order if host_step is not None else "off",
+                                       recompute_ahead=True, job_cost=self.planner.job_cost)
+            if chosen != self._rounds_for[1]:
+                log.info("RoundPipe dispatches each training batch %s (predicted fastest from measured costs)",
+                         "in whole jobs" if chosen is None else f"in rounds of {chosen} microbatches")
             self._rounds_for = (key, chosen)
         return self._rounds_for[1]
 

@@ -90,10 +90,12 @@ class EngineOptions:
     ``"whole"``: each stage job runs all M. An int R: in rounds of R microbatches (the paper's dispatch),
     each round the whole chain of stage jobs over its share of the batch, so the first backward stages start
     after R microbatches' forward instead of M's: less fill and drain in a sync iteration, for one upload of
-    each stage per round instead of per call. ``"auto"``: in sync mode, whole jobs or rounds of N or 2N
-    (N devices in the ring), whichever the simulator predicts faster for the current plan, its layer costs
-    and the measured cost of a job; decided again when the plan changes or its measured costs settle. Whole
-    jobs in async mode (the next iteration fills the drain) and with ``deferred_batchnorm``, which needs them.
+    each stage per round instead of per call. ``"auto"``: in sync mode, whole jobs until layer times and the
+    fixed cost of a job are measured (always under ``torch.use_deterministic_algorithms``), then whole jobs
+    or rounds of N or 2N (N devices in the ring), whichever the simulator predicts faster for the current
+    plan, those costs and the host step (logged when it changes); decided again when the plan changes or
+    the measurements settle. Whole jobs in async mode (the next iteration fills the drain) and with
+    ``deferred_batchnorm``, which needs them.
     Rounds sum the microbatches' gradients in another order (equal within float rounding)."""
 
     async_step: bool = False
