@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
+from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
@@ -91,7 +92,8 @@ class RoundPipeEngine:
     """
 
     def __init__(self, module: nn.Module | Trunk, devices: int | Sequence[torch.device | str] = 1,
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, *, data_parallel: DataParallel | None = None) -> None:
+        self.data_parallel = data_parallel  # other processes training the same model on their own rings
         self.trunk = module if isinstance(module, Trunk) else build_trunk(module)
         if isinstance(devices, int):
             if devices < 1:
@@ -554,11 +556,15 @@ class RoundPipeEngine:
         proceed: bool | None = True
         # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
         # parameters this optimizer does not step stay in param.grad, which only this thread may write
-        gradients_final = before_step is not None or bool(unstepped)
+        averaging = self.data_parallel is not None and self.data_parallel.world_size > 1
+        gradients_final = before_step is not None or bool(unstepped) or averaging
         self._step_order = ("off" if sum(1 for group in groups if group.layers) < 2
                             else "forward" if gradients_final else "latest")
         if gradients_final:
             self._publish_gradients(window.wait_complete, window)
+        if averaging:  # what the hook, clipping and the step see is the mean over the processes
+            assert self.data_parallel is not None
+            self.data_parallel.average_gradients([*params, *unstepped])
         if before_step is not None:
             proceed = before_step()
         finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False)
@@ -569,6 +575,9 @@ class RoundPipeEngine:
             self._wait(finished)
         self._last_step_done = finished
         self._replan(window)
+        if averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
+            assert self.data_parallel is not None
+            self.planner.adopt(self.data_parallel.agree(self.planner.plan))
         self.timeline.mark_step()  # a bounded timeline keeps the last steps; one branch when recording is off
 
     def _check_optimizer_params(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -597,6 +597,11 @@ class Planner:
             raise RuntimeError("Planner.initial() must be called before the plan is read")
         return self._plan
 
+    def adopt(self, plan: Plan) -> None:
+        """Use ``plan`` from now on (another process's, so that every ring runs the same plan)."""
+        plan.validate(self.num_layers)
+        self._plan = plan
+
     def observe(self, measured: Sequence[LayerCost], *, job_cost: float | None = None) -> None:
         """Fold one step's measured per-layer times, and the fixed cost of its jobs if measured (seconds per
         job, see the class docstring), into the smoothed estimates (the first ``warmup`` are discarded)."""

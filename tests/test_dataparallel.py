@@ -1,0 +1,193 @@
+"""Data parallel over rings at the engine level: two processes, each a RoundPipe engine on its own share of the
+data, against plain PyTorch averaging the two shares' gradients (float64, to 1e-12, see ``tests/numerics.py``).
+
+The processes are started with ``torch.multiprocessing`` (no Lightning launcher is involved here: the strategy's
+multi-process runs are in ``tests/test_scaleout.py``, which starts scripts). Every process joins a gloo group
+over a file store in the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_roundpipe import EngineOptions, RoundPipeEngine
+from lightning_roundpipe.engine.dataparallel import DataParallel, DataParallelError, _buckets
+from tests.models import gpt_batch, gpt_loss, microbatch_weights, reference_microbatch_step, split_sizes, tiny_gpt
+from tests.numerics import assert_states_float64_equal, double, state, to_double
+
+WORLD, STEPS, SAMPLES = 2, 3, 6  # samples per process and step
+TIMEOUT = 60.0  # seconds: a guard against hanging, never reached when the processes work
+
+
+class _Unused(nn.Module):
+    """A block with a parameter its forward never uses: plain training leaves it alone (grad None)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def _model() -> nn.Sequential:
+    layers = list(tiny_gpt(seed=0))
+    layers[2] = _Unused(layers[2])
+    return double(nn.Sequential(*layers))
+
+
+def _batch(step: int, rank: int):
+    return to_double(gpt_batch(SAMPLES, seed=100 * step + rank))
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                           timeout=timedelta(seconds=TIMEOUT))
+    try:
+        group = dist.new_group(backend="gloo")
+        data_parallel = DataParallel(WORLD if average else 1, rank if average else 0, gradients=group,
+                                     timeout=10.0 if lose_rank_1 else TIMEOUT)
+        model = _model()
+        optimizer = _optimizer(model.parameters())
+        options = EngineOptions(num_microbatches=2, num_stages=2, seed=3, async_step=async_step)
+        with RoundPipeEngine(model, 2, options, data_parallel=data_parallel) as engine:
+            for step in range(STEPS):
+                if lose_rank_1 and rank == 1 and step == 1:
+                    os._exit(3)  # lost: no goodbye, as a killed process
+                ids, target = _batch(step, rank)
+                engine.forward_backward(ids, target, gpt_loss, loss_weight=lambda t: float((t != -100).sum()))
+                engine.step(optimizer)
+            engine.synchronize()
+        if rank == 0:
+            torch.save({"state": state(model)}, out)
+    except BaseException as error:  # noqa: BLE001 - the parent reads what happened
+        if rank == 0:
+            torch.save({"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, async_step: bool = False) -> dict:
+    out = tmp_path / "rank0.pt"
+    context = mp.start_processes(_process, args=(str(tmp_path / "store"), str(out), average, lose_rank_1,
+                                                 async_step),
+                                 nprocs=WORLD, join=False, start_method="spawn")
+    for process in context.processes:
+        process.join(TIMEOUT * 2)
+    alive = [process.pid for process in context.processes if process.is_alive()]
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    assert not alive, f"processes {alive} were still running"
+    return torch.load(out, weights_only=False)
+
+
+def _reference(ranks: list[int]) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: per step, each rank's microbatches one after another (gradients accumulated), summed over
+    ``ranks`` and divided by their count; then one AdamW step."""
+    model = _model()
+    optimizer = _optimizer(model.parameters())
+    for step in range(STEPS):
+        for rank in ranks:
+            ids, target = _batch(step, rank)
+            sizes = split_sizes(SAMPLES, 2)
+            reference_microbatch_step(model, ids, target, gpt_loss, microbatch_weights("gpt", target, sizes), sizes)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad /= len(ranks)
+        optimizer.step()
+        optimizer.zero_grad()
+    return state(model)
+
+
+def _async_reference(ranks: list[int]) -> dict[str, torch.Tensor]:
+    """Plain PyTorch of the async step with averaged gradients: iteration k computes each rank's gradients on
+    W(k-2) and W(k) = step(W(k-1), their mean). A parameter without gradients keeps ``grad=None``."""
+    compute = _model()
+    masters = [param.detach().clone().requires_grad_(True) for param in compute.parameters()]
+    optimizer = _optimizer(masters)
+    for step in range(STEPS):
+        for rank in ranks:
+            ids, target = _batch(step, rank)
+            sizes = split_sizes(SAMPLES, 2)
+            reference_microbatch_step(compute, ids, target, gpt_loss, microbatch_weights("gpt", target, sizes), sizes)
+        published = [master.detach().clone() for master in masters]  # W(k-1): what iteration k+1 runs on
+        for master, param in zip(masters, compute.parameters(), strict=True):
+            master.grad = None if param.grad is None else param.grad / len(ranks)
+            param.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for param, value in zip(compute.parameters(), published, strict=True):
+                param.copy_(value)
+    names = [name for name, _ in compute.named_parameters()]
+    return {**dict(zip(names, (master.detach() for master in masters), strict=True)),
+            **{name: buffer.detach() for name, buffer in compute.named_buffers()}}
+
+
+@pytest.fixture(scope="module")
+def averaged(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("averaged"))
+
+
+def test_two_rings_average_their_gradients_as_plain_pytorch_does(averaged):
+    assert "error" not in averaged, averaged.get("trace")
+    ours = averaged["state"]
+    assert_states_float64_equal(ours, _reference([0, 1]))
+    # a parameter no process has a gradient for is left alone (weight decay would have moved it from 1)
+    assert torch.equal(ours["2.unused"], torch.ones(3, dtype=torch.float64))
+
+
+def test_without_averaging_a_ring_learns_from_its_own_share_only(averaged, tmp_path):
+    """The negative control: each process on its own gives rank 0's data only, far from the averaged run."""
+    alone = _run(tmp_path, average=False)
+    assert "error" not in alone, alone.get("trace")
+    assert_states_float64_equal(alone["state"], _reference([0]))
+    moved = max((averaged["state"][name] - alone["state"][name]).abs().max().item() for name in alone["state"])
+    assert moved > 1e-4
+
+
+def test_async_rings_equal_the_delayed_update_with_averaged_gradients(tmp_path):
+    run = _run(tmp_path, async_step=True)
+    assert "error" not in run, run.get("trace")
+    assert_states_float64_equal(run["state"], _async_reference([0, 1]))
+
+
+def test_a_lost_process_makes_the_others_fail_with_an_error_naming_it(tmp_path):
+    lost = _run(tmp_path, lose_rank_1=True)
+    assert "error" in lost, "process 0 finished although process 1 was lost"
+    assert lost["error"].startswith("DataParallelError: process 0 of 2:"), lost["trace"]
+    assert "another training process" in lost["error"].lower()
+
+
+def test_buckets_keep_order_and_dtype_and_respect_the_cap():
+    params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+              [(4, torch.float32), (4, torch.float32), (8, torch.float32), (2, torch.float64), (2, torch.float64)]]
+    buckets = _buckets(params, bucket_bytes=32)
+    # hand-made: 16 + 16 bytes fill the first; 32 alone; float64 starts its own
+    position = {id(param): index for index, param in enumerate(params)}
+    assert [[position[id(param)] for param in bucket] for bucket in buckets] == [[0, 1], [2], [3, 4]]
+
+
+def test_one_process_averages_nothing():
+    param = nn.Parameter(torch.zeros(2))
+    param.grad = torch.ones(2)
+    grad = param.grad
+    DataParallel(1, 0).average_gradients([param])
+    assert param.grad is grad
+    with pytest.raises(ValueError, match="need 0 <= rank < world_size"):
+        DataParallel(2, 2)
+    assert issubclass(DataParallelError, RuntimeError)
