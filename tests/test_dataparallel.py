@@ -9,6 +9,7 @@ over a file store in the test's temporary folder.
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -40,9 +41,50 @@ class _Unused(nn.Module):
         return self.block(x)
 
 
-def _model() -> nn.Sequential:
+class _Gate:
+    """Shared by a layer's device replicas (deepcopy returns it): set once the process sent gradients."""
+
+    def __init__(self) -> None:
+        self.sent = threading.Event()
+        self.waited: list[bool] = []
+
+    def __deepcopy__(self, memo: dict) -> _Gate:
+        return self
+
+
+class _WaitForSend(torch.autograd.Function):
+    """Identity whose backward waits until a gradient bucket was sent."""
+
+    @staticmethod
+    def forward(ctx, gate: _Gate, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.gate = gate
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.gate.waited.append(ctx.gate.sent.wait(TIMEOUT / 2))
+        return None, grad
+
+
+class _Gated(nn.Module):
+    """Layer 1 (the first block): its backward, in the last backward stage, waits for a sent bucket."""
+
+    def __init__(self, block: nn.Module, gate: _Gate) -> None:
+        super().__init__()
+        self.block, self.gate = block, gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(_WaitForSend.apply(self.gate, x))
+
+
+def _model(gate: _Gate | None = None) -> nn.Sequential:
+    """tiny_gpt with a parameter nothing uses in layer 2 and layer 1 gated by ``gate`` (open when not given)."""
+    if gate is None:
+        gate = _Gate()
+        gate.sent.set()
     layers = list(tiny_gpt(seed=0))
     layers[2] = _Unused(layers[2])
+    layers[1] = _Gated(layers[1], gate)
     return double(nn.Sequential(*layers))
 
 
@@ -57,11 +99,21 @@ def _optimizer(params) -> torch.optim.Optimizer:
 def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                            timeout=timedelta(seconds=TIMEOUT))
+    gate = _Gate()
+    all_reduce = dist.all_reduce
+
+    def counted_all_reduce(*args, **kwargs):
+        gate.sent.set()
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
     try:
         group = dist.new_group(backend="gloo")
         data_parallel = DataParallel(WORLD if average else 1, rank if average else 0, gradients=group,
                                      timeout=10.0 if lose_rank_1 else TIMEOUT)
-        model = _model()
+        if not average or lose_rank_1:
+            gate.sent.set()  # nothing to prove: the gate stays open
+        model = _model(gate)
         optimizer = _optimizer(model.parameters())
         options = EngineOptions(num_microbatches=2, num_stages=2, seed=3, async_step=async_step)
         with RoundPipeEngine(model, 2, options, data_parallel=data_parallel) as engine:
@@ -73,7 +125,7 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
                 engine.step(optimizer)
             engine.synchronize()
         if rank == 0:
-            torch.save({"state": state(model)}, out)
+            torch.save({"state": state(model), "waited": gate.waited}, out)
     except BaseException as error:  # noqa: BLE001 - the parent reads what happened
         if rank == 0:
             torch.save({"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}, out)
@@ -147,6 +199,10 @@ def test_two_rings_average_their_gradients_as_plain_pytorch_does(averaged):
     assert "error" not in averaged, averaged.get("trace")
     ours = averaged["state"]
     assert_states_float64_equal(ours, _reference([0, 1]))
+    # the first block's backward (the last backward stage) waited until a gradient bucket had been sent: the
+    # communication started while the backward still ran (an engine that averaged only after the whole
+    # backward would have made it wait in vain)
+    assert averaged["waited"] and all(averaged["waited"]), averaged["waited"]
     # a parameter no process has a gradient for is left alone (weight decay would have moved it from 1)
     assert torch.equal(ours["2.unused"], torch.ones(3, dtype=torch.float64))
 

@@ -11,13 +11,14 @@ them:
 * ``control``: the group small agreements run on from the caller's thread (the plan every ring uses), in the
   order the caller reaches them, which is the same on every process.
 
-Averaging (:meth:`DataParallel.average_gradients`): the parameters are taken in a fixed order (the
-optimizer's), packed into flat buckets of at most ``bucket_bytes`` per dtype, summed with ``all_reduce`` and
-divided by the world size. A parameter no process has a gradient for keeps ``grad=None`` (so weight decay and
-momentum leave it alone, as in plain training); one that only some processes have a gradient for counts zero
-on the others. Which is which travels first, as one small ``all_reduce`` (MAX) of a mask. The averaged
-gradients are new tensors: a gradient a queued step still reads is never changed in place. Every wait is
-bounded by ``timeout`` seconds and names the collective, so a lost process makes the others fail, not hang.
+Averaging (:class:`Averaging`): the engine sends each step group's gradients as soon as they are final,
+deepest first, so the communication overlaps the backward stages still running; the parameters of a part are
+packed into flat buckets of at most ``bucket_bytes`` per dtype, summed with ``all_reduce`` and divided by the
+world size. A parameter no process has a gradient for keeps ``grad=None`` (so weight decay and momentum leave
+it alone, as in plain training); one that only some processes have a gradient for counts zero on the others.
+Which is which travels last, as one small ``all_reduce`` (MAX) of a mask. The averaged gradients are new
+tensors: a gradient a queued step still reads is never changed in place. Every wait is bounded by ``timeout``
+seconds and names the collective, so a lost process makes the others fail, not hang.
 """
 
 from __future__ import annotations
@@ -73,21 +74,16 @@ class DataParallel:
         self._wait(dist.all_reduce(tensor, op=op, group=self.gradients, async_op=True), what)
 
     def average_gradients(self, params: Sequence[nn.Parameter]) -> None:
-        """Replace each ``param.grad`` by the mean over the processes (see the module docstring). Every process
-        must call it with the same parameters in the same order, for every optimizer step."""
-        if self.world_size == 1:
-            return
-        touched = torch.tensor([param.grad is not None for param in params], dtype=torch.uint8)
-        self._all_reduce(touched, dist.ReduceOp.MAX, "agreeing which parameters have gradients")
-        reduced = [param for param, flag in zip(params, touched.tolist(), strict=True) if flag]
-        for bucket in _buckets(reduced, self.bucket_bytes):
-            flat = torch.cat([_flat_grad(param) for param in bucket])
-            self._all_reduce(flat, dist.ReduceOp.SUM, f"averaging a gradient bucket of {flat.numel():,} elements")
-            flat.div_(self.world_size)
-            offset = 0
-            for param in bucket:
-                param.grad = flat[offset:offset + param.numel()].view_as(param)
-                offset += param.numel()
+        """Replace each ``param.grad`` by the mean over the processes (see the module docstring), all at once.
+        Every process must call it with the same parameters in the same order, for every optimizer step."""
+        averaging = self.start(params)
+        averaging.finish()
+
+    def start(self, params: Sequence[nn.Parameter]) -> Averaging:
+        """Begin averaging the gradients of ``params`` (those that require gradients, in this order; the same
+        on every process): :meth:`Averaging.send` parts whose gradients are final while the rest of the
+        backward runs, then :meth:`Averaging.finish`."""
+        return Averaging(self, [param for param in params if param.requires_grad])
 
     def agree(self, value: Any) -> Any:
         """Process 0's ``value`` on every process (a plan, say): call it on the caller's thread, at the same
@@ -103,6 +99,60 @@ class DataParallel:
                 f"process {self.rank} of {self.world_size}: agreeing on {type(value).__name__} failed: "
                 f"{type(error).__name__}: {error}") from error
         return holder[0]
+
+
+class Averaging:
+    """One step's gradient averaging in flight (:meth:`DataParallel.start`), driven from the caller's thread,
+    the only one that touches ``param.grad``. Each :meth:`send` packs the given parameters' gradients (zeros
+    where this process has none) into buckets and starts their ``all_reduce`` without waiting, so the
+    communication runs while later backward stages still compute; :meth:`finish` sends what is left, then a
+    mask of which parameters any process had a gradient for (MAX), waits for everything and puts the means in
+    ``param.grad`` (``None`` where no process had one). The collectives are issued in the order of the calls,
+    which every process makes alike."""
+
+    def __init__(self, data_parallel: DataParallel, params: Sequence[nn.Parameter]) -> None:
+        self._data_parallel = data_parallel
+        self._params = list(params)
+        self._position = {id(param): index for index, param in enumerate(self._params)}
+        self._touched = torch.zeros(len(self._params), dtype=torch.uint8)
+        self._sent: set[int] = set()
+        self._in_flight: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+
+    def send(self, params: Sequence[nn.Parameter]) -> None:
+        """Start averaging ``params`` (of those given to :meth:`DataParallel.start`, in a fixed order): their
+        gradients in ``param.grad`` are final and stay untouched until :meth:`finish`."""
+        chosen = [param for param in params if id(param) in self._position and id(param) not in self._sent]
+        data_parallel = self._data_parallel
+        for param in chosen:
+            self._sent.add(id(param))
+            self._touched[self._position[id(param)]] = param.grad is not None
+        if data_parallel.world_size == 1:
+            return
+        for bucket in _buckets(chosen, data_parallel.bucket_bytes):
+            flat = torch.cat([_flat_grad(param) for param in bucket])
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=data_parallel.gradients, async_op=True)
+            self._in_flight.append((work, flat, bucket))
+
+    def finish(self) -> None:
+        """Send the parameters not sent yet, then wait and put each mean in ``param.grad``."""
+        self.send([param for param in self._params if id(param) not in self._sent])
+        data_parallel = self._data_parallel
+        if data_parallel.world_size == 1:
+            return
+        touched = self._touched.clone()
+        mask = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=data_parallel.gradients, async_op=True)
+        for work, flat, bucket in self._in_flight:
+            data_parallel._wait(work, f"averaging a gradient bucket of {flat.numel():,} elements")
+            flat.div_(data_parallel.world_size)
+            offset = 0
+            for param in bucket:
+                param.grad = flat[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
+        data_parallel._wait(mask, "agreeing which parameters have gradients")
+        for param, flag in zip(self._params, touched.tolist(), strict=True):
+            if not flag:
+                param.grad = None  # no process had one: plain training leaves the parameter alone
+        self._in_flight.clear()
 
 
 def _flat_grad(param: nn.Parameter) -> torch.Tensor:

@@ -355,6 +355,28 @@ class RoundPipeEngine:
             wait_for_jobs()
         window.publish(self._lent_now())
 
+    def _average_gradients(self, window: GradWindow, groups: list[StepGroup], params: list[nn.Parameter]) -> None:
+        """Data parallel: the step's gradients, averaged over the processes, into ``param.grad`` on this thread.
+        Each step group's gradients are sent as soon as they are final, deepest first (the order they become
+        final in, and the same on every process), so the communication runs while the shallower backward
+        stages still compute; on the timeline as ``allreduce`` (host track ``communication``), from the first
+        send to the last mean in place."""
+        assert self.data_parallel is not None
+        averaging = self.data_parallel.start(params)
+        lent = self._lent_now()
+        started: float | None = None
+        with self._failures_surfaced():
+            for index in reversed(range(len(groups))):
+                window.wait_final(index)
+                window.publish(lent, groups[index].params)
+                started = self.timeline.now() if started is None else started
+                averaging.send(groups[index].params)
+            window.wait_complete()
+        window.publish(lent)  # trainable trunk parameters the optimizer does not step
+        averaging.finish()
+        self.timeline.add(-1, -1, f"average step {self._step}", 0, "allreduce",
+                          self.timeline.now() if started is None else started)
+
     def _lent_now(self) -> frozenset[int]:
         """Ids of the gradient tensors queued steps may still read: those the caller's thread handed over
         (they may stay in ``param.grad``), of the steps that have not ended (steps end in order). An id of a
@@ -560,11 +582,10 @@ class RoundPipeEngine:
         gradients_final = before_step is not None or bool(unstepped) or averaging
         self._step_order = ("off" if sum(1 for group in groups if group.layers) < 2
                             else "forward" if gradients_final else "latest")
-        if gradients_final:
-            self._publish_gradients(window.wait_complete, window)
         if averaging:  # what the hook, clipping and the step see is the mean over the processes
-            assert self.data_parallel is not None
-            self.data_parallel.average_gradients([*params, *unstepped])
+            self._average_gradients(window, groups, [*params, *unstepped])
+        elif gradients_final:
+            self._publish_gradients(window.wait_complete, window)
         if before_step is not None:
             proceed = before_step()
         finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False)

@@ -197,6 +197,10 @@ class GradWindow:
             if self._outstanding == 0:
                 self._complete.set()
 
+    def wait_final(self, group: int) -> None:
+        """Until the gradients of ``group`` (an index into :meth:`close`'s groups) are final."""
+        self._abort.wait(self._final[group], f"the gradients of part {group} of the step")
+
     def final_groups(self, groups: Sequence[int]) -> list[int]:
         """Those of ``groups`` (indices into :meth:`close`'s groups) whose gradients are final, now."""
         with self._lock:
@@ -244,14 +248,15 @@ class GradWindow:
             taken = {key: (self._params.pop(key), self._grads.pop(key)) for key in keys}
         return taken
 
-    def publish(self, lent: Container[int] = ()) -> None:
-        """Move the summed gradients into ``param.grad`` (adding to what is there), on the calling thread,
-        which must be the only one that touches ``param.grad`` (the engine's caller).
+    def publish(self, lent: Container[int] = (), params: Iterable[nn.Parameter] | None = None) -> None:
+        """Move the summed gradients (of ``params``; ``None``: all) into ``param.grad`` (adding to what is
+        there), on the calling thread, which must be the only one that touches ``param.grad`` (the engine's
+        caller).
 
-        First wait for the window's jobs (:meth:`wait_complete` or :meth:`wait_idle`). ``lent``: ids of
-        gradient tensors a step in flight still reads; a ``param.grad`` among them is replaced by the sum,
-        never added to in place."""
-        for param, grad in self.take().values():
+        First wait for their jobs (:meth:`wait_complete`, :meth:`wait_idle` or :meth:`wait_final`). ``lent``:
+        ids of gradient tensors a step in flight still reads; a ``param.grad`` among them is replaced by the
+        sum, never added to in place."""
+        for param, grad in self.take(params).values():
             existing = param.grad
             if existing is None:
                 param.grad = grad

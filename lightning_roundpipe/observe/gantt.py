@@ -45,6 +45,7 @@ KIND_COLORS = {
     "recompute": "#F4A582",      # light red: a backward stage recomputing its forward
     "upload_params": "#54A24B",  # green
     "upload_acts": "#A0D68E",    # light green
+    "allreduce": "#72B7B2",      # teal: gradients averaged across processes
     "download": "#9D9D9D",       # grey
     "release": "#D0D0D0",        # light grey: gradients to the host, memory released
     "optimizer": "#B07A3B",      # brown
@@ -53,11 +54,13 @@ KIND_NAMES = {
     "forward": "forward", "fused": "fused (fwd + loss + bwd)", "backward": "backward",
     "recompute": "recompute", "upload_params": "upload params", "upload_acts": "upload activations",
     "download": "download", "release": "gradients + release", "optimizer": "optimizer step",
+    "allreduce": "gradients averaged across processes",
 }
 _OTHER_COLOR = "#F2CF5B"
 # lanes of a row (its centre at y = row): (offset of the top edge, height); y grows downwards
 _LANES = {"params": (-0.48, 0.09), "acts": (-0.38, 0.08), "main": (-0.28, 0.56), "bottom": (0.3, 0.13)}
-_LANE_OF_KIND = {"upload_params": "params", "upload_acts": "acts", "download": "bottom", "release": "bottom"}
+_LANE_OF_KIND = {"upload_params": "params", "upload_acts": "acts", "download": "bottom", "release": "bottom",
+                 "allreduce": "bottom"}
 
 
 class _Bar(NamedTuple):

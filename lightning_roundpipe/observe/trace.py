@@ -48,6 +48,8 @@ _STREAM_OF_KIND = {
 }
 HOST_OPTIMIZER = "host optimizer"
 """The track of device ``-1``: optimizer steps on the host."""
+COMMUNICATION = "communication"
+"""The host track of events of kind ``allreduce``: the step's gradients averaged across processes (data parallel)."""
 
 
 @dataclass(frozen=True)
@@ -161,12 +163,19 @@ def _tracks(events: Sequence[TimelineEvent], num_devices: int | None) -> dict[tu
         for stream in (*STREAMS, *extra):
             tracks[(device, stream)] = len(tracks) + 1
     tracks[(-1, HOST_OPTIMIZER)] = 0
+    if any(e.device < 0 and e.kind == "allreduce" for e in events):
+        tracks[(-1, COMMUNICATION)] = len(tracks)
     return tracks
 
 
+def host_stream(kind: str) -> str:
+    """The host track of an event of ``kind`` (device ``-1``)."""
+    return COMMUNICATION if kind == "allreduce" else HOST_OPTIMIZER
+
+
 def track_name(device: int, stream: str) -> str:
-    """``"device 0 · compute"``, ``"host optimizer"``."""
-    return HOST_OPTIMIZER if device < 0 else f"device {device} · {stream}"
+    """``"device 0 · compute"``, ``"host optimizer"``, ``"communication"``."""
+    return stream if device < 0 else f"device {device} · {stream}"
 
 
 def chrome_trace(events: Iterable[TimelineEvent], *, process_name: str = "roundpipe",
@@ -184,12 +193,12 @@ def chrome_trace(events: Iterable[TimelineEvent], *, process_name: str = "roundp
     for (device, stream), tid in sorted(tracks.items(), key=lambda item: item[1]):
         trace.append({"ph": "M", "pid": 0, "tid": tid, "ts": 0, "name": "thread_name",
                       "args": {"name": track_name(device, stream)}})
-        sort_index = tid if device >= 0 else len(tracks)  # the host optimizer below the devices
+        sort_index = tid if device >= 0 else len(tracks) + tid  # the host tracks below the devices
         trace.append({"ph": "M", "pid": 0, "tid": tid, "ts": 0, "name": "thread_sort_index",
                       "args": {"sort_index": sort_index}})
     busy: dict[int, float] = {}
     for e in events:
-        stream = HOST_OPTIMIZER if e.device < 0 else stream_of(e.kind)
+        stream = host_stream(e.kind) if e.device < 0 else stream_of(e.kind)
         start = round((e.start - origin) * 1e6, 3)
         end = round((e.end - origin) * 1e6, 3)
         trace.append({
@@ -228,19 +237,20 @@ def to_chrome_trace(events: Iterable[TimelineEvent], path_or_file: str | os.Path
         json.dump(data, file)
 
 
-def write_timeline(events: Sequence[TimelineEvent], folder: str | os.PathLike[str], num_devices: int) -> list[str]:
-    """Write ``timeline.json`` (:func:`to_chrome_trace`) and ``timeline.png`` (a Gantt chart) into ``folder``,
+def write_timeline(events: Sequence[TimelineEvent], folder: str | os.PathLike[str], num_devices: int, *,
+                   name: str = "timeline") -> list[str]:
+    """Write ``<name>.json`` (:func:`to_chrome_trace`) and ``<name>.png`` (a Gantt chart) into ``folder``,
     creating it; returns the paths written. Without matplotlib the picture is skipped with a warning that
     says what to install; any other error propagates."""
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
-    written = [os.path.join(folder, "timeline.json")]
+    written = [os.path.join(folder, f"{name}.json")]
     to_chrome_trace(events, written[0], num_devices=num_devices)
     try:
         from lightning_roundpipe.observe.gantt import draw_timeline  # matplotlib, only when a picture is wanted
 
-        draw_timeline(events, os.path.join(folder, "timeline.png"), num_devices=num_devices)
-        written.append(os.path.join(folder, "timeline.png"))
+        draw_timeline(events, os.path.join(folder, f"{name}.png"), num_devices=num_devices)
+        written.append(os.path.join(folder, f"{name}.png"))
     except ImportError as error:
         log.warning(f"RoundPipe wrote {written[0]} but no timeline.png: {error}")
     return written
