@@ -229,6 +229,48 @@ def test_a_lost_process_makes_the_others_fail_with_an_error_naming_it(tmp_path):
     assert "another training process" in lost["error"].lower()
 
 
+def _average_known(rank: int, store: str, out: str, reduce_dtype: str | None) -> None:
+    """Average two float32 gradients whose values each process draws from its own seed."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=TIMEOUT))
+    try:
+        params = [nn.Parameter(torch.zeros(n)) for n in (1000, 37)]
+        for index, param in enumerate(params):
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * rank + index))
+        data_parallel = DataParallel(WORLD, rank, timeout=TIMEOUT,
+                                     reduce_dtype=None if reduce_dtype is None else getattr(torch, reduce_dtype))
+        data_parallel.average_gradients(params)
+        if rank == 0:
+            torch.save({"grads": [param.grad for param in params], "sent": data_parallel.sent_bytes}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "bfloat16"])
+def test_gradients_travel_in_the_reduction_dtype(tmp_path, reduce_dtype):
+    """float32: the mean is (g0 + g1) / 2 computed in float32, bitwise. bfloat16: half the bytes, and each
+    element within bfloat16's rounding of the exact mean: each gradient and the sum are rounded to nearest once
+    (relative error at most 2**-8 each: bfloat16 keeps 8 significant bits), so |ours - mean| <= 2**-8 (|g0| +
+    |g1|) (plus 1% for the float32 steps)."""
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_average_known, args=(str(tmp_path / "store"), str(out), reduce_dtype), nprocs=WORLD,
+                       join=True, start_method="spawn")
+    result = torch.load(out, weights_only=False)
+    drawn = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + index))
+              for index, n in enumerate((1000, 37))] for rank in range(WORLD)]
+    elements = 1037
+    for index, ours in enumerate(result["grads"]):
+        g0, g1 = drawn[0][index], drawn[1][index]
+        if reduce_dtype is None:
+            assert torch.equal(ours, (g0 + g1) / 2)
+        else:
+            assert ours.dtype == torch.float32
+            bound = 2**-8 * (g0.abs() + g1.abs()) * 1.01
+            assert bool(((ours - (g0.double() + g1.double()) / 2).abs() <= bound).all())
+            assert not torch.equal(ours, (g0 + g1) / 2)  # it did travel in bfloat16
+    assert result["sent"] == elements * (4 if reduce_dtype is None else 2)
+
+
 def test_buckets_keep_order_and_dtype_and_respect_the_cap():
     params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
               [(4, torch.float32), (4, torch.float32), (8, torch.float32), (2, torch.float64), (2, torch.float64)]]

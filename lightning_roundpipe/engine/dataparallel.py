@@ -24,7 +24,7 @@ seconds and names the collective, so a lost process makes the others fail, not h
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +51,10 @@ class DataParallel:
     control: Any = None      #: process group of agreements from the caller's thread (``None``: the default group)
     timeout: float = 600.0   #: seconds any collective may take before the run fails
     bucket_bytes: int = BUCKET_BYTES
+    #: the dtype gradients travel and are summed in (``torch.bfloat16`` halves the traffic of float32 ones, at
+    #: bfloat16's precision for the sum); ``None``: each parameter's own
+    reduce_dtype: torch.dtype | None = None
+    sent_bytes: int = field(default=0, init=False)  #: gradient bytes this process has sent to be summed so far
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -130,7 +134,10 @@ class Averaging:
             return
         for bucket in _buckets(chosen, data_parallel.bucket_bytes):
             flat = torch.cat([_flat_grad(param) for param in bucket])
+            if data_parallel.reduce_dtype is not None:
+                flat = flat.to(data_parallel.reduce_dtype)
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=data_parallel.gradients, async_op=True)
+            data_parallel.sent_bytes += flat.numel() * flat.element_size()
             self._in_flight.append((work, flat, bucket))
 
     def finish(self) -> None:
@@ -141,9 +148,9 @@ class Averaging:
             return
         touched = self._touched.clone()
         mask = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=data_parallel.gradients, async_op=True)
-        for work, flat, bucket in self._in_flight:
-            data_parallel._wait(work, f"averaging a gradient bucket of {flat.numel():,} elements")
-            flat.div_(data_parallel.world_size)
+        for work, sent, bucket in self._in_flight:
+            data_parallel._wait(work, f"averaging a gradient bucket of {sent.numel():,} elements")
+            flat = sent.to(bucket[0].dtype).div_(data_parallel.world_size)  # the bucket's parameters share a dtype
             offset = 0
             for param in bucket:
                 param.grad = flat[offset:offset + param.numel()].view_as(param)
