@@ -62,17 +62,23 @@ class DataParallel:
         if self.timeout <= 0 or self.bucket_bytes < 1:
             raise ValueError(f"need timeout > 0 and bucket_bytes >= 1, got {self.timeout}, {self.bucket_bytes}")
 
+    def _peers(self) -> str:
+        """The other processes, for messages: ``"process 1"`` with two, else ``"one of processes 0, 2, 3"``."""
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        return f"process {others[0]}" if len(others) == 1 else f"one of processes {', '.join(map(str, others))}"
+
     def _wait(self, work: Any, what: str) -> None:
         try:
             completed = work.wait(timedelta(seconds=self.timeout))
         except Exception as error:  # gloo raises when a peer's connection closes
             raise DataParallelError(
-                f"process {self.rank} of {self.world_size}: {what} failed: {type(error).__name__}: {error}. "
-                "Another training process stopped or was lost; its own error says why") from error
+                f"process {self.rank} of {self.world_size}: {what} failed, so {self._peers()} stopped or was "
+                f"lost (another training process; its own error says why): {type(error).__name__}: {error}"
+            ) from error
         if completed is False:
             raise DataParallelError(
                 f"process {self.rank} of {self.world_size}: {what} did not complete in {self.timeout:.0f} s "
-                "(wait_timeout): another training process stopped or is stuck")
+                f"(wait_timeout): {self._peers()} stopped or is stuck (another training process)")
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         self._wait(dist.all_reduce(tensor, op=op, group=self.gradients, async_op=True), what)
