@@ -26,6 +26,7 @@ from tests.models import gpt_batch, gpt_loss, microbatch_weights, reference_micr
 from tests.numerics import assert_states_float64_equal, double, state, to_double
 
 WORLD, STEPS, SAMPLES = 2, 3, 6  # samples per process and step
+CLIP = 0.5  # max gradient norm where a test clips (the gradients' norm is above it)
 TIMEOUT = 60.0  # seconds: a guard against hanging, never reached when the processes work
 
 
@@ -96,7 +97,8 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool) -> None:
+def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool,
+             clip: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                            timeout=timedelta(seconds=TIMEOUT))
     gate = _Gate()
@@ -122,7 +124,10 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
                     os._exit(3)  # lost: no goodbye, as a killed process
                 ids, target = _batch(step, rank)
                 engine.forward_backward(ids, target, gpt_loss, loss_weight=lambda t: float((t != -100).sum()))
-                engine.step(optimizer)
+                # clipping needs every averaged gradient on this thread first (the other path: the optimizer
+                # thread averages each part before stepping it)
+                before_step = (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) and None) if clip else None
+                engine.step(optimizer, before_step=before_step)
             engine.synchronize()
         if rank == 0:
             torch.save({"state": state(model), "waited": gate.waited}, out)
@@ -133,10 +138,11 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
         dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, async_step: bool = False) -> dict:
+def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, async_step: bool = False,
+         clip: bool = False) -> dict:
     out = tmp_path / "rank0.pt"
     context = mp.start_processes(_process, args=(str(tmp_path / "store"), str(out), average, lose_rank_1,
-                                                 async_step),
+                                                 async_step, clip),
                                  nprocs=WORLD, join=False, start_method="spawn")
     for process in context.processes:
         process.join(TIMEOUT * 2)
@@ -148,9 +154,9 @@ def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, asy
     return torch.load(out, weights_only=False)
 
 
-def _reference(ranks: list[int]) -> dict[str, torch.Tensor]:
+def _reference(ranks: list[int], clip: bool = False) -> dict[str, torch.Tensor]:
     """Plain PyTorch: per step, each rank's microbatches one after another (gradients accumulated), summed over
-    ``ranks`` and divided by their count; then one AdamW step."""
+    ``ranks`` and divided by their count (then clipped, with ``clip``); then one AdamW step."""
     model = _model()
     optimizer = _optimizer(model.parameters())
     for step in range(STEPS):
@@ -161,6 +167,8 @@ def _reference(ranks: list[int]) -> dict[str, torch.Tensor]:
         for param in model.parameters():
             if param.grad is not None:
                 param.grad /= len(ranks)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
     return state(model)
@@ -207,6 +215,13 @@ def test_two_rings_average_their_gradients_as_plain_pytorch_does(averaged):
     assert torch.equal(ours["2.unused"], torch.ones(3, dtype=torch.float64))
 
 
+def test_clipping_sees_the_averaged_gradients(tmp_path):
+    run = _run(tmp_path, clip=True)
+    assert "error" not in run, run.get("trace")
+    assert_states_float64_equal(run["state"], _reference([0, 1], clip=True))
+    assert run["waited"] and all(run["waited"]), run["waited"]  # sent while the backward ran, here too
+
+
 def test_without_averaging_a_ring_learns_from_its_own_share_only(averaged, tmp_path):
     """The negative control: each process on its own gives rank 0's data only, far from the averaged run."""
     alone = _run(tmp_path, average=False)
@@ -225,7 +240,8 @@ def test_async_rings_equal_the_delayed_update_with_averaged_gradients(tmp_path):
 def test_a_lost_process_makes_the_others_fail_with_an_error_naming_it(tmp_path):
     lost = _run(tmp_path, lose_rank_1=True)
     assert "error" in lost, "process 0 finished although process 1 was lost"
-    assert lost["error"].startswith("DataParallelError: process 0 of 2:"), lost["trace"]
+    # raised where the averaging runs (the optimizer thread, without hooks) and surfaced by the next call
+    assert "DataParallelError: process 0 of 2:" in lost["error"], lost["trace"]
     assert "process 1 stopped or was lost" in lost["error"]
 
 
@@ -268,7 +284,8 @@ def test_gradients_travel_in_the_reduction_dtype(tmp_path, reduce_dtype):
             bound = 2**-8 * (g0.abs() + g1.abs()) * 1.01
             assert bool(((ours - (g0.double() + g1.double()) / 2).abs() <= bound).all())
             assert not torch.equal(ours, (g0 + g1) / 2)  # it did travel in bfloat16
-    assert result["sent"] == elements * (4 if reduce_dtype is None else 2)
+    flags = 2  # one per parameter, in their bucket
+    assert result["sent"] == (elements + flags) * (4 if reduce_dtype is None else 2)
 
 
 def test_buckets_keep_order_and_dtype_and_respect_the_cap():

@@ -16,14 +16,14 @@ deepest first, so the communication overlaps the backward stages still running; 
 packed into flat buckets of at most ``bucket_bytes`` per dtype, summed with ``all_reduce`` and divided by the
 world size. A parameter no process has a gradient for keeps ``grad=None`` (so weight decay and momentum leave
 it alone, as in plain training); one that only some processes have a gradient for counts zero on the others.
-Which is which travels last, as one small ``all_reduce`` (MAX) of a mask. The averaged gradients are new
+Which is which travels in each bucket, one flag per parameter after its gradients. The averaged gradients are new
 tensors: a gradient a queued step still reads is never changed in place. Every wait is bounded by ``timeout``
 seconds and names the collective, so a lost process makes the others fail, not hang.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -86,8 +86,8 @@ class DataParallel:
     def average_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """Replace each ``param.grad`` by the mean over the processes (see the module docstring), all at once.
         Every process must call it with the same parameters in the same order, for every optimizer step."""
-        averaging = self.start(params)
-        averaging.finish()
+        if self.world_size > 1:
+            self.start(params).finish()
 
     def start(self, params: Sequence[nn.Parameter]) -> Averaging:
         """Begin averaging the gradients of ``params`` (those that require gradients, in this order; the same
@@ -112,68 +112,75 @@ class DataParallel:
 
 
 class Averaging:
-    """One step's gradient averaging in flight (:meth:`DataParallel.start`), driven from the caller's thread,
-    the only one that touches ``param.grad``. Each :meth:`send` packs the given parameters' gradients (zeros
-    where this process has none) into buckets and starts their ``all_reduce`` without waiting, so the
-    communication runs while later backward stages still compute; :meth:`finish` sends what is left, then a
-    mask of which parameters any process had a gradient for (MAX), waits for everything and puts the means in
-    ``param.grad`` (``None`` where no process had one). The collectives are issued in the order of the calls,
-    which every process makes alike."""
+    """One step's gradient averaging in flight (:meth:`DataParallel.start`).
+
+    :meth:`send` packs the given parameters' gradients (zeros where this process has none) into buckets, each
+    followed by one flag per parameter (1 where this process has a gradient), and starts their ``all_reduce``
+    without waiting, so the communication runs while later backward stages still compute; :meth:`receive`
+    waits for what was sent and returns the means (none for a parameter whose flags sum to 0: no process had a
+    gradient, and plain training leaves it alone). The collectives are issued in the order of the calls, which
+    every process makes alike, from one thread at a time. :meth:`finish` is the caller's-thread form: send
+    what is left, receive everything and put the means in ``param.grad``."""
 
     def __init__(self, data_parallel: DataParallel, params: Sequence[nn.Parameter]) -> None:
         self._data_parallel = data_parallel
         self._params = list(params)
-        self._position = {id(param): index for index, param in enumerate(self._params)}
-        self._touched = torch.zeros(len(self._params), dtype=torch.uint8)
+        self._known = {id(param) for param in self._params}
         self._sent: set[int] = set()
-        self._in_flight: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self._in_flight: dict[int, tuple[Any, torch.Tensor, list[nn.Parameter]]] = {}  # by parameter id
 
-    def send(self, params: Sequence[nn.Parameter]) -> None:
-        """Start averaging ``params`` (of those given to :meth:`DataParallel.start`, in a fixed order): their
-        gradients in ``param.grad`` are final and stay untouched until :meth:`finish`."""
-        chosen = [param for param in params if id(param) in self._position and id(param) not in self._sent]
+    def send(self, params: Sequence[nn.Parameter], grads: Mapping[int, torch.Tensor] | None = None) -> None:
+        """Start averaging ``params`` (those given to :meth:`DataParallel.start`, in a fixed order), whose final
+        gradients are ``grads[id(param)]`` (``None``: ``param.grad``, on the caller's thread), left untouched
+        until :meth:`receive`."""
+        chosen = [param for param in params if id(param) in self._known and id(param) not in self._sent]
+        self._sent.update(id(param) for param in chosen)
         data_parallel = self._data_parallel
-        for param in chosen:
-            self._sent.add(id(param))
-            self._touched[self._position[id(param)]] = param.grad is not None
-        if data_parallel.world_size == 1:
-            return
         for bucket in _buckets(chosen, data_parallel.bucket_bytes):
-            flat = torch.cat([_flat_grad(param) for param in bucket])
-            if data_parallel.reduce_dtype is not None:
-                flat = flat.to(data_parallel.reduce_dtype)
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=data_parallel.gradients, async_op=True)
-            data_parallel.sent_bytes += flat.numel() * flat.element_size()
-            self._in_flight.append((work, flat, bucket))
+            held = [param.grad if grads is None else grads.get(id(param)) for param in bucket]
+            dtype = data_parallel.reduce_dtype or bucket[0].dtype
+            pieces = [torch.zeros(param.numel(), dtype=dtype) if grad is None else grad.detach().reshape(-1).to(dtype)
+                      for param, grad in zip(bucket, held, strict=True)]
+            flags = torch.tensor([grad is not None for grad in held], dtype=dtype)
+            flat = torch.cat([*pieces, flags])
+            work = None
+            if data_parallel.world_size > 1:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=data_parallel.gradients, async_op=True)
+                data_parallel.sent_bytes += flat.numel() * flat.element_size()
+            for param in bucket:
+                self._in_flight[id(param)] = (work, flat, bucket)
+
+    def receive(self, params: Sequence[nn.Parameter]) -> dict[int, torch.Tensor]:
+        """Wait for the buckets holding ``params`` (all sent) and return their means by parameter id, leaving
+        out the parameters no process had a gradient for. The means are new tensors."""
+        means: dict[int, torch.Tensor] = {}
+        data_parallel = self._data_parallel
+        for param in params:
+            entry = self._in_flight.get(id(param))
+            if entry is None:
+                continue
+            work, flat, bucket = entry
+            if work is not None:
+                data_parallel._wait(work, f"averaging a gradient bucket of {flat.numel() - len(bucket):,} elements")
+            values = flat[:-len(bucket)].to(bucket[0].dtype)  # a bucket's parameters share a dtype
+            if data_parallel.world_size > 1:
+                values = values.div_(data_parallel.world_size)
+            offset = 0
+            for member, flag in zip(bucket, flat[-len(bucket):].tolist(), strict=True):
+                if flag > 0:
+                    means[id(member)] = values[offset:offset + member.numel()].view_as(member)
+                offset += member.numel()
+                self._in_flight.pop(id(member), None)
+        return means
 
     def finish(self) -> None:
-        """Send the parameters not sent yet, then wait and put each mean in ``param.grad``."""
+        """On the caller's thread: send the parameters not sent yet, then put each mean in ``param.grad``
+        (``None`` where no process had a gradient)."""
         self.send([param for param in self._params if id(param) not in self._sent])
-        data_parallel = self._data_parallel
-        if data_parallel.world_size == 1:
-            return
-        touched = self._touched.clone()
-        mask = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=data_parallel.gradients, async_op=True)
-        for work, sent, bucket in self._in_flight:
-            data_parallel._wait(work, f"averaging a gradient bucket of {sent.numel():,} elements")
-            flat = sent.to(bucket[0].dtype).div_(data_parallel.world_size)  # the bucket's parameters share a dtype
-            offset = 0
-            for param in bucket:
-                param.grad = flat[offset:offset + param.numel()].view_as(param)
-                offset += param.numel()
-        data_parallel._wait(mask, "agreeing which parameters have gradients")
-        for param, flag in zip(self._params, touched.tolist(), strict=True):
-            if not flag:
-                param.grad = None  # no process had one: plain training leaves the parameter alone
-        self._in_flight.clear()
-
-
-def _flat_grad(param: nn.Parameter) -> torch.Tensor:
-    """The parameter's gradient as a flat tensor in its own dtype, zeros where this process has none."""
-    grad = param.grad
-    if grad is None:
-        return torch.zeros(param.numel(), dtype=param.dtype)
-    return grad.detach().reshape(-1).to(param.dtype)
+        pending = [param for param in self._params if id(param) in self._in_flight]
+        means = self.receive(pending)
+        for param in pending:
+            param.grad = means.get(id(param))
 
 
 def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
-from lightning_roundpipe.engine.dataparallel import DataParallel
+from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
 from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
@@ -579,16 +579,20 @@ class RoundPipeEngine:
         # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
         # parameters this optimizer does not step stay in param.grad, which only this thread may write
         averaging = self.data_parallel is not None and self.data_parallel.world_size > 1
-        gradients_final = before_step is not None or bool(unstepped) or averaging
+        gradients_final = before_step is not None or bool(unstepped)
         self._step_order = ("off" if sum(1 for group in groups if group.layers) < 2
-                            else "forward" if gradients_final else "latest")
-        if averaging:  # what the hook, clipping and the step see is the mean over the processes
+                            else "forward" if gradients_final else "backward" if averaging else "latest")
+        if averaging and gradients_final:  # what the hook and clipping see is the mean over the processes
             self._average_gradients(window, groups, [*params, *unstepped])
         elif gradients_final:
             self._publish_gradients(window.wait_complete, window)
+        # without a hook the optimizer thread averages each part before stepping it, deepest first
+        on_thread = (self.data_parallel.start(params)
+                     if self.data_parallel is not None and averaging and not gradients_final else None)
         if before_step is not None:
             proceed = before_step()
-        finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False)
+        finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False,
+                                    averaging=on_thread)
         if not keep_gradients:
             for param in params:
                 param.grad = None
@@ -647,7 +651,7 @@ class RoundPipeEngine:
         return groups
 
     def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
-                    groups: list[StepGroup], *, proceed: bool) -> HostEvent:
+                    groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None) -> HostEvent:
         """Queue step ``self._step`` on the optimizer thread, cut into ``groups``, and make each later upload
         wait for the groups of the layers it uploads; returns the event of the step's end.
 
@@ -657,7 +661,9 @@ class RoundPipeEngine:
         still runs that is the one that became final last, and once all are final (after ``before_step``, say)
         the next iteration's first stages go first. Async mode first publishes a group's masters (they still
         hold the previous step) once this iteration's uploads of them are done, as early as it can.
-        ``proceed=False`` skips the update (the copies are still published)."""
+        ``proceed=False`` skips the update (the copies are still published). ``averaging`` (data parallel, no
+        hook): each group's gradients are averaged over the processes before it steps, the groups deepest first
+        (the same order on every process), so one group's communication overlaps the rest of the backward."""
         hyperparameters = snapshot_param_groups(optimizer)  # as they are now
         host_kernels = self.options.host_optimizer
         # an LR scheduler checks that a step preceded its own
@@ -695,6 +701,8 @@ class RoundPipeEngine:
                         for index in pending:
                             publish(groups[index], wait=False)
                     final = window.final_groups(pending)
+                    if averaging is not None:  # the collectives go in one order on every process
+                        final = [index for index in final if index == max(pending)]
                     if not final:
                         window.wait_progress()
                         continue
@@ -707,6 +715,11 @@ class RoundPipeEngine:
                     for key, (_, grad) in window.take(group.params).items():
                         held = grads.get(key)
                         grads[key] = grad if held is None else held + grad  # out of place: the lent one stays
+                    if averaging is not None:
+                        started = self.timeline.now()
+                        averaging.send(group.params, grads)
+                        grads = averaging.receive(group.params)
+                        self.timeline.add(-1, -1, f"average step {number} {group.label}", 0, "allreduce", started)
                     if proceed:
                         start = time.perf_counter()
                         with host.timed(f"step {number} {group.label}" if len(groups) > 1 else f"step {number}"):
