@@ -1,10 +1,11 @@
-"""Scale out: gloo all-reduce bandwidth here, and how data parallel over RoundPipe rings would scale.
+"""Scale out: gloo all-reduce here, data parallel over RoundPipe rings projected, and the reduction hidden in 2 processes.
 
 Run: ``python benchmarks/scaleout.py [--sizes-mib 1,4,16,64] [--dtypes float32,bfloat16] [--repeats 10]
 [--warmup 3] [--no-measure] [--nodes 2,4,8] [--links 25,100,400] [--iteration sim|paper] [--mode sync|async]
-[--no-overlap] [--link-efficiency 1.0] [--lora-params N]`` (default about 15 s on 2 cores; the projection
-alone, ``--no-measure``, about 2 s). Not a test: it prints two tables and always exits 0 unless the
-measurement fails.
+[--no-overlap] [--link-efficiency 1.0] [--lora-params N] [--no-engine-run] [--engine-width 896]
+[--engine-blocks 8] [--engine-batch 16] [--engine-warmup 3] [--engine-steps 10]`` (default about 50 s on 2
+cores, section 3 about 30 s of it; the projection alone, ``--no-measure --no-engine-run``, about 2 s). Not a
+test: it prints three tables and always exits 0 unless a measurement fails.
 
 1. gloo ``all_reduce`` (SUM) on this machine. Two processes (``torch.multiprocessing.start_processes``,
    spawn), one process group (``torch.distributed.init_process_group("gloo")`` over a ``FileStore`` in a
@@ -66,14 +67,56 @@ measurement fails.
    dtype and link speed with, per K: ``T_comm`` (s), ``T_K`` (s), the speedup, the efficiency (%) and the
    projected tokens/s.
 
-The share of the reduction hidden behind the backward in a real 2-process run is not measured here; that
-section comes with the runtime's gradient communication thread.
+3. The share of the gradient reduction hidden behind the backward in a real 2-process run, from the
+   engine's timeline (``--no-engine-run`` skips it). Two processes (spawned as in section 1, one intra-op
+   thread each, a gloo group over a ``FileStore``; the gradients reduce on a group of their own, as the
+   strategy makes it) each run a ``RoundPipeEngine`` on 2 CPU devices over the same model: ``--engine-blocks``
+   layers of ``nn.Linear(w, w)`` + ``tanh`` (``w = --engine-width``; the default 896 makes 25.7 MB of fp32
+   gradients per process, large against the compute of a batch of ``--engine-batch`` = 16 rows), AdamW,
+   ``num_microbatches=2``, 4 forward stages (``freeze_plan=True``, ``round_size="whole"``: every call runs the
+   same jobs), ``record_timeline=True``, MSE against random targets, each process on its own random data.
+   Three variants, one after another in the same two processes (a barrier before each, so that both
+   processes always run the same variant and share the cores alike): ``DataParallel(1, 0)`` (no averaging:
+   the step without communication, the reference), ``DataParallel(2, rank)`` (fp32: ``reduce_dtype=None``)
+   and ``reduce_dtype=torch.bfloat16`` (bf16). Each runs ``--engine-warmup`` untimed iterations, then
+   ``--engine-steps`` measured ones (an iteration: one ``forward_backward`` of the batch and one
+   ``engine.step``), then one more that only closes the last measured period. Per measured iteration i
+   (0-based), rank 0's figures, all on the engine's timeline clock (``engine.timeline.now()`` on the calling
+   thread)::
+
+       begin_i    = the clock just before iteration i's forward_backward
+       step time  = begin_{i+1} - begin_i                 (one iteration, as the calling thread sees it)
+       b_i        = the largest end of iteration i's compute events (kinds forward, fused, recompute,
+                    backward, devices >= 0): the end of its last backward compute
+       reduction  = the summed length of step i + 1's "allreduce" events (device -1, labelled
+                    "average step i+1"; each from its first gradient bucket sent to its means in place)
+       hidden     = the part of that time before b_i / reduction; for one event [s, e]:
+                    clip((b_i - s) / (e - s), 0, 1)
+       exposed    = reduction - its part before b_i (the reduction left after the backward ended)
+       sent       = DataParallel.sent_bytes at the end / iterations (every step sends every gradient)
+
+   Iteration i's compute events are found by job index: the engine numbers jobs in dispatch order and every
+   call here dispatches the same ``J = engine.plan.num_stages`` jobs, so iteration i owns jobs ``i x J`` to
+   ``(i + 1) x J - 1`` (checked: the timeline's compute jobs are exactly ``0 .. iterations x J - 1``). Jobs
+   rather than times, because the next iteration's forward may start before this one's backward ends
+   (always without averaging). The step's allreduce events are found by the step number in their label, one
+   per step where the engine averages the whole step at once, one per step group where it averages each
+   group separately (on the optimizer thread, each just before that group's update); their lengths are
+   summed (they run on one thread, one after another). A single event's span also counts the time between
+   sends spent waiting for the shallower groups' gradients, so it reads as more hidden than per-group events
+   (each one group's send and wait) of the same run would. Printed per variant: the median step time in ms and its ratio to no averaging's, the
+   median reduction, the median hidden share, the median exposed ms and the MB (1e6 bytes) sent per step.
+   On this machine the two processes, their simulated devices and gloo share 2 cores: the figure shows that
+   the reduction overlaps the backward, not what a real network would hide (the reduction's cost here is
+   CPU time the compute also needs, so the step time with averaging is not the step time plus what is
+   exposed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -92,7 +135,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from bubble import iteration_time, parameters  # noqa: E402
 from bubble_paper import DEFAULT_JSON, model_inputs  # noqa: E402
+from torch import nn  # noqa: E402
 
+from lightning_roundpipe import EngineOptions, RoundPipeEngine  # noqa: E402
+from lightning_roundpipe.engine.dataparallel import DataParallel  # noqa: E402
+from lightning_roundpipe.observe.trace import COMPUTE_KINDS  # noqa: E402
 from lightning_roundpipe.planning.partition import plan_auto  # noqa: E402
 from lightning_roundpipe.planning.simulate import choose_round_size, simulate_roundpipe  # noqa: E402
 
@@ -102,6 +149,33 @@ FUSED = "L"  # the fused stage's label in the simulator's events
 #: design note §6.4: the paper's tokens per step (sequences x 2048 tokens), where the note gives them
 DESIGN_NOTE_TOKENS_PER_STEP = {"Qwen3-1.7B": 512 * 2048, "Llama3-8B": 256 * 2048, "Qwen3-32B": 128 * 2048}
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
+#: section 3's variants: name -> the reduction dtype's name ("none": no averaging, a process on its own)
+ENGINE_VARIANTS = {"no averaging": "none", "fp32": None, "bf16": "bfloat16"}
+
+
+def spawn(target, args: tuple, timeout_s: float, what: str):
+    """Run ``target(rank, store, result, *args)`` in ``WORLD`` spawned processes, wait for them (at most
+    ``timeout_s`` in all) and return what rank 0 wrote (JSON); ends any process left and removes the scratch
+    folder whatever happens."""
+    scratch = Path(tempfile.mkdtemp(prefix="scaleout-"))
+    store, result = scratch / "store", scratch / "result.json"
+    context = mp.start_processes(target, args=(str(store), str(result), *args), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):  # raises if a process failed (and ends the others)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} took more than {timeout_s:.0f} s")
+        return json.loads(result.read_text())
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # --- 1. gloo all-reduce on this machine -------------------------------------------------------------------
@@ -140,26 +214,7 @@ def _rank_main(rank: int, store: str, result: str, dtypes: list[str], sizes_mib:
 
 def measure(dtypes: list[str], sizes_mib: list[float], warmup: int, repeats: int, timeout_s: float) -> list[dict]:
     """Spawn the two processes, wait for them (at most ``timeout_s`` in all) and return rank 0's rows."""
-    scratch = Path(tempfile.mkdtemp(prefix="scaleout-"))
-    store, result = scratch / "store", scratch / "result.json"
-    context = mp.start_processes(_rank_main, args=(str(store), str(result), dtypes, sizes_mib, warmup, repeats,
-                                                   timeout_s),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):  # raises if a process failed (and ends the others)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gloo measurement took more than {timeout_s:.0f} s")
-        return json.loads(result.read_text())
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        shutil.rmtree(scratch, ignore_errors=True)
+    return spawn(_rank_main, (dtypes, sizes_mib, warmup, repeats, timeout_s), timeout_s, "the gloo measurement")
 
 
 def bandwidth_table(rows: list[dict], warmup: int, repeats: int) -> None:
@@ -296,6 +351,138 @@ def projection_table(nodes: list[Node], skipped: list[str], args: argparse.Names
     print("comm s = T_comm per iteration; T_K s = the iteration with K nodes; tok/s = all K nodes together.")
 
 
+# --- 3. the reduction hidden behind the backward, 2 processes -----------------------------------------------
+
+
+@dataclass
+class EngineRun:
+    """Section 3's model and schedule (the same in both processes)."""
+
+    width: int
+    blocks: int
+    batch: int
+    warmup: int
+    steps: int
+    timeout_s: float
+
+
+def _engine_model(run: EngineRun) -> nn.Sequential:
+    torch.manual_seed(0)  # the same weights in both processes, as data parallel training starts
+    return nn.Sequential(*(nn.Sequential(nn.Linear(run.width, run.width), nn.Tanh()) for _ in range(run.blocks)))
+
+
+def _iteration_figures(events: list, begins: list[float], jobs_per_iteration: int, first: int,
+                       count: int) -> list[dict]:
+    """Per iteration ``first .. first + count - 1`` (0-based): its period and with
+    averaging its allreduce events' spans and the end of its last compute event (the module docstring's
+    definitions). Iteration i's compute events are those of jobs ``i x J .. (i + 1) x J - 1`` (``J``: the frozen
+    plan's stages, one job each per call); its allreduce events those labelled ``average step i + 1``."""
+    compute = [event for event in events if event.device >= 0 and event.kind in COMPUTE_KINDS]
+    iterations = len(begins) - 1
+    if {event.job for event in compute} != set(range(iterations * jobs_per_iteration)):
+        raise RuntimeError(f"expected the compute events of jobs 0 .. {iterations * jobs_per_iteration - 1} "
+                           f"({iterations} iterations of {jobs_per_iteration} jobs)")
+    spans: dict[int, list[list[float]]] = {}
+    for event in events:
+        match = re.match(r"average step (\d+)", event.label) if event.kind == "allreduce" else None
+        if match:
+            spans.setdefault(int(match.group(1)) - 1, []).append([event.start, event.end])
+    rows = []
+    for i in range(first, first + count):
+        row: dict = {"period": begins[i + 1] - begins[i]}
+        if i in spans:
+            row["reductions"] = sorted(spans[i])
+            row["backward_end"] = max(event.end for event in compute if event.job // jobs_per_iteration == i)
+        rows.append(row)
+    return rows
+
+
+def _engine_variant(rank: int, run: EngineRun, reduce: str | None, group) -> dict:
+    """One variant in this process (both processes at once): this process's per-iteration figures."""
+    if reduce == "none":
+        data_parallel = DataParallel(1, 0, timeout=run.timeout_s)
+    else:
+        data_parallel = DataParallel(WORLD, rank, gradients=group, timeout=run.timeout_s,
+                                     reduce_dtype=None if reduce is None else getattr(torch, reduce))
+    model = _engine_model(run)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # a frozen plan and whole jobs: every call runs the same J jobs, numbered on (iteration i: i x J ..)
+    options = EngineOptions(num_microbatches=2, num_stages=4, round_size="whole", freeze_plan=True, seed=1,
+                            record_timeline=True)
+    data = torch.Generator().manual_seed(1000 + rank)  # each process on its own data
+    total = run.warmup + run.steps + 1  # + 1: the iteration whose begin closes the last measured period
+    begins = []
+    dist.barrier()
+    with RoundPipeEngine(model, 2, options, data_parallel=data_parallel) as engine:
+        for _ in range(total):
+            inputs = torch.randn(run.batch, run.width, generator=data)
+            target = torch.randn(run.batch, run.width, generator=data)
+            begins.append(engine.timeline.now())
+            engine.forward_backward(inputs, target, nn.functional.mse_loss)
+            engine.step(optimizer)
+        engine.synchronize()
+        begins.append(engine.timeline.now())
+        events, jobs_per_iteration = engine.events(), engine.plan.num_stages
+    figures = _iteration_figures(events, begins, jobs_per_iteration, run.warmup, run.steps)
+    if reduce != "none" and any("reductions" not in row for row in figures):
+        raise RuntimeError("a measured step of an averaged run has no allreduce event on the timeline")
+    # every step sends every gradient: the bytes of one (read once all steps ended, the sends may run on the
+    # optimizer thread after engine.step returned)
+    return {"rows": figures, "sent_per_step": data_parallel.sent_bytes / total}
+
+
+def _engine_main(rank: int, store: str, result: str, run: EngineRun) -> None:
+    """One process of section 3 (spawned): every variant in turn; rank 0 writes the figures."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=run.timeout_s))
+    try:
+        group = dist.new_group(backend="gloo")  # the gradients' own group, as the strategy makes it
+        figures = {name: _engine_variant(rank, run, reduce, group) for name, reduce in ENGINE_VARIANTS.items()}
+        if rank == 0:
+            Path(result).write_text(json.dumps(figures))
+    finally:
+        dist.destroy_process_group()
+
+
+def overlap_table(figures: dict[str, dict], run: EngineRun) -> None:
+    grad_mb = run.blocks * (run.width + 1) * run.width * 4 / 1e6
+    print(f"\n3. The gradient reduction behind the backward: {WORLD} processes (spawn, gloo over a FileStore, 1 "
+          f"intra-op thread each), each a RoundPipeEngine on 2 CPU devices")
+    print(f"   model: {run.blocks} x (Linear({run.width}, {run.width}) + tanh), {grad_mb:.1f} MB of fp32 gradients "
+          f"per process; AdamW, batch {run.batch} in 2 microbatches, 4 forward stages (frozen plan, whole jobs); "
+          "each process on its own data")
+    print(f"   {run.steps} measured iterations (forward_backward + engine.step) after {run.warmup} warm-up ones, "
+          "per variant; rank 0's medians, on the engine's timeline clock")
+    print("   step ms      = begin(i+1) - begin(i), begin: the clock just before iteration i's forward_backward")
+    print("   b            = the end of iteration i's last compute event (forward/fused/recompute/backward), its "
+          "events found by job index (i x J .. (i+1) x J - 1, J jobs per call)")
+    print("   reduction ms = the step's allreduce events (labelled 'average step i+1'), summed: first bucket sent .. "
+          "its means received, per event")
+    print("   hidden       = the share of that time before b (one event [s, e]: clip((b - s) / (e - s), 0, 1));  "
+          "exposed ms = the rest")
+    print("   MB sent      = DataParallel.sent_bytes / iterations / 1e6 (gradients and, where the runtime sends "
+          "them, flags)")
+    print(f"{'variant':<13} {'step ms':>8} {'x no avg':>8} | {'reduction ms':>12} {'hidden':>7} {'exposed ms':>10} "
+          f"{'MB sent':>8}")
+    base = statistics.median(row["period"] for row in figures["no averaging"]["rows"])
+    for name, figure in figures.items():
+        rows = figure["rows"]
+        period = statistics.median(row["period"] for row in rows)
+        cells = f"{'-':>12} {'-':>7} {'-':>10}"
+        if "reductions" in rows[0]:
+            spent = [sum(end - start for start, end in row["reductions"]) for row in rows]
+            before = [sum(max(0.0, min(end, row["backward_end"]) - start) for start, end in row["reductions"])
+                      for row in rows]
+            hidden = [part / total if total > 0 else 1.0 for part, total in zip(before, spent, strict=True)]
+            exposed = [total - part for part, total in zip(before, spent, strict=True)]
+            cells = (f"{1e3 * statistics.median(spent):12.1f} {100 * statistics.median(hidden):6.0f}% "
+                     f"{1e3 * statistics.median(exposed):10.1f}")
+        print(f"{name:<13} {1e3 * period:8.1f} {period / base:8.2f} | {cells} {figure['sent_per_step'] / 1e6:8.1f}")
+    print("Caveat: the two processes, their simulated devices and gloo share this machine's 2 cores, so the reduction "
+          "competes with the compute for CPU time: the hidden share shows that the reduction overlaps the backward, "
+          "not what a real network would hide.")
+
 def numbers(text: str, kind: type = float) -> list:
     return [kind(x) for x in text.split(",") if x.strip()]
 
@@ -324,6 +511,13 @@ def main() -> int:
     parser.add_argument("--no-overlap", action="store_true", help="nothing hides the reduction (H = 0)")
     parser.add_argument("--lora-params", type=float, default=None,
                         help="adapter parameters of the paper's LoRA model (Qwen3-235B); left out without it")
+    parser.add_argument("--no-engine-run", action="store_true",
+                        help="skip section 3 (the 2-process engine run: the reduction hidden behind the backward)")
+    parser.add_argument("--engine-width", type=int, default=896, help="section 3: the width w of each Linear(w, w)")
+    parser.add_argument("--engine-blocks", type=int, default=8, help="section 3: Linear + tanh layers")
+    parser.add_argument("--engine-batch", type=int, default=16, help="section 3: rows per process and iteration")
+    parser.add_argument("--engine-warmup", type=int, default=3, help="section 3: untimed iterations per variant")
+    parser.add_argument("--engine-steps", type=int, default=10, help="section 3: measured iterations per variant")
     args = parser.parse_args()
     dtypes = [name.strip() for name in args.dtypes.split(",") if name.strip()]
     for name in dtypes:
@@ -333,6 +527,10 @@ def main() -> int:
         parser.error("need positive --sizes-mib, --repeats >= 1 and --warmup >= 0")
     if not args.nodes or min(args.nodes) < 2 or not args.links or min(args.links) <= 0 or args.link_efficiency <= 0:
         parser.error("need --nodes >= 2, positive --links and a positive --link-efficiency")
+    if (min(args.engine_width, args.engine_blocks, args.engine_steps) < 1 or args.engine_batch < 2
+            or args.engine_warmup < 0):
+        parser.error("need --engine-width, --engine-blocks, --engine-steps >= 1, --engine-batch >= 2 (2 "
+                     "microbatches) and --engine-warmup >= 0")
 
     if not args.no_measure:
         if not dist.is_available() or not dist.is_gloo_available():
@@ -342,6 +540,13 @@ def main() -> int:
             bandwidth_table(rows, args.warmup, args.repeats)
     nodes, skipped = node_inputs(json.loads(args.json.read_text()), args.mode, args.iteration, args.lora_params)
     projection_table(nodes, skipped, args)
+    if not args.no_engine_run:
+        if not dist.is_available() or not dist.is_gloo_available():
+            print("\n3. skipped: this torch build has no gloo backend")
+        else:
+            run = EngineRun(args.engine_width, args.engine_blocks, args.engine_batch, args.engine_warmup,
+                            args.engine_steps, args.timeout)
+            overlap_table(spawn(_engine_main, (run,), args.timeout, "the 2-process engine run"), run)
     return 0
 
 
