@@ -1,8 +1,18 @@
 """``RoundPipeStrategy``: the Lightning adapter. Hook overrides and validation only; the engine does the work.
 
-One process, rank 0, world size 1, no launcher. The host is the root device: the module, batches and
-``self.device`` stay on the CPU, and only the engine touches the devices Lightning hands over as
-``parallel_devices``. The trunk's ``forward`` is redirected to the engine while the strategy is set up.
+The host is the root device: the module, batches and ``self.device`` stay on the CPU, and only the engine
+touches the devices Lightning hands over as ``parallel_devices``. The trunk's ``forward`` is redirected to the
+engine while the strategy is set up.
+
+Processes: by default one (rank 0, world size 1, no launcher, no process group), driving every device of the
+Trainer as one ring. With ``rings_per_node * num_nodes > 1`` the processes train data parallel, one ring each,
+launched and ranked as Lightning's ``DDPStrategy`` does them: Lightning's ``_SubprocessScriptLauncher`` starts
+the node's other processes unless the cluster environment started them (torchrun, SLURM); process ``local_rank``
+drives its share ``devices // rings_per_node`` of the node's ``parallel_devices``; the processes join a gloo
+process group at ``setup_environment`` and the engine averages each step's host gradients across them on a group
+of its own (:mod:`lightning_roundpipe.engine.dataparallel`). Lightning's collectives (``sync_dist`` logging,
+checkpoint callbacks) run on the default group; the data is sharded by Lightning's ``DistributedSampler``; only
+global rank 0 writes checkpoints.
 
 Checkpoints: beside Lightning's entries, ``checkpoint["roundpipe"]`` holds the engine's state (the plan in use, the
 step count and base seed that seed the random layers), which ``ckpt_path`` gives back to the next run's engine, so
@@ -30,24 +40,36 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _set_num_threads_if_needed,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe import metrics, precision, preflight
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
+from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.engine import RoundPipeEngine
 from lightning_roundpipe.engine.host_step import HostKernels
-from lightning_roundpipe.engine.options import Recompute, TransportDtype
+from lightning_roundpipe.engine.options import OptionError, Recompute, TransportDtype
 from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
 from lightning_roundpipe.engine.step_groups import StreamingStep
 from lightning_roundpipe.engine.transport import transport_torch_dtype
@@ -103,6 +125,8 @@ class RoundPipeStrategy(ParallelStrategy):
         device_memory_limit: per-device budget, bytes or ``"20GiB"``. Default on GPUs: 90% of what the
             process can still allocate, split between ring members that share a GPU.
         ring: the ring's members as indices into the Trainer's devices, e.g. ``[0, 0]`` with ``devices=1``.
+        rings_per_node: processes per node, each driving ``devices // rings_per_node`` of the node's devices as
+            its ring; with more than one process in all, data parallel (gradients averaged at each step).
         log_pipeline_metrics: log ``roundpipe/*`` figures after each optimizer step.
         timeline: record the pipeline's timeline and write ``timeline.json`` and ``timeline.png`` at teardown.
         timeline_dir: where the timeline goes (default: ``default_root_dir``); giving it switches ``timeline`` on.
@@ -117,7 +141,7 @@ class RoundPipeStrategy(ParallelStrategy):
         stress: test mode: CPU stand-ins land copies late and poison released buffers (CUDA semantics).
         wait_timeout: seconds any internal wait may block before the engine fails instead of hanging.
         accelerator: Lightning's, as for any strategy.
-        parallel_devices: Lightning's: the devices the ring is made of.
+        parallel_devices: Lightning's: the node's devices, which its rings are made of.
         checkpoint_io: Default: :class:`~lightning_roundpipe.checkpoint_io.StreamingCheckpointIO`, unless the
             Trainer has a plugin of the user's.
         precision_plugin: Lightning's, as for any strategy.
@@ -131,7 +155,7 @@ class RoundPipeStrategy(ParallelStrategy):
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
                  streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
                  round_size: Literal["auto", "whole"] | int = "auto", ring: list[int] | None = None,
-                 log_pipeline_metrics: bool = True, timeline: bool = False,
+                 rings_per_node: int = 1, log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
                  deferred_batchnorm: bool = False, seed: int | None = None, jitter: float = 0.0, stress: bool = False,
@@ -141,7 +165,8 @@ class RoundPipeStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.options, self.engine_options = build_options(dict(
-            pipeline=pipeline, ring=ring, log_pipeline_metrics=log_pipeline_metrics, timeline=timeline,
+            pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, log_pipeline_metrics=log_pipeline_metrics,
+            timeline=timeline,
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
@@ -158,59 +183,142 @@ class RoundPipeStrategy(ParallelStrategy):
         self._fused_backward_done = False
         self._guarded_zero_grad: list[Any] = []  # optimizers and their LightningOptimizer wrappers
         self._layer_sync: Any = None  # Lightning sets this for sync_batchnorm=True; refused in setup
-        self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...); refused above 1
+        self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...)
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
+        self.ring_devices: list[torch.device] = []  #: this process's ring (set up by setup_environment)
+        #: the processes training together (set up by setup_environment when there are several)
+        self.data_parallel: DataParallel | None = None
 
-    # ------------------------------------------------------------------ one process, host as root
+    # ------------------------------------------------------------------ processes, ranks, host as root
     @property
     @override
     def root_device(self) -> torch.device:
         return torch.device("cpu")
 
     @property
+    def num_processes(self) -> int:
+        """Processes on each node: ``rings_per_node``."""
+        return self.options.rings_per_node
+
+    @property
+    def _several_processes(self) -> bool:
+        """Whether the run is configured for more than one process (``rings_per_node * num_nodes > 1``)."""
+        return self.num_processes * self.num_nodes > 1
+
+    # one process: rank 0 of 1 whatever the environment says, as before there were several
+    @property
     @override
     def global_rank(self) -> int:
-        return 0
+        return super().global_rank if self._several_processes else 0
 
     @property
     @override
     def local_rank(self) -> int:
-        return 0
+        return super().local_rank if self._several_processes else 0
 
     @property
     @override
     def node_rank(self) -> int:
-        return 0
+        return super().node_rank if self._several_processes else 0
 
     @property
     @override
     def world_size(self) -> int:
-        return 1
+        return super().world_size if self._several_processes else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning injects its ``DistributedSampler`` and reduces ``sync_dist`` logs when this is true."""
+        return self.world_size > 1
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
+        # one shard per process (ring), not per device as ParallelStrategy's default would have it
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """``DDPStrategy``'s ranks, one process per ring: global rank ``node_rank * rings_per_node +
+        local_rank`` of ``num_nodes * rings_per_node``. Lightning calls this when it builds the Trainer."""
+        if not self._several_processes or self.cluster_environment is None:
+            return
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # some environments ignore the setters (torchrun's, SLURM's): read the rank back through the getter
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # the decorator keeps the rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning calls this after set_world_ranks: the settings are checked here, when the Trainer is built
+        self._check_processes()
+        environment = self.cluster_environment
+        if self._several_processes and environment is not None and not environment.creates_processes_externally:
+            # one process per ring on this node; the launcher checks nothing more for Lightning's own environment
+            self._launcher = _SubprocessScriptLauncher(environment, self.num_processes, self.num_nodes)
+
+    def _check_processes(self) -> None:
+        """Refuse devices the node's rings cannot share, and a world started by someone else (torchrun, SLURM)
+        that is not ``rings_per_node`` processes on each of ``num_nodes`` nodes, in our words: Lightning's own
+        check would name ``devices``, which here counts devices, not processes."""
+        devices, rings = len(self.parallel_devices or [torch.device("cpu")]), self.num_processes
+        if devices % rings:
+            raise OptionError("rings_per_node", f"must divide the Trainer's devices per node: devices={devices} with "
+                                                f"rings_per_node={rings} leaves {devices % rings} device(s) over. "
+                                                f"Each process drives devices // rings_per_node devices: set devices "
+                                                f"to a multiple of {rings}, or rings_per_node to a divisor of "
+                                                f"{devices}")
+        environment = self.cluster_environment
+        if environment is None or not environment.creates_processes_externally:
+            return
+        expected, started = rings * self.num_nodes, environment.world_size()
+        local, node = environment.local_rank(), environment.node_rank()
+        misplaced = self._several_processes and not (0 <= local < rings and 0 <= node < self.num_nodes)
+        if started != expected or misplaced:
+            raise ValueError(
+                f"RoundPipe runs one process per ring, rings_per_node={rings} on each of num_nodes={self.num_nodes} "
+                f"node(s): {expected} in all; but {type(environment).__name__} started {started} "
+                f"(this one: local rank {local} on node {node}). Start rings_per_node processes per node "
+                f"(torchrun --nnodes {self.num_nodes} --nproc-per-node {rings}; SLURM --nodes={self.num_nodes} "
+                f"--ntasks-per-node={rings}), or set the strategy's rings_per_node and Trainer(num_nodes=...) to "
+                f"what was started. Trainer(devices={devices}) stays the number of devices per node, which the "
+                "node's processes share"
+            )
+
+    def _collective(self) -> bool:
+        """Whether Lightning's collectives go to the other processes (else they are the identity, as in one)."""
+        return self.world_size > 1 and _distributed_is_initialized()
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        pass
+        if self._collective():
+            torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        if not self._collective():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=torch.distributed.group.WORLD)
+        return holder[0]
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
+        if not self._collective():
+            return tensor
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # gloo has no AVG for every dtype: Lightning's helper sums, then divides by the world size
+        if isinstance(tensor, torch.Tensor) and self._collective():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
+        if not self._collective():
+            return decision
+        return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def model_to_device(self) -> None:
@@ -232,16 +340,12 @@ class RoundPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup and teardown
     @override
     def setup_environment(self) -> None:
-        if self.num_nodes > 1:
-            raise ValueError(
-                f"RoundPipe runs in one process on one machine; got Trainer(num_nodes={self.num_nodes}). Use "
-                "num_nodes=1 (multi-machine data parallelism is not supported yet)"
-            )
         if self._layer_sync is not None:
             raise ValueError(
-                "Trainer(sync_batchnorm=True) synchronizes statistics across processes, and RoundPipe runs one "
-                "process: set sync_batchnorm=False (BatchNorm sees each microbatch, as in gradient accumulation; "
-                "deferred_batchnorm=True updates its running statistics from the whole batch)"
+                "Trainer(sync_batchnorm=True) synchronizes BatchNorm statistics across processes inside each forward, "
+                "which RoundPipe's rings do not do: set sync_batchnorm=False (BatchNorm sees each microbatch, as in "
+                "gradient accumulation, on each process's own data; deferred_batchnorm=True updates its running "
+                "statistics from the ring's whole batch)"
             )
         devices = self.parallel_devices or [torch.device("cpu")]
         unsupported = sorted({device.type for device in devices} - {"cpu", "cuda"})
@@ -250,12 +354,58 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"RoundPipe drives CUDA GPUs (accelerator='gpu') and simulated CPU devices (accelerator='cpu'), not "
                 f"{unsupported[0]!r} devices"
             )
-        if self.options.ring is not None:
-            self.parallel_devices = [devices[index] for index in self.options.ring_members(len(devices))]
+        self._check_processes()
+        if self._several_processes:  # this process's share of the node's devices, then `ring` within it
+            share = len(devices) // self.num_processes
+            mine = devices[self.local_rank * share:(self.local_rank + 1) * share]
+            self.ring_devices = [mine[index] for index in self.options.ring_members(
+                share, whose="each process's share (devices // rings_per_node) of the Trainer's devices:")]
+        else:
+            if self.options.ring is not None:
+                self.parallel_devices = [devices[index] for index in self.options.ring_members(len(devices))]
+            self.ring_devices = list(self.parallel_devices or [torch.device("cpu")])
         # the host stays the root device; the accelerator sets up the first ring device (current device,
         # its memory statistics), not the root, which a CUDA accelerator would refuse
         assert self.accelerator is not None
-        self.accelerator.setup_device(self.parallel_devices[0] if self.parallel_devices else torch.device("cpu"))
+        self.accelerator.setup_device(self.ring_devices[0])
+        self.data_parallel = None
+        if self._several_processes:
+            self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        """``DDPStrategy``'s set-up on gloo (the gradients are host tensors): ranks, the default process group
+        (Lightning's collectives and the engine's agreements), then a group of its own for the gradients,
+        created in the same order on every process."""
+        reset_seed()
+        self.set_world_ranks()
+        # as Lightning's launcher does in each process it starts (torchrun sets OMP_NUM_THREADS itself)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        seconds = self.engine_options.wait_timeout
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, "gloo", timeout=timedelta(seconds=seconds))
+        if torch.distributed.get_world_size() != self.world_size:
+            raise RuntimeError(
+                f"torch.distributed was already initialized with {torch.distributed.get_world_size()} processes, "
+                f"but RoundPipe runs {self.world_size} (rings_per_node={self.num_processes} x "
+                f"num_nodes={self.num_nodes})"
+            )
+        gradients = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        self.data_parallel = DataParallel(self.world_size, self.global_rank, gradients=gradients, timeout=seconds)
+
+    def _agree_initial_weights(self, module: nn.Module) -> None:
+        """Make every process start from process 0's weights: compare a fingerprint of each parameter and buffer
+        (its sum and norm) across the processes, and broadcast from process 0 only if one differs (a broadcast
+        of a large model costs about as much as a step's gradient averaging)."""
+        mine = _fingerprint(module)
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        differing = sum(1 for theirs in everyone if theirs != everyone[0])
+        if differing:
+            if self.is_global_zero:
+                log.info(f"RoundPipe: the initial weights of {differing} of {self.world_size} processes differ from "
+                         "process 0's; broadcasting process 0's (seed_everything before building the module spares "
+                         "this)")
+            _sync_module_states(module)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -264,8 +414,11 @@ class RoundPipeStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         assert module is not None
+        data_parallel = self.data_parallel if self.world_size > 1 else None
+        if data_parallel is not None:  # the checkpoint being resumed, if any, is loaded already: on every process
+            self._agree_initial_weights(module)
         trunk, driven = build_module_trunk(module, self.options.pipeline)
-        devices = self.parallel_devices or [torch.device("cpu")]
+        devices = self.ring_devices or self.parallel_devices or [torch.device("cpu")]
         fitting = trainer.state.fn == TrainerFn.FITTING
         options, mode = precision.resolve_transport(self.engine_options, self.precision_plugin), self.options.preflight
         # pre-flight, before any thread starts: a layer too large for the device budget first (the planner
@@ -273,10 +426,12 @@ class RoundPipeStrategy(ParallelStrategy):
         self.memory_plan = None
         transport = transport_torch_dtype(options.transport_dtype)
         preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type, transport)
-        engine = RoundPipeEngine(trunk, devices, options)  # plans; threads start below
+        engine = RoundPipeEngine(trunk, devices, options, data_parallel=data_parallel)  # plans; threads start below
         resumed, self._resume_state = self._resume_state, None
         if resumed is not None and trainer.ckpt_path is not None:
             engine.load_state_dict(resumed)  # the plan, step count and seed the checkpointed run had
+        if data_parallel is not None:  # every ring starts with process 0's plan (the engine agrees after each step)
+            engine.planner.adopt(data_parallel.agree(engine.planner.plan))
         if fitting:
             self.setup_optimizers(trainer)
         if mode != "off":
@@ -344,7 +499,9 @@ class RoundPipeStrategy(ParallelStrategy):
                 trainer = self.lightning_module.trainer if self.lightning_module is not None else None
                 folder = trainer.default_root_dir if trainer is not None else os.getcwd()
             events = self.engine.events()
-            self.timeline_files = write_timeline(events, folder, self.engine.num_devices)
+            # one file per process when there are several: never two processes to one path
+            name = "timeline" if self.world_size == 1 else f"timeline_rank{self.global_rank}"
+            self.timeline_files = write_timeline(events, folder, self.engine.num_devices, name=name)
             log.info(f"RoundPipe timeline ({len(events)} events): {', '.join(self.timeline_files)}")
         except Exception as error:  # noqa: BLE001 - a picture is never worth masking the run's own outcome
             log.warning(f"RoundPipe could not write its timeline: {type(error).__name__}: {error}")
@@ -468,9 +625,12 @@ class RoundPipeStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # the engine's own state beside Lightning's (the plan in use, the step count and base seed that seed the
         # random layers): resuming continues the run exactly. One more top-level key, of plain values only:
-        # load_from_checkpoint without the strategy ignores it
+        # load_from_checkpoint without the strategy ignores it. Lightning calls this on every process (each has
+        # quiesced its engine while Lightning gathered the states); only global rank 0 writes, as with DDP
         if self.engine is not None:
             self._quiesce()
+            if not self.is_global_zero:
+                return
             torn = self.engine.torn_step
             if torn is not None:  # weights of two steps: a checkpoint would claim a state no run ever had
                 log.warning(f"RoundPipe did not write the checkpoint {filepath}: {torn}")
@@ -492,6 +652,20 @@ class RoundPipeStrategy(ParallelStrategy):
         if "roundpipe_async" not in strategy_registry:
             strategy_registry.register("roundpipe_async", cls, description="RoundPipe, one-step-stale async step",
                                        async_step=True)
+
+
+def _fingerprint(module: nn.Module) -> list[tuple[str, float, float]]:
+    """Per parameter and buffer: its name, sum and Euclidean norm in float64 (cheap; equal weights give equal
+    fingerprints on every process, and different ones practically never do)."""
+    prints = []
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            values = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor.detach()
+            if not values.is_floating_point():
+                values = values.to(torch.float64)  # integer and boolean buffers (counters, masks): small
+            prints.append((name, float(values.sum(dtype=torch.float64)),
+                           float(torch.linalg.vector_norm(values, dtype=torch.float64))))
+    return prints
 
 
 def _overrides_gradient_hook(obj: Any, base: type) -> bool:

@@ -47,7 +47,16 @@ class StrategyOptions:
 
     ring: list[int] | None = None
     """The ring's members as indices into the Trainer's devices, e.g. ``[0, 0]`` with ``devices=1``: two
-    ring members on one GPU (Lightning itself refuses duplicate device ids). ``None``: each device once."""
+    ring members on one GPU (Lightning itself refuses duplicate device ids). ``None``: each device once.
+    With ``rings_per_node > 1`` the indices are into each process's share of the node's devices."""
+
+    rings_per_node: int = 1
+    """Processes per node, each driving a ring of ``devices // rings_per_node`` of the node's devices (the
+    Trainer's ``devices`` stays the number of devices per node, which must be a multiple of this). With more
+    than one process in all (``rings_per_node * num_nodes``), the processes train data parallel: each on its
+    own share of the data (Lightning's ``DistributedSampler``), the gradients of every step averaged across
+    them before the step, as with ``strategy="ddp"``. One ring per node (the default) is usually best: every
+    process holds a full host copy of the training state; two suit a two-socket machine (one per socket)."""
 
     log_pipeline_metrics: bool = True
     """Log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded, host step time and the
@@ -87,6 +96,10 @@ class StrategyOptions:
                 raise OptionError("ring", f"must be a non-empty list of device indices (ints >= 0), e.g. [0, 0], "
                                           f"or None for each device once; got {ring!r}")
             self.ring = list(ring)  # a Hydra ListConfig becomes a plain list
+        if isinstance(self.rings_per_node, bool) or not isinstance(self.rings_per_node, int) \
+                or self.rings_per_node < 1:
+            raise OptionError("rings_per_node", f"must be a positive int (processes per node, each driving a ring "
+                                                f"of devices // rings_per_node devices), got {self.rings_per_node!r}")
         check_flag("log_pipeline_metrics", self.log_pipeline_metrics)
         check_flag("timeline", self.timeline)
         if self.timeline_dir is not None:
@@ -100,11 +113,12 @@ class StrategyOptions:
                                            f"got {self.preflight!r}")
 
 
-    def ring_members(self, num_devices: int) -> list[int]:
-        """``ring``'s indices, checked against the Trainer's ``num_devices`` (a device may appear twice)."""
+    def ring_members(self, num_devices: int, whose: str = "the Trainer's") -> list[int]:
+        """``ring``'s indices, checked against ``num_devices``, the Trainer's devices or (``whose``) a process's
+        share of them (a device may appear twice)."""
         ring = self.ring if self.ring is not None else list(range(num_devices))
         if any(index >= num_devices for index in ring):
-            raise OptionError("ring", f"lists indices into the Trainer's {num_devices} device(s), each in "
+            raise OptionError("ring", f"lists indices into {whose} {num_devices} device(s), each in "
                                       f"0..{num_devices - 1}; got {ring!r}. For two ring members on one GPU: "
                                       "Trainer(devices=1), ring=[0, 0]")
         return ring

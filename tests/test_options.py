@@ -175,6 +175,7 @@ def test_option_types_become_types_omegaconf_checks(hint, expected):
 HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is the default
     "pipeline": ("net", "net"),
     "ring": ("[0,0]", [0, 0]),
+    "rings_per_node": ("2", 2),
     "log_pipeline_metrics": ("false", False),
     "timeline": ("true", True),
     "timeline_dir": ("{tmp}/trace", "{tmp}/trace"),
@@ -240,6 +241,8 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
      "must be a non-empty list of device indices (ints >= 0), e.g. [0, 0], or None for each device once; got [-1]"),
     ("pipeline", "", "''", "must be a dotted attribute path such as 'net' or 'model.blocks', or None to find the "
                            "trunk; got ''"),
+    ("rings_per_node", 0, "0",
+     "must be a positive int (processes per node, each driving a ring of devices // rings_per_node devices), got 0"),
 ]
 
 

@@ -132,6 +132,7 @@ class TrainerConf:
     _target_: str = "lightning.pytorch.Trainer"
     accelerator: str = "cpu"
     devices: Any = 2
+    num_nodes: int = 1  # machines; each runs strategy.rings_per_node processes
     precision: str = "32-true"
     max_steps: int = 1800
     max_epochs: int = -1

@@ -1,0 +1,265 @@
+"""Data parallel over RoundPipe rings through Lightning: several processes, launched the Lightning way.
+
+Every multi-process run is a separate script (``tests/scaleout/train.py``) started with ``subprocess``: never
+``trainer.fit`` with several processes inside pytest, as Lightning's launcher starts the other processes by running
+the main program again. The runs are module-scoped fixtures, each started once (a run takes 10 to 25 s on two
+cores, most of it importing Lightning in each process).
+
+The reference is ``strategy="ddp", devices=2`` on the same data, seed and global batch: AdamW, a StepLR schedule,
+``accumulate_grad_batches=2``, gradient clipping. RoundPipe runs ``devices=4, rings_per_node=2``: 2 processes,
+each a ring of 2 simulated CPU devices with 2 microbatches per batch. Both in float64, so they agree to
+``tests/numerics.py``'s 1e-12 (the sums run in another order); the weights move by far more than that.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.engine.options import OptionError
+from tests.models import Classifier
+from tests.numerics import assert_float64_equal, assert_states_equal, assert_states_float64_equal
+from tests.scaleout import train as script
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scaleout" / "train.py"
+TIMEOUT = 300  # seconds per run: a guard against hanging, far above what a run takes
+STEPS = 4      # optimizer steps: 2 epochs of 2
+WORLD = 2
+# variables a launcher or scheduler sets: the runs must not inherit them from whatever started pytest
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+
+
+def _run(out: Path, *args: str, torchrun: bool = False) -> dict[int, dict[str, Any]]:
+    """Run the script (under torchrun with 2 processes: ``torchrun``); returns each rank's record."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"] \
+        if torchrun else [sys.executable]
+    command = [*launcher, str(SCRIPT), *args, "--out", str(out)]
+    env = {key: value for key, value in os.environ.items()
+           if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
+    # a session of its own, so that a run that hangs is ended with every process it started
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process:
+        try:
+            output, _ = process.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"{' '.join(command)} ran over {TIMEOUT} s:\n{output[-6000:]}")
+    assert process.returncode == 0, f"{' '.join(command)} failed:\n{output[-6000:]}"
+    return {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
+
+
+def _fit_one_process(steps: int, *, resume: str | None = None, checkpoints: str | None = None,
+                     async_step: bool = False, clip: bool = True) -> tuple[script.Recording, pl.Trainer]:
+    """The same run in this process: one ring of 2 devices, every batch the whole global batch (its samples are
+    those of one batch of all the processes of a two-process run)."""
+    pl.seed_everything(0, verbose=False)
+    strategy = RoundPipeStrategy(num_microbatches=2, async_step=async_step, wait_timeout=script.WAIT)
+    trainer = script.make_trainer(strategy, 2, steps, True, checkpoints, clip=clip)
+    module = script.Recording("adamw")
+    trainer.fit(module, script.loader(1), ckpt_path=resume)
+    return module, trainer
+
+
+def _initial_state() -> dict[str, torch.Tensor]:
+    return {name: tensor.double() for name, tensor in Classifier("adamw").state_dict().items()}
+
+
+# ---------------------------------------------------------------------------- the runs
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("ddp"), "--strategy", "ddp", "--devices", "2", "--float64")
+
+
+@pytest.fixture(scope="module")
+def transparent(tmp_path_factory) -> tuple[dict[int, dict[str, Any]], Path]:
+    """Rank 1 starts from other weights (the strategy must start it from rank 0's); timeline and checkpoints."""
+    folder = tmp_path_factory.mktemp("transparent")
+    records = _run(folder / "out", "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   "--perturb-rank", "1", "--timeline-dir", str(folder / "timeline"),
+                   "--checkpoints", str(folder / "checkpoints"))
+    return records, folder
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("fused"), "--strategy", "roundpipe", "--devices", "4", "--rings-per-node",
+                "2", "--float64", "--fused")
+
+
+# ---------------------------------------------------------------------------- two processes against DDP
+def _check_against_ddp(records: dict[int, dict[str, Any]], ddp: dict[int, dict[str, Any]]) -> None:
+    for rank in range(WORLD):
+        record, reference = records[rank], ddp[rank]
+        assert record["world_size"] == WORLD and record["global_step"] == STEPS
+        assert record["distributed_sampler_kwargs"] == {"num_replicas": WORLD, "rank": rank}
+        assert record["seen"] == reference["seen"]  # Lightning's DistributedSampler, sharded by process
+        assert_float64_equal(record["losses"], reference["losses"], what=f"rank {rank} losses")
+        assert_float64_equal(record["synced_loss"], reference["synced_loss"], what="sync_dist mean")
+    assert records[0]["synced_loss"] == records[1]["synced_loss"]
+    for epoch in range(STEPS // 2):  # each epoch, the processes train on disjoint shares of the data
+        shares = [set(records[rank]["seen"][epoch * 16:(epoch + 1) * 16]) for rank in range(WORLD)]
+        assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(script.SAMPLES))
+    assert_states_equal(records[0]["state"], records[1]["state"])  # every process took the same steps
+    assert_states_float64_equal(records[0]["state"], ddp[0]["state"])
+    moved = max((records[0]["state"][name] - value).abs().max().item() for name, value in _initial_state().items())
+    assert moved > 1e-3  # a run that did not train (or one of another run) would fail the comparison
+
+
+def test_two_processes_equal_ddp_transparent(transparent, ddp):
+    _check_against_ddp(transparent[0], ddp)
+    assert transparent[0][0]["environment"] == "LightningEnvironment"
+
+
+def test_two_processes_equal_ddp_fused(fused, ddp):
+    _check_against_ddp(fused, ddp)
+
+
+def test_each_process_writes_its_own_timeline(transparent):
+    folder = transparent[1] / "timeline"
+    names = sorted(path.name for path in folder.iterdir())
+    assert {"timeline_rank0.json", "timeline_rank1.json"} <= set(names) and "timeline.json" not in names
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_only_rank_0_writes_checkpoints_that_load_without_the_strategy(transparent):
+    records, folder = transparent
+    assert sorted(path.name for path in (folder / "checkpoints").iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    path = folder / "checkpoints" / "epoch=1.ckpt"
+    checkpoint = torch.load(path, weights_only=False)  # a plain Lightning checkpoint
+    assert checkpoint["global_step"] == STEPS and "roundpipe" in checkpoint
+    assert_states_equal(checkpoint["state_dict"], records[0]["state"])
+    module = Classifier.load_from_checkpoint(path)  # a float32 module: the float64 weights, rounded
+    assert_states_equal(module.state_dict(), {name: value.float() for name, value in records[0]["state"].items()})
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The first epoch in this process (its checkpoint), and the second resumed from it in this process: what a
+    resumed run ends with, whatever the world size of either half. (Lightning resumes from a checkpoint of an
+    epoch's end with its own choice of batches, the same under its default strategy; so a resumed run is
+    compared with a resumed run.)"""
+    folder = tmp_path_factory.mktemp("one_process")
+    _fit_one_process(STEPS // 2, checkpoints=str(folder))
+    module, trainer = _fit_one_process(STEPS, resume=str(folder / "epoch=0.ckpt"))
+    assert trainer.global_step == STEPS and trainer.world_size == 1
+    return folder / "epoch=0.ckpt", {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+def test_a_two_process_checkpoint_resumes_on_one_process(transparent, one_process, roundpipe_threads):
+    checkpoint, resumed = one_process
+    first_half = torch.load(transparent[1] / "checkpoints" / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    assert_states_float64_equal(first_half, torch.load(checkpoint, weights_only=False)["state_dict"])
+    module, trainer = _fit_one_process(STEPS, resume=str(transparent[1] / "checkpoints" / "epoch=0.ckpt"))
+    assert trainer.global_step == STEPS and trainer.world_size == 1
+    assert_states_float64_equal(module.state_dict(), resumed)
+    assert roundpipe_threads() == []
+    moved = max((resumed[name] - value).abs().max().item() for name, value in first_half.items())
+    assert moved > 1e-3  # the second half trained
+
+
+def test_a_one_process_checkpoint_resumes_on_two_processes_under_torchrun(tmp_path, one_process, roundpipe_threads):
+    checkpoint, resumed = one_process
+    records = _run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   "--resume", str(checkpoint), torchrun=True)
+    assert [records[rank]["environment"] for rank in range(WORLD)] == ["TorchElasticEnvironment"] * WORLD
+    assert records[0]["global_step"] == STEPS and records[1]["world_size"] == WORLD
+    assert_states_equal(records[0]["state"], records[1]["state"])
+    assert_states_float64_equal(records[0]["state"], resumed)
+
+
+# ---------------------------------------------------------------------------- async
+def test_async_two_processes_equal_one_process_with_the_global_batch(tmp_path, roundpipe_threads):
+    """Async data parallel is the one-step-stale update of the mean gradient: one process with the two
+    processes' batches together takes the same steps (the single-process async step is checked against the
+    formula itself in the engine's tests). Without clipping: the optimizer thread averages (the runs above clip,
+    so the main thread does)."""
+    records = _run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   "--async-step", "--no-clip")
+    module, _ = _fit_one_process(STEPS, async_step=True, clip=False)
+    assert roundpipe_threads() == []
+    assert_states_equal(records[0]["state"], records[1]["state"])
+    assert_states_float64_equal(records[0]["state"], module.state_dict())
+
+
+# ---------------------------------------------------------------------------- settings refused in our words
+def _trainer(**kwargs: Any) -> pl.Trainer:
+    strategy = RoundPipeStrategy(rings_per_node=kwargs.pop("rings_per_node"))
+    return pl.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+@pytest.fixture
+def keep_rank(monkeypatch):
+    """Building a Trainer of several processes sets Lightning's rank-zero rank: give it back afterwards."""
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
+
+
+def test_rings_per_node_must_divide_the_devices():
+    with pytest.raises(OptionError, match=r"^`rings_per_node` must divide the Trainer's devices per node: devices=3 "
+                                          r"with rings_per_node=2 leaves 1 device\(s\) over.*set devices to a "
+                                          r"multiple of 2, or rings_per_node to a divisor of 3$"):
+        _trainer(devices=3, rings_per_node=2)
+
+
+def test_torchrun_worlds_count_processes_not_devices(monkeypatch, keep_rank):
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(key, value)
+    trainer = _trainer(devices=4, rings_per_node=2)  # Lightning's own check would want devices=2
+    strategy = trainer.strategy
+    assert type(strategy.cluster_environment).__name__ == "TorchElasticEnvironment"
+    assert strategy.launcher is None  # torchrun started the processes
+    assert (trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.num_devices) == (2, 1, 1, 4)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=r"rings_per_node=2 on each of num_nodes=1 node\(s\): 2 in all; but "
+                                         r"TorchElasticEnvironment started 1 .*--nproc-per-node 2.*"
+                                         r"Trainer\(devices=4\) stays the number of devices per node"):
+        _trainer(devices=4, rings_per_node=2)
+
+
+def test_slurm_worlds_count_processes_not_devices(monkeypatch, keep_rank):
+    for key, value in {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_PROCID": "3",
+                       "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NAME": "train",
+                       "SLURM_NODELIST": "node0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(key, value)
+    trainer = _trainer(devices=4, rings_per_node=2, num_nodes=2)
+    assert type(trainer.strategy.cluster_environment).__name__ == "SLURMEnvironment"
+    assert trainer.strategy.launcher is None
+    assert (trainer.world_size, trainer.global_rank, trainer.node_rank) == (4, 3, 1)
+    with pytest.raises(ValueError, match=r"rings_per_node=1 on each of num_nodes=2 node\(s\): 2 in all; but "
+                                         r"SLURMEnvironment started 4 \(this one: local rank 1 on node 1\)"):
+        _trainer(devices=4, rings_per_node=1, num_nodes=2)
+
+
+def test_one_process_keeps_rank_0_of_1_and_no_launcher():
+    trainer = _trainer(devices=2, rings_per_node=1)
+    strategy = trainer.strategy
+    assert strategy.launcher is None and not strategy.is_distributed
+    assert (strategy.world_size, strategy.global_rank, strategy.local_rank, strategy.node_rank) == (1, 0, 0, 0)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert strategy.reduce(torch.tensor(3.0)) == 3.0 and strategy.broadcast("x") == "x"
+    assert strategy.reduce_boolean_decision(False) is False
+
+
+def test_several_processes_get_lightnings_launcher(keep_rank):
+    trainer = _trainer(devices=4, rings_per_node=2)
+    strategy = trainer.strategy
+    assert type(strategy.launcher).__name__ == "_SubprocessScriptLauncher"
+    assert (strategy.launcher.num_processes, strategy.launcher.num_nodes) == (2, 1)
+    assert strategy.world_size == 2 and strategy.is_distributed and strategy.num_processes == 2
