@@ -648,7 +648,7 @@ class Planner:
             return self._job_cost
         return self._job_ema / (1 - self.smoothing ** self._jobs_seen)
 
-    def current_costs(self) -> tuple[list[LayerCost] | None, float]:
+    def _costs_job(self) -> tuple[list[LayerCost] | None, float]:
         """The costs to plan with (the smoothed measurements, else the first estimates) and the job cost that
         goes with them (none with the first estimates: they are not in seconds)."""
         estimate = self.estimate
@@ -676,7 +676,7 @@ class Planner:
                 self._measured_activations.add(layer)
             elif layer not in self._measured_activations:
                 self._activations[layer] = max(self._activations[layer], nbytes)
-        costs, job_cost = self.current_costs()
+        costs, job_cost = self._costs_job()
         if self.frozen or isinstance(self.mode, Plan) or self._plan is None or costs is None:
             return False
         if plan_fits(self._plan, costs, self.memory_budget):
@@ -749,7 +749,7 @@ class Planner:
             return True
         self._plan = Plan.from_sizes(**state["plan"])
         self._plan.validate(self.num_layers)
-        costs, job_cost = self.current_costs()
+        costs, job_cost = self._costs_job()
         if not self.frozen and costs is not None and not plan_fits(self._plan, costs, self.memory_budget):
             with contextlib.suppress(ValueError):  # no plan fits: keep it, the device accounting reports it
                 self._plan = self._make(costs, job_cost)
