@@ -19,14 +19,22 @@ the engine's plan and the optimizers (before their first step), what the host wi
   for them;
 * **checkpoint saves** add nothing: ``StreamingCheckpointIO`` streams ``torch.save`` into the file.
 
+Data parallel (``rings_per_node`` processes per node, each with its own ring of devices): every process holds
+all of the above for itself, so the node needs ``processes_per_node`` times one process's host bytes, while
+each process reads the same limits, the node's. With the optimizer state sharded (``shard_optimizer=True``:
+each of the ``optimizer_shards`` processes keeps the state of whole parameters, about 1/``optimizer_shards``
+of them), one process's optimizer state is estimated as that fraction of the total; everything else stays
+whole in every process. The device side is per device and does not change.
+
 What the machine allows (:func:`lightning_roundpipe.hostmem.read_host_limits`): ``MemAvailable`` and the cgroup
 limit of this process (v2 ``memory.max`` minus ``memory.current``, v1 ``memory.limit_in_bytes`` minus
 ``memory.usage_in_bytes``; reclaimable inactive file cache is not counted as used), whichever is smaller,
 and, on CUDA devices, the host tensors uploads read (registered with CUDA in place, so never paged out: a
 warning when they exceed half of what is available; ``RLIMIT_MEMLOCK`` does not apply, as the driver pins
-the pages itself, not through ``mlock``). The new allocations must fit in what is available now. (When resuming with
-``ckpt_path``, Lightning has loaded the checkpoint before the strategy sets up, so the figure is lower than
-it will be once the checkpoint is restored and freed: the check is pessimistic then.)
+the pages itself, not through ``mlock``). The new allocations of all the node's processes must fit in what
+is available now. (When resuming with ``ckpt_path``, Lightning has loaded the checkpoint before the strategy
+sets up, so the figure is lower than it will be once the checkpoint is restored and freed: the check is
+pessimistic then.)
 
 Device side: each device holds the stage it runs and the one it prefetches, every layer of a training
 stage with its gradients; with ``device_memory_limit`` set, a layer must fit in the planner's stage
@@ -250,7 +258,8 @@ class Problem:
 
 @dataclass
 class MemoryPlan:
-    """The pre-flight figures, in bytes. ``new_bytes`` must fit in ``host_available``."""
+    """The pre-flight figures, in bytes. The host figures are one process's; ``node_new_bytes`` (theirs
+    times ``processes_per_node``) must fit in ``host_available``, the node's."""
 
     trainer_fn: str
     num_devices: int
@@ -287,6 +296,10 @@ class MemoryPlan:
     host_steps: list[StepFigure] = field(default_factory=list)  # the measured host optimizer step, per optimizer
     transport: str | None = None      # the dtype Linear and Conv weights travel in; None: as stored
     async_only_copy_bytes: int = 0    # what of upload_copy_bytes only async mode keeps
+    # data parallel: the host figures above are one process's; the node holds processes_per_node of them
+    processes_per_node: int = 1       # processes on this node each holding this host state (rings_per_node)
+    optimizer_shards: int = 1         # processes the optimizer state is split over (shard_optimizer); 1: whole
+    unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
 
     @property
     def resident_bytes(self) -> int:
@@ -302,7 +315,17 @@ class MemoryPlan:
 
     @property
     def host_total_bytes(self) -> int:
+        """One process's host bytes: parameters, buffers and what training allocates."""
         return self.resident_bytes + self.new_bytes
+
+    @property
+    def node_new_bytes(self) -> int:
+        """What the node's processes will allocate together: ``new_bytes`` each."""
+        return self.processes_per_node * self.new_bytes
+
+    @property
+    def node_total_bytes(self) -> int:
+        return self.processes_per_node * self.host_total_bytes
 
     @property
     def host_available(self) -> int | None:
@@ -310,9 +333,10 @@ class MemoryPlan:
 
     @property
     def headroom(self) -> int | None:
-        """What is left, after the plan, for activations, batches and everything else."""
+        """What is left on the node, after the plan of all its processes, for activations, batches and
+        everything else."""
         available = self.host_available
-        return None if available is None else available - self.new_bytes
+        return None if available is None else available - self.node_new_bytes
 
     @property
     def shortfall(self) -> int:
@@ -326,8 +350,9 @@ class MemoryPlan:
     def new_items(self) -> list[tuple[str, int]]:
         """The host allocations still to come, largest first."""
         optimizer = "optimizer state"
-        if self.optimizer_notes:
-            optimizer += f" ({'; '.join(self.optimizer_notes)})"
+        notes = ([self._shard_note()] if self._sharded else []) + self.optimizer_notes
+        if notes:
+            optimizer += f" ({'; '.join(notes)})"
         items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
                  (optimizer, self.optimizer_state_bytes), ("upload copies", self.upload_copy_bytes),
                  ("simulated device copies", self.device_copy_bytes)]
@@ -340,8 +365,9 @@ class MemoryPlan:
     def _host_rows(self) -> list[tuple[str, str, str]]:
         dtypes = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
         training = self.trainer_fn == "fit"
+        processes = self.processes_per_node
         rows = [
-            ("host", "", ""),
+            (f"host (each of {processes} processes on this node)" if processes > 1 else "host", "", ""),
             ("parameters", format_bytes(self.parameter_bytes), f"allocated; {dtypes or 'none'}"),
             ("buffers", format_bytes(self.buffer_bytes), "allocated"),
             ("gradients", "+" + format_bytes(self.gradient_bytes),
@@ -350,8 +376,9 @@ class MemoryPlan:
         if self.next_gradient_bytes:
             rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),
                          "async: gather while the step reads param.grad"))
+        optimizer_notes = ([self._shard_note()] if self._sharded else []) + self.optimizer_notes
         rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
-                     "; ".join(self.optimizer_notes) if self.optimizer_notes
+                     "; ".join(optimizer_notes) if optimizer_notes
                      else ("no optimizer" if training else "none: not training")))
         rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
         rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
@@ -362,18 +389,35 @@ class MemoryPlan:
                      "streamed to the file by torch.save: no in-memory copy"))
         rows.append(("to allocate", format_bytes(self.new_bytes),
                      f"host total with parameters and buffers {format_bytes(self.host_total_bytes)}"))
+        if processes > 1:
+            rows.append(("to allocate on this node", format_bytes(self.node_new_bytes),
+                         f"{processes} processes on this node (rings_per_node={processes}), each holding all of the "
+                         f"above: {processes} x {format_bytes(self.new_bytes)}; host total with parameters and "
+                         f"buffers {format_bytes(self.node_total_bytes)}"))
         available, headroom = self.host_available, self.headroom
         rows.append(("available", "unknown" if available is None else format_bytes(available),
                      self.limits.describe()))
         rows.append(("headroom", "unknown" if headroom is None else
                      "-" + format_bytes(-headroom) if headroom < 0 else format_bytes(headroom),
-                     "for activations, batches and everything else"))
+                     "for activations, batches and everything else"
+                     + (f" of the {processes} processes" if processes > 1 else "")))
         if self.device_type == "cpu":
             pinned = "not used on CPU devices"
         else:  # the driver pins the pages itself: RLIMIT_MEMLOCK does not count them
             pinned = "what uploads read (weights or their copies) and buffers, registered in place; not reclaimable"
+            if processes > 1 and self.pinned_bytes:
+                pinned = f"each process; {format_bytes(processes * self.pinned_bytes)} on this node: " + pinned
         rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
         return rows
+
+    @property
+    def _sharded(self) -> bool:
+        return self.optimizer_shards > 1 and self.unsharded_optimizer_state_bytes > 0
+
+    def _shard_note(self) -> str:
+        shards = self.optimizer_shards
+        return (f"sharded over {shards} processes (shard_optimizer): about 1/{shards} each of "
+                f"{format_bytes(self.unsharded_optimizer_state_bytes)}, whole parameters per process")
 
     def _upload_copies_note(self) -> str:
         low = f"Linear/Conv weights in {self.transport}" if self.transport else ""
@@ -432,13 +476,23 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 devices: Sequence[torch.device], async_step: bool = False, recompute: str = "stage",
                 device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
                 trainer_fn: str | None = None, limits: HostLimits | None = None,
-                host_optimizer: str | None = None, transport: torch.dtype | None = None) -> MemoryPlan:
+                host_optimizer: str | None = None, transport: torch.dtype | None = None,
+                processes_per_node: int = 1, optimizer_shards: int = 1) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
     ``host_optimizer`` (the engine option) times each optimizer's host step (``plan.host_steps``) when
     training and the plan fits; ``None``: not measured. ``transport``: the dtype Linear and Conv weights travel
-    in (``engine/transport.py``), for the host copies and the device sizes."""
+    in (``engine/transport.py``), for the host copies and the device sizes.
+
+    Data parallel: ``processes_per_node`` processes on this node (``rings_per_node``) each hold this plan's
+    host state, so the node's limits are checked against that many times one process's new allocations.
+    ``optimizer_shards``: the processes the optimizer state is split over (the world size with
+    ``shard_optimizer``, else 1); one process's share is estimated as ``1/optimizer_shards`` of the state
+    (it keeps whole parameters' state, so its share is about that)."""
+    for name, value in (("processes_per_node", processes_per_node), ("optimizer_shards", optimizer_shards)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
     limits = read_host_limits() if limits is None else limits
     params = list(module.parameters())  # each once, tied weights too
     by_dtype: dict[str, int] = {}
@@ -486,7 +540,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
         device_type=device_type, async_step=async_step, recompute=recompute,
         parameter_bytes=sum(by_dtype.values()), parameter_bytes_by_dtype=by_dtype, buffer_bytes=buffer_bytes,
-        gradient_bytes=gradient_bytes, next_gradient_bytes=next_gradient_bytes, optimizer_state_bytes=optimizer_bytes,
+        gradient_bytes=gradient_bytes, next_gradient_bytes=next_gradient_bytes,
+        optimizer_state_bytes=-(-optimizer_bytes // optimizer_shards),  # this process's share, rounded up
         optimizer_notes=notes, optimizer_state_assumed=assumed, upload_copy_bytes=upload_copies,
         device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
         checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
@@ -496,10 +551,14 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         largest_layer=(worst_layer, layer_totals[worst_layer]),
         transport=None if transport is None else str(transport).removeprefix("torch."),
         async_only_copy_bytes=upload_copies - sync_copies,
+        processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
+        unsharded_optimizer_state_bytes=optimizer_bytes,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
-        memory_plan.host_steps = _measure_host_steps(optimizers, host_optimizer, memory_plan.headroom)
+        headroom = memory_plan.headroom  # the node's: each of its processes measures its own scratch
+        memory_plan.host_steps = _measure_host_steps(
+            optimizers, host_optimizer, None if headroom is None else headroom // processes_per_node)
     return memory_plan
 
 
@@ -568,12 +627,17 @@ def _judge(plan: MemoryPlan, trunk: Trunk, transport: torch.dtype | None) -> Non
                 note.split(":")[0] for note in plan.optimizer_notes if "unknown, assumed 2x" in note)
             + " is unknown; the plan assumes two buffers the size of each trainable parameter")
     available = plan.limits.mem_available
-    if plan.pinned_bytes and available is not None and plan.pinned_bytes > available // 2:
+    processes = plan.processes_per_node
+    pinned = processes * plan.pinned_bytes  # every process on the node pins its own
+    if pinned and available is not None and pinned > available // 2:
         # pinned pages cannot be reclaimed or swapped: the rest of the machine has that much less to work with
         plan.warnings.append(
-            f"RoundPipe pre-flight: pin_memory=True pins {format_bytes(plan.pinned_bytes)} of host weights and "
-            f"buffers, over half of MemAvailable ({format_bytes(available)}); the kernel cannot reclaim pinned "
-            "pages. Pass pin_memory=False if the host runs short (uploads then go through a staging copy)."
+            f"RoundPipe pre-flight: pin_memory=True pins {format_bytes(pinned)} of host weights and buffers"
+            + (f" ({processes} processes on this node, {format_bytes(plan.pinned_bytes)} each)" if processes > 1
+               else "")
+            + f", over half of MemAvailable ({format_bytes(available)}); the kernel cannot reclaim pinned "
+            "pages. Pass pin_memory=False if the host runs short (uploads then go through a staging copy)"
+            + (", or use fewer rings_per_node" if processes > 1 else "") + "."
         )
 
 
@@ -583,7 +647,17 @@ def _host_message(plan: MemoryPlan) -> str:
     items = plan.new_items()
     largest = f"; the largest is {items[0][0]}: {format_bytes(items[0][1])}" if items else ""
     where = plan.limits.cgroup.describe() if plan.limits.cgroup_binds and plan.limits.cgroup else "MemAvailable"
+    processes = plan.processes_per_node
     advice = []
+    if processes > 1:
+        advice.append(f"fewer rings_per_node: each of the {processes} processes on this node holds its own copy of "
+                      f"the training state, so the node needs {processes} x {format_bytes(plan.new_bytes)} "
+                      "(one ring per node over all of its devices holds it once)")
+        if plan.optimizer_shards == 1 and plan.optimizer_state_bytes:
+            state = plan.optimizer_state_bytes
+            advice.append(f"shard_optimizer=True, which splits the optimizer state ({format_bytes(state)} in each "
+                          "process) over all the processes, each keeping about 1/world size of it: at least "
+                          f"{format_bytes((processes - 1) * state)} less on this node")
     if plan.optimizer_state_bytes:
         advice.append("an optimizer with less state (SGD without momentum keeps none; Adam/AdamW keep two "
                       "copies of every trainable parameter)")
@@ -602,12 +676,21 @@ def _host_message(plan: MemoryPlan) -> str:
     if plan.limits.cgroup_binds:
         advice.append("a higher memory limit for the container (cgroup)")
     advice.append("preflight='warn' to try anyway")
+    if processes > 1:
+        allocate = (f"{format_bytes(plan.node_new_bytes)} more on this node: {processes} processes "
+                    f"(rings_per_node={processes}), each allocating {format_bytes(plan.new_bytes)}{largest}")
+        resident = f"{format_bytes(plan.resident_bytes)} in each process"
+    else:
+        allocate, resident = f"{format_bytes(plan.new_bytes)} more{largest}", format_bytes(plan.resident_bytes)
+    sharded = (f" The optimizer state is sharded over {plan.optimizer_shards} processes: about "
+               f"1/{plan.optimizer_shards} of {format_bytes(plan.unsharded_optimizer_state_bytes)} in each."
+               if plan._sharded else "")
     return (
         f"RoundPipe pre-flight: the host cannot hold the training state. Training will allocate "
-        f"{format_bytes(plan.new_bytes)} more{largest}; the host has {format_bytes(available)} available "
+        f"{allocate}; the host has {format_bytes(available)} available "
         f"({where}), short by {format_bytes(plan.shortfall)} (before stage-boundary activations, which "
-        f"are not counted). The parameters and buffers ({format_bytes(plan.resident_bytes)}) are already "
-        "allocated. Options: " + "; ".join(advice) + "."
+        f"are not counted). The parameters and buffers ({resident}) are already "
+        f"allocated.{sharded} Options: " + "; ".join(advice) + "."
     )
 
 

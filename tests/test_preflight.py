@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import threading
 import warnings
 
@@ -607,3 +608,134 @@ def test_the_host_step_is_measured_only_when_asked_for_training_with_room():
     tight = HostLimits(mem_available=needed + 2**20)  # fits, with 1 MiB to spare: no room for a scratch
     assert _plan(model, [optimizer], host_optimizer="exact", limits=tight).host_steps == []
     assert "host optimizer" not in _plan(model, [optimizer]).table()
+
+
+# ---------------------------------------------------------------------------- data parallel on one node
+ADAMW_STATE = 2 * 5772 + 4 * 8  # _model(): 1,443 float32 parameters (5,772 bytes) in 8 tensors, a step each
+
+
+def _adamw_plan(**kwargs):
+    model = _model()
+    return _plan(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], **kwargs)
+
+
+def test_processes_per_node_multiply_the_host_need_of_the_node_not_the_device_figures():
+    one, two = _adamw_plan(), _adamw_plan(processes_per_node=2)
+    assert _nbytes(_model().parameters()) == 5772 and one.optimizer_state_bytes == ADAMW_STATE == 11576
+    # one process's figures are unchanged: parameters, gradients, optimizer state, copies
+    for plan in (one, two):
+        assert (plan.parameter_bytes, plan.gradient_bytes, plan.optimizer_state_bytes) == (5772, 5772, 11576)
+        assert plan.new_bytes == 5772 + 11576 + one.device_copy_bytes
+        assert plan.host_total_bytes == 5772 + plan.new_bytes
+    assert one.node_new_bytes == one.new_bytes and one.headroom == 2**40 - one.new_bytes
+    assert two.node_new_bytes == 2 * one.new_bytes and two.node_total_bytes == 2 * one.host_total_bytes
+    assert two.headroom == 2**40 - 2 * one.new_bytes
+    assert (two.device_stage_bytes, two.largest_layer, two.largest_stages) == \
+        (one.device_stage_bytes, one.largest_layer, one.largest_stages)
+    table = two.table()
+    assert "  host (each of 2 processes on this node)\n" in table
+    assert re.search(rf"\n +to allocate on this node +{re.escape(format_bytes(2 * one.new_bytes))}  2 processes", table)
+    assert (f"2 processes on this node (rings_per_node=2), each holding all of the above: 2 x "
+            f"{format_bytes(one.new_bytes)}; host total with parameters and buffers "
+            f"{format_bytes(2 * one.host_total_bytes)}") in table
+    assert "for activations, batches and everything else of the 2 processes" in table
+    # one process on a node: the report as before, no line about processes or sharding
+    plain = one.table()
+    assert plain == _adamw_plan(processes_per_node=1, optimizer_shards=1).table()
+    assert "on this node" not in plain and "sharded" not in plain and "  host\n" in plain
+    assert len(table.splitlines()) == len(plain.splitlines()) + 1
+
+
+@pytest.mark.parametrize(("shards", "share"), [(2, 5788), (4, 2894), (3, 3859)])  # 3: 11576 / 3 rounded up
+def test_optimizer_shards_divide_the_optimizer_state_only(shards, share):
+    whole, sharded = _adamw_plan(), _adamw_plan(optimizer_shards=shards)
+    assert sharded.optimizer_state_bytes == share and sharded.unsharded_optimizer_state_bytes == ADAMW_STATE
+    assert (sharded.parameter_bytes, sharded.gradient_bytes, sharded.upload_copy_bytes, sharded.device_copy_bytes) \
+        == (whole.parameter_bytes, whole.gradient_bytes, whole.upload_copy_bytes, whole.device_copy_bytes)
+    assert whole.new_bytes - sharded.new_bytes == ADAMW_STATE - share
+    note = (f"sharded over {shards} processes (shard_optimizer): about 1/{shards} each of "
+            f"{format_bytes(ADAMW_STATE)}, whole parameters per process; AdamW: exp_avg, exp_avg_sq + step")
+    assert note in sharded.table() and dict(sharded.new_items())[f"optimizer state ({note})"] == share
+    assert len(sharded.table().splitlines()) == len(whole.table().splitlines())  # the note, not a new line
+    # both together: the node holds two processes' shares
+    both = _adamw_plan(processes_per_node=2, optimizer_shards=shards)
+    assert both.node_new_bytes == 2 * sharded.new_bytes
+
+
+def test_sharding_sgd_without_state_or_evaluating_says_nothing_about_shards():
+    model = _model()
+    sgd = _plan(model, [torch.optim.SGD(model.parameters(), lr=0.1)], optimizer_shards=4)
+    assert sgd.optimizer_state_bytes == 0 and "sharded" not in sgd.table()
+    evaluating = _adamw_plan(optimizer_shards=4, processes_per_node=2, training=False)
+    assert evaluating.optimizer_state_bytes == 0 and "sharded" not in evaluating.table()
+    assert evaluating.node_new_bytes == 2 * evaluating.new_bytes
+
+
+def test_a_plan_that_fits_one_process_but_not_two_on_the_node_is_refused_naming_rings_per_node():
+    need = _adamw_plan().new_bytes
+    limits = HostLimits(mem_available=2 * need - 5000)  # one process fits; two are short by 5,000 bytes
+    assert _adamw_plan(limits=limits).fits
+    plan = _adamw_plan(limits=limits, processes_per_node=2)
+    assert [problem.kind for problem in plan.problems] == ["host"] and plan.shortfall == 5000
+    message = plan.problems[0].message
+    largest, nbytes = plan.new_items()[0]  # one process's: here the simulated devices' stage copies
+    assert (largest, nbytes) == ("simulated device copies", plan.device_copy_bytes)
+    assert (f"Training will allocate {format_bytes(2 * need)} more on this node: 2 processes (rings_per_node=2), "
+            f"each allocating {format_bytes(need)}; the largest is {largest}: {format_bytes(nbytes)}; the host has "
+            f"{format_bytes(2 * need - 5000)} available (MemAvailable)") in message
+    assert f"short by {format_bytes(5000)}" in message
+    assert (f"fewer rings_per_node: each of the 2 processes on this node holds its own copy of the training state, "
+            f"so the node needs 2 x {format_bytes(need)}") in message
+    assert (f"shard_optimizer=True, which splits the optimizer state ({format_bytes(ADAMW_STATE)} in each process) "
+            f"over all the processes, each keeping about 1/world size of it: at least {format_bytes(ADAMW_STATE)} "
+            "less on this node") in message
+    assert f"The parameters and buffers ({format_bytes(5772)} in each process) are already allocated" in message
+    with pytest.raises(HostMemoryError, match=r"rings_per_node=2.*fewer rings_per_node.*shard_optimizer=True"):
+        preflight.enforce(plan, "refuse")
+    with pytest.warns(UserWarning, match=r"fewer rings_per_node.*preflight='warn': continuing"):
+        preflight.enforce(plan, "warn")
+    # the advice holds: sharded over the 2 processes, each keeps half the state and the node fits again
+    assert 2 * (need - ADAMW_STATE // 2) < limits.available
+    assert _adamw_plan(limits=limits, processes_per_node=2, optimizer_shards=2).fits
+
+
+def test_a_sharded_plan_that_does_not_fit_says_so_and_does_not_suggest_sharding():
+    sharded = _adamw_plan(processes_per_node=2, optimizer_shards=2)
+    plan = _adamw_plan(processes_per_node=2, optimizer_shards=2,
+                       limits=HostLimits(mem_available=sharded.node_new_bytes - 1))
+    message = plan.problems[0].message
+    assert f"short by {format_bytes(1)}" in message and "fewer rings_per_node" in message
+    assert (f"The optimizer state is sharded over 2 processes: about 1/2 of {format_bytes(ADAMW_STATE)} in each."
+            in message)
+    assert "shard_optimizer=True" not in message
+
+
+def test_pinned_memory_of_every_process_on_the_node_counts_against_memavailable():
+    model = _model()
+    trunk = build_trunk(model)
+    plan = RoundPipeEngine(trunk, 2).plan
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    one = plan_memory(model, trunk, plan, [], devices=cuda, limits=PLENTY)
+    limits = HostLimits(mem_available=3 * one.pinned_bytes)  # one process pins a third, two pin two thirds
+    assert not plan_memory(model, trunk, plan, [], devices=cuda, limits=limits).warnings
+    two = plan_memory(model, trunk, plan, [], devices=cuda, limits=limits, processes_per_node=2)
+    assert two.pinned_bytes == one.pinned_bytes and two.fits
+    (warning,) = two.warnings
+    assert (f"pins {format_bytes(2 * one.pinned_bytes)} of host weights and buffers (2 processes on this node, "
+            f"{format_bytes(one.pinned_bytes)} each), over half of MemAvailable") in warning
+    assert "pin_memory=False" in warning and "fewer rings_per_node" in warning
+    assert f"each process; {format_bytes(2 * one.pinned_bytes)} on this node: what uploads read" in two.table()
+
+
+def test_the_host_step_scratch_is_sized_by_one_process_share_of_the_node_headroom():
+    need = _adamw_plan().new_bytes
+    limits = HostLimits(mem_available=2 * need + 20 * 2**20)  # 20 MiB to spare on the node: 10 MiB each
+    assert _adamw_plan(limits=limits, host_optimizer="exact").host_steps          # one process: room to measure
+    assert _adamw_plan(limits=limits, host_optimizer="exact", processes_per_node=2).host_steps == []
+
+
+@pytest.mark.parametrize("name", ["processes_per_node", "optimizer_shards"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_invalid_process_counts_are_refused(name, value):
+    with pytest.raises(ValueError, match=f"`{name}` must be a positive integer"):
+        _adamw_plan(**{name: value})
