@@ -75,10 +75,12 @@ test: it prints three tables and always exits 0 unless a measurement fails.
    gradients per process, large against the compute of a batch of ``--engine-batch`` = 16 rows), AdamW,
    ``num_microbatches=2``, 4 forward stages (``freeze_plan=True``, ``round_size="whole"``: every call runs the
    same jobs), ``record_timeline=True``, MSE against random targets, each process on its own random data.
-   Three variants, one after another in the same two processes (a barrier before each, so that both
+   Four variants, one after another in the same two processes (a barrier before each, so that both
    processes always run the same variant and share the cores alike): ``DataParallel(1, 0)`` (no averaging:
-   the step without communication, the reference), ``DataParallel(2, rank)`` (fp32: ``reduce_dtype=None``)
-   and ``reduce_dtype=torch.bfloat16`` (bf16). Each runs ``--engine-warmup`` untimed iterations, then
+   the step without communication, the reference), ``DataParallel(2, rank)`` (fp32: ``reduce_dtype=None``),
+   ``reduce_dtype=torch.bfloat16`` (bf16) and fp32 with ``shard_optimizer=True`` (each process keeps AdamW's
+   state of half the parameters, steps those and broadcasts them; its "broadcast" events are not counted as
+   reduction). Each runs ``--engine-warmup`` untimed iterations, then
    ``--engine-steps`` measured ones (an iteration: one ``forward_backward`` of the batch and one
    ``engine.step``), then one more that only closes the last measured period. Per measured iteration i
    (0-based), rank 0's figures, all on the engine's timeline clock (``engine.timeline.now()`` on the calling
@@ -93,7 +95,8 @@ test: it prints three tables and always exits 0 unless a measurement fails.
        hidden     = the part of that time before b_i / reduction; for one event [s, e]:
                     clip((b_i - s) / (e - s), 0, 1)
        exposed    = reduction - its part before b_i (the reduction left after the backward ended)
-       sent       = DataParallel.sent_bytes at the end / iterations (every step sends every gradient)
+       sent       = DataParallel.sent_bytes + broadcast_bytes at the end / iterations (every step sends every
+                    gradient; sharded, also the weights this process owns)
 
    Iteration i's compute events are found by job index: the engine numbers jobs in dispatch order and every
    call here dispatches the same ``J = engine.plan.num_stages`` jobs, so iteration i owns jobs ``i x J`` to
@@ -150,7 +153,9 @@ FUSED = "L"  # the fused stage's label in the simulator's events
 DESIGN_NOTE_TOKENS_PER_STEP = {"Qwen3-1.7B": 512 * 2048, "Llama3-8B": 256 * 2048, "Qwen3-32B": 128 * 2048}
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
 #: section 3's variants: name -> the reduction dtype's name ("none": no averaging, a process on its own)
-ENGINE_VARIANTS = {"no averaging": "none", "fp32": None, "bf16": "bfloat16"}
+# name: (reduce_dtype, or "none" for no averaging; shard_optimizer)
+ENGINE_VARIANTS = {"no averaging": ("none", False), "fp32": (None, False), "bf16": ("bfloat16", False),
+                   "fp32 sharded": (None, True)}
 
 
 def spawn(target, args: tuple, timeout_s: float, what: str):
@@ -397,13 +402,14 @@ def _iteration_figures(events: list, begins: list[float], jobs_per_iteration: in
     return rows
 
 
-def _engine_variant(rank: int, run: EngineRun, reduce: str | None, group) -> dict:
+def _engine_variant(rank: int, run: EngineRun, reduce: str | None, shard: bool, groups: tuple) -> dict:
     """One variant in this process (both processes at once): this process's per-iteration figures."""
     if reduce == "none":
         data_parallel = DataParallel(1, 0, timeout=run.timeout_s)
     else:
-        data_parallel = DataParallel(WORLD, rank, gradients=group, timeout=run.timeout_s,
-                                     reduce_dtype=None if reduce is None else getattr(torch, reduce))
+        data_parallel = DataParallel(WORLD, rank, gradients=groups[0], timeout=run.timeout_s,
+                                     reduce_dtype=None if reduce is None else getattr(torch, reduce),
+                                     shard_optimizer=shard, weights=groups[1])
     model = _engine_model(run)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # a frozen plan and whole jobs: every call runs the same J jobs, numbered on (iteration i: i x J ..)
@@ -428,7 +434,14 @@ def _engine_variant(rank: int, run: EngineRun, reduce: str | None, group) -> dic
         raise RuntimeError("a measured step of an averaged run has no allreduce event on the timeline")
     # every step sends every gradient: the bytes of one (read once all steps ended, the sends may run on the
     # optimizer thread after engine.step returned)
-    return {"rows": figures, "sent_per_step": data_parallel.sent_bytes / total}
+    state_bytes = sum(value.nbytes for entry in optimizer.state.values() for value in entry.values()
+                      if isinstance(value, torch.Tensor))
+    step_seconds = [sum(event.end - event.start for event in events
+                        if event.kind == "optimizer" and re.match(rf"step {i + 1}\b", event.label))
+                    for i in range(run.warmup, run.warmup + run.steps)]
+    return {"rows": figures, "sent_per_step": (data_parallel.sent_bytes + data_parallel.broadcast_bytes) / total,
+            "state_per_param": state_bytes / sum(param.numel() for param in model.parameters()),
+            "step_seconds": statistics.median(step_seconds)}
 
 
 def _engine_main(rank: int, store: str, result: str, run: EngineRun) -> None:
@@ -437,8 +450,10 @@ def _engine_main(rank: int, store: str, result: str, run: EngineRun) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=run.timeout_s))
     try:
-        group = dist.new_group(backend="gloo")  # the gradients' own group, as the strategy makes it
-        figures = {name: _engine_variant(rank, run, reduce, group) for name, reduce in ENGINE_VARIANTS.items()}
+        # the gradients' own group and the sharded optimizer's broadcasts' own, as the strategy makes them
+        groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        figures = {name: _engine_variant(rank, run, reduce, shard, groups)
+                   for name, (reduce, shard) in ENGINE_VARIANTS.items()}
         if rank == 0:
             Path(result).write_text(json.dumps(figures))
     finally:
@@ -461,10 +476,12 @@ def overlap_table(figures: dict[str, dict], run: EngineRun) -> None:
           "its means received, per event")
     print("   hidden       = the share of that time before b (one event [s, e]: clip((b - s) / (e - s), 0, 1));  "
           "exposed ms = the rest")
-    print("   MB sent      = DataParallel.sent_bytes / iterations / 1e6 (gradients and, where the runtime sends "
-          "them, flags)")
+    print("   MB sent      = (DataParallel.sent_bytes + broadcast_bytes) / iterations / 1e6 (gradients with their "
+          "flags; sharded: also the updated weights this process owns)")
+    print("   host step ms = the step's optimizer events summed (AdamW arithmetic and copies; sharded: this process's "
+          "share);  state B/param = AdamW state bytes this process holds / all parameters")
     print(f"{'variant':<13} {'step ms':>8} {'x no avg':>8} | {'reduction ms':>12} {'hidden':>7} {'exposed ms':>10} "
-          f"{'MB sent':>8}")
+          f"{'MB sent':>8} | {'host step ms':>12} {'state B/param':>13}")
     base = statistics.median(row["period"] for row in figures["no averaging"]["rows"])
     for name, figure in figures.items():
         rows = figure["rows"]
@@ -478,7 +495,8 @@ def overlap_table(figures: dict[str, dict], run: EngineRun) -> None:
             exposed = [total - part for part, total in zip(before, spent, strict=True)]
             cells = (f"{1e3 * statistics.median(spent):12.1f} {100 * statistics.median(hidden):6.0f}% "
                      f"{1e3 * statistics.median(exposed):10.1f}")
-        print(f"{name:<13} {1e3 * period:8.1f} {period / base:8.2f} | {cells} {figure['sent_per_step'] / 1e6:8.1f}")
+        print(f"{name:<13} {1e3 * period:8.1f} {period / base:8.2f} | {cells} {figure['sent_per_step'] / 1e6:8.1f} | "
+              f"{1e3 * figure['step_seconds']:12.1f} {figure['state_per_param']:13.2f}")
     print("Caveat: the two processes, their simulated devices and gloo share this machine's 2 cores, so the reduction "
           "competes with the compute for CPU time: the hidden share shows that the reduction overlaps the backward, "
           "not what a real network would hide.")

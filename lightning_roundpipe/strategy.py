@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -77,7 +77,7 @@ from lightning_roundpipe.hf.causal_lm import CausalLMForward
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
-from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, build_options
+from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, ReduceDtype, build_options
 from lightning_roundpipe.traced import TracedForward, TracedTrunk
 from lightning_roundpipe.trunk import build_module_trunk
 
@@ -127,6 +127,10 @@ class RoundPipeStrategy(ParallelStrategy):
         ring: the ring's members as indices into the Trainer's devices, e.g. ``[0, 0]`` with ``devices=1``.
         rings_per_node: processes per node, each driving ``devices // rings_per_node`` of the node's devices as
             its ring; with more than one process in all, data parallel (gradients averaged at each step).
+        shard_optimizer: several processes: each keeps and steps the optimizer state of its own share of the
+            parameters (ZeRO-1), then broadcasts them; less host memory per node.
+        reduce_dtype: several processes: the dtype gradients are averaged in (``"auto"``: their own; ``"bfloat16"``
+            halves the traffic).
         log_pipeline_metrics: log ``roundpipe/*`` figures after each optimizer step.
         timeline: record the pipeline's timeline and write ``timeline.json`` and ``timeline.png`` at teardown.
         timeline_dir: where the timeline goes (default: ``default_root_dir``); giving it switches ``timeline`` on.
@@ -155,7 +159,8 @@ class RoundPipeStrategy(ParallelStrategy):
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
                  streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
                  round_size: Literal["auto", "whole"] | int = "auto", ring: list[int] | None = None,
-                 rings_per_node: int = 1, log_pipeline_metrics: bool = True, timeline: bool = False,
+                 rings_per_node: int = 1, shard_optimizer: bool = False, reduce_dtype: ReduceDtype = "auto",
+                 log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
                  deferred_batchnorm: bool = False, seed: int | None = None, jitter: float = 0.0, stress: bool = False,
@@ -165,7 +170,8 @@ class RoundPipeStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.options, self.engine_options = build_options(dict(
-            pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, log_pipeline_metrics=log_pipeline_metrics,
+            pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, shard_optimizer=shard_optimizer,
+            reduce_dtype=reduce_dtype, log_pipeline_metrics=log_pipeline_metrics,
             timeline=timeline,
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
@@ -390,7 +396,14 @@ class RoundPipeStrategy(ParallelStrategy):
                 f"num_nodes={self.num_nodes})"
             )
         gradients = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-        self.data_parallel = DataParallel(self.world_size, self.global_rank, gradients=gradients, timeout=seconds)
+        # the sharded optimizer's broadcasts come from the optimizer thread while the caller's thread may average
+        # the next step's gradients (async mode): a group of their own
+        weights = (torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+                   if self.options.shard_optimizer else None)
+        reduce_dtype = None if self.options.reduce_dtype == "auto" else getattr(torch, self.options.reduce_dtype)
+        self.data_parallel = DataParallel(self.world_size, self.global_rank, gradients=gradients, timeout=seconds,
+                                          reduce_dtype=reduce_dtype, shard_optimizer=self.options.shard_optimizer,
+                                          weights=weights)
 
     def _agree_initial_weights(self, module: nn.Module) -> None:
         """Make every process start from process 0's weights: compare a fingerprint of each parameter and buffer
@@ -439,7 +452,9 @@ class RoundPipeStrategy(ParallelStrategy):
                 module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
                 async_step=options.async_step, recompute=options.recompute,
                 device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
-                trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer, transport=transport)
+                trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer, transport=transport,
+                processes_per_node=self.num_processes,
+                optimizer_shards=self.world_size if self.options.shard_optimizer else 1)
             preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
         if self.options.timeline:
@@ -618,8 +633,20 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        # Lightning asks every process (before save_checkpoint): a sharded state is gathered whole on process 0
         self._quiesce()
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        if self.data_parallel is not None and self.world_size > 1:
+            state = self.data_parallel.gather_optimizer_state(state)
+        return state
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # a checkpoint holds the whole state (any world size wrote it); a sharded process keeps what it owns
+        super().load_optimizer_state_dict(checkpoint)
+        if self.data_parallel is not None and self.world_size > 1:
+            for optimizer in self.optimizers:
+                self.data_parallel.drop_unowned_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -25,6 +25,8 @@ from typing import Any, Literal, NamedTuple, get_args, get_type_hints
 
 from lightning_roundpipe.engine.options import EngineOptions, OptionError, check_count, check_flag
 
+ReduceDtype = Literal["auto", "float32", "bfloat16"]
+REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
 PreflightMode = Literal["refuse", "warn", "off"]
 PREFLIGHT_MODES: tuple[str, ...] = get_args(PreflightMode)
 
@@ -57,6 +59,19 @@ class StrategyOptions:
     own share of the data (Lightning's ``DistributedSampler``), the gradients of every step averaged across
     them before the step, as with ``strategy="ddp"``. One ring per node (the default) is usually best: every
     process holds a full host copy of the training state; two suit a two-socket machine (one per socket)."""
+
+    shard_optimizer: bool = False
+    """With several processes: each keeps the host optimizer state of about ``1 / world_size`` of the
+    parameters (whole parameters; ZeRO-1), steps those alone and broadcasts them to the others, so a node holds
+    less host memory (AdamW: 16 bytes per parameter become 8 + 8 / world_size) and the host step shrinks, for one
+    broadcast of the weights per step. Gradients are still averaged whole, so clipping and hooks see them all;
+    checkpoints are gathered whole on process 0 and resume on any number of processes. Needs an optimizer that
+    updates each parameter on its own (every ``torch.optim`` one but LBFGS)."""
+
+    reduce_dtype: ReduceDtype = "auto"
+    """With several processes: the dtype the gradients are averaged in. ``"auto"``: each gradient's own (the
+    masters', float32 under mixed precision); ``"bfloat16"`` halves the bytes sent, at bfloat16's precision for
+    the mean (about 3 significant digits); ``"float32"``."""
 
     log_pipeline_metrics: bool = True
     """Log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded, host step time and the
@@ -100,6 +115,10 @@ class StrategyOptions:
                 or self.rings_per_node < 1:
             raise OptionError("rings_per_node", f"must be a positive int (processes per node, each driving a ring "
                                                 f"of devices // rings_per_node devices), got {self.rings_per_node!r}")
+        check_flag("shard_optimizer", self.shard_optimizer)
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise OptionError("reduce_dtype", f"must be one of {', '.join(map(repr, REDUCE_DTYPES))}, "
+                                              f"got {self.reduce_dtype!r}")
         check_flag("log_pipeline_metrics", self.log_pipeline_metrics)
         check_flag("timeline", self.timeline)
         if self.timeline_dir is not None:

@@ -97,8 +97,14 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of every tensor in ``optimizer``'s state."""
+    return sum(value.nbytes for entry in optimizer.state.values() for value in entry.values()
+               if isinstance(value, torch.Tensor))
+
+
 def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool,
-             clip: bool) -> None:
+             clip: bool, shard: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                            timeout=timedelta(seconds=TIMEOUT))
     gate = _Gate()
@@ -110,9 +116,10 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
 
     dist.all_reduce = counted_all_reduce
     try:
-        group = dist.new_group(backend="gloo")
+        group, weights = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
         data_parallel = DataParallel(WORLD if average else 1, rank if average else 0, gradients=group,
-                                     timeout=10.0 if lose_rank_1 else TIMEOUT)
+                                     timeout=10.0 if lose_rank_1 else TIMEOUT, shard_optimizer=shard,
+                                     weights=weights)
         if not average or lose_rank_1:
             gate.sent.set()  # nothing to prove: the gate stays open
         model = _model(gate)
@@ -129,8 +136,19 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
                 before_step = (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) and None) if clip else None
                 engine.step(optimizer, before_step=before_step)
             engine.synchronize()
+        params = list(model.parameters())
+        result = {"state": state(model), "waited": gate.waited, "state_bytes": _state_bytes(optimizer),
+                  "owned": sorted(index for index, param in enumerate(params)
+                                  if id(param) in data_parallel.owned(params)),
+                  "state_of": sorted(index for index, param in enumerate(params) if param in optimizer.state)}
+        if shard:  # a checkpoint's optimizer state: gathered whole on process 0, then each keeps its own
+            full = data_parallel.gather_optimizer_state(optimizer.state_dict())
+            result["gathered"] = full
+            optimizer.load_state_dict(full)
+            data_parallel.drop_unowned_state(optimizer)
+            result["kept_after_load"] = sorted(index for index, param in enumerate(params) if param in optimizer.state)
         if rank == 0:
-            torch.save({"state": state(model), "waited": gate.waited}, out)
+            torch.save(result, out)
     except BaseException as error:  # noqa: BLE001 - the parent reads what happened
         if rank == 0:
             torch.save({"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}, out)
@@ -139,10 +157,10 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
 
 
 def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, async_step: bool = False,
-         clip: bool = False) -> dict:
+         clip: bool = False, shard: bool = False) -> dict:
     out = tmp_path / "rank0.pt"
     context = mp.start_processes(_process, args=(str(tmp_path / "store"), str(out), average, lose_rank_1,
-                                                 async_step, clip),
+                                                 async_step, clip, shard),
                                  nprocs=WORLD, join=False, start_method="spawn")
     for process in context.processes:
         process.join(TIMEOUT * 2)
@@ -154,9 +172,10 @@ def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, asy
     return torch.load(out, weights_only=False)
 
 
-def _reference(ranks: list[int], clip: bool = False) -> dict[str, torch.Tensor]:
+def _reference(ranks: list[int], clip: bool = False, optimizer_state: list | None = None) -> dict[str, torch.Tensor]:
     """Plain PyTorch: per step, each rank's microbatches one after another (gradients accumulated), summed over
-    ``ranks`` and divided by their count (then clipped, with ``clip``); then one AdamW step."""
+    ``ranks`` and divided by their count (then clipped, with ``clip``); then one AdamW step. ``optimizer_state``:
+    a list that gets the optimizer's ``state_dict()`` at the end."""
     model = _model()
     optimizer = _optimizer(model.parameters())
     for step in range(STEPS):
@@ -171,6 +190,8 @@ def _reference(ranks: list[int], clip: bool = False) -> dict[str, torch.Tensor]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
+    if optimizer_state is not None:
+        optimizer_state.append(optimizer.state_dict())
     return state(model)
 
 
@@ -235,6 +256,49 @@ def test_async_rings_equal_the_delayed_update_with_averaged_gradients(tmp_path):
     run = _run(tmp_path, async_step=True)
     assert "error" not in run, run.get("trace")
     assert_states_float64_equal(run["state"], _async_reference([0, 1]))
+
+
+@pytest.mark.parametrize("mode", ["sync", "clip", "async"])
+def test_a_sharded_optimizer_takes_the_same_steps_with_part_of_the_state(averaged, tmp_path, mode):
+    """shard_optimizer: each process keeps AdamW's state of the parameters it owns only and broadcasts them once
+    stepped; the weights equal plain PyTorch's (the optimizer thread averaging and stepping by part; clipping,
+    averaged on the caller's thread; the async delayed update). The state a checkpoint gathers on process 0 equals
+    plain PyTorch's optimizer state, and a process that loads it keeps only what it owns."""
+    run = _run(tmp_path, shard=True, clip=mode == "clip", async_step=mode == "async")
+    assert "error" not in run, run.get("trace")
+    reference_state: list = []
+    reference = (_async_reference([0, 1]) if mode == "async"
+                 else _reference([0, 1], clip=mode == "clip", optimizer_state=reference_state))
+    assert_states_float64_equal(run["state"], reference)
+    params = list(_model().parameters())
+    touched = [index for index, name in enumerate(dict(_model().named_parameters())) if name != "2.unused"]
+    # process 0 holds state only for what it owns, and not nothing
+    assert run["state_of"] == [index for index in run["owned"] if index in touched] and run["state_of"]
+    # hand-computed: AdamW keeps exp_avg and exp_avg_sq (float64 here) and a float32 step count per parameter
+    expected = sum(16 * params[index].numel() + 4 for index in run["state_of"])
+    assert run["state_bytes"] == expected
+    replicated = sum(16 * params[index].numel() + 4 for index in touched)
+    assert averaged["state_bytes"] == replicated  # the replicated run, by the same count
+    assert run["state_bytes"] < 0.6 * replicated  # about half, whole parameters each
+    gathered = run["gathered"]["state"]
+    assert sorted(gathered) == touched
+    if reference_state:  # the gathered state is plain PyTorch's
+        for index, entry in reference_state[0]["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(gathered[index][key].double(), value.double(), rtol=1e-12, atol=1e-14)
+    assert run["kept_after_load"] == run["state_of"]
+
+
+def test_ownership_is_balanced_and_the_same_for_the_same_parameters():
+    """Hand-made: the largest parameter first to the least loaded process (the lowest rank among equals)."""
+    sizes = [10, 7, 5, 4, 3, 1]
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    owners = DataParallel(2, 0, shard_optimizer=True).owners(params)
+    # 10 -> 0 (0:10), 7 -> 1 (1:7), 5 -> 1 (1:12), 4 -> 0 (0:14), 3 -> 1 (1:15), 1 -> 0 (0:15)
+    assert [owners[id(param)] for param in params] == [0, 1, 1, 0, 1, 0]
+    assert DataParallel(2, 1, shard_optimizer=True).owners(params) == owners
+    assert DataParallel(2, 1, shard_optimizer=True).owned(params) == {id(params[i]) for i in (1, 2, 4)}
+    assert DataParallel(2, 1).owned(params) == {id(param) for param in params}  # not sharded: all
 
 
 def test_a_lost_process_makes_the_others_fail_with_an_error_naming_it(tmp_path):

@@ -198,6 +198,8 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "jitter": ("0.001", 0.001),
     "stress": ("true", True),
     "wait_timeout": ("30", 30.0),
+    "shard_optimizer": ("true", True),
+    "reduce_dtype": ("bfloat16", "bfloat16"),
 }
 
 
@@ -243,6 +245,7 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
                            "trunk; got ''"),
     ("rings_per_node", 0, "0",
      "must be a positive int (processes per node, each driving a ring of devices // rings_per_node devices), got 0"),
+    ("reduce_dtype", "float16", "float16", "must be one of 'auto', 'float32', 'bfloat16', got 'float16'"),
 ]
 
 

@@ -14,9 +14,11 @@ each a ring of 2 simulated CPU devices with 2 microbatches per batch. Both in fl
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,75 @@ def test_a_one_process_checkpoint_resumes_on_two_processes_under_torchrun(tmp_pa
     assert_states_float64_equal(records[0]["state"], resumed)
 
 
+# ---------------------------------------------------------------------------- a sharded optimizer
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> tuple[dict[int, dict[str, Any]], Path]:
+    """``shard_optimizer=True``: each process keeps and steps AdamW's state of its own parameters."""
+    folder = tmp_path_factory.mktemp("sharded")
+    records = _run(folder / "out", "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   "--shard-optimizer", "--checkpoints", str(folder / "checkpoints"))
+    return records, folder
+
+
+def test_a_sharded_optimizer_equals_ddp(sharded, ddp):
+    _check_against_ddp(sharded[0], ddp)
+
+
+def test_a_sharded_optimizer_equals_ddp_fused(tmp_path, ddp):
+    _check_against_ddp(_run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2",
+                            "--float64", "--fused", "--shard-optimizer"), ddp)
+
+
+def test_a_sharded_optimizer_holds_fewer_host_bytes_per_parameter(sharded, transparent):
+    """Measured in each process: its parameters' bytes plus its optimizer state's, per parameter. Replicated,
+    every process holds AdamW's whole state (in float64: 8 bytes a weight, 16 its two moments); sharded, the two
+    processes hold disjoint parts that add up to exactly that state, so each holds less."""
+    replicated = [transparent[0][rank]["host_bytes"] for rank in range(WORLD)]
+    shares = [sharded[0][rank]["host_bytes"] for rank in range(WORLD)]
+    assert replicated[0] == replicated[1]
+    assert sum(share["optimizer_state"] for share in shares) == replicated[0]["optimizer_state"]
+    per_param = [(held["params"] + held["optimizer_state"]) / held["numel"] for held in (*replicated, *shares)]
+    assert per_param[0] >= 8 + 16  # the replicated figure, by the count above (plus each step count)
+    assert max(per_param[2:]) < min(per_param[:2])
+    assert all(share["optimizer_state"] > 0 for share in shares)  # both processes own parameters
+
+
+def test_a_sharded_checkpoint_is_whole_and_resumes_on_one_process(sharded, transparent, one_process,
+                                                                   roundpipe_threads):
+    """Process 0 writes the whole optimizer state, gathered: the replicated run's, in a file that loads without
+    the strategy and resumes on one process as a one-process checkpoint does."""
+    folder = sharded[1] / "checkpoints"
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    ours = torch.load(folder / "epoch=1.ckpt", weights_only=False)["optimizer_states"][0]
+    theirs = torch.load(transparent[1] / "checkpoints" / "epoch=1.ckpt", weights_only=False)["optimizer_states"][0]
+    assert sorted(ours["state"]) == sorted(theirs["state"]) == list(range(len(list(Classifier("adamw").parameters()))))
+    for index, entry in theirs["state"].items():
+        for key, value in entry.items():
+            if value.dtype == torch.float64:  # the moments; the step count is a float32 scalar, counted exactly
+                assert_float64_equal(ours["state"][index][key], value, what=f"optimizer state {index} {key}")
+            else:
+                assert torch.equal(ours["state"][index][key], value), f"optimizer state {index} {key}"
+    Classifier.load_from_checkpoint(folder / "epoch=1.ckpt")
+    _, resumed = one_process
+    module, trainer = _fit_one_process(STEPS, resume=str(folder / "epoch=0.ckpt"))
+    assert trainer.global_step == STEPS and roundpipe_threads() == []
+    assert_states_float64_equal(module.state_dict(), resumed)
+
+
+def test_a_one_process_checkpoint_resumes_sharded_on_two_processes_under_torchrun(tmp_path, one_process):
+    """Each process loads the whole state and keeps what it owns: the run goes on as the one-process one does."""
+    checkpoint, resumed = one_process
+    records = _run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   "--shard-optimizer", "--resume", str(checkpoint), torchrun=True)
+    assert [records[rank]["environment"] for rank in range(WORLD)] == ["TorchElasticEnvironment"] * WORLD
+    assert_states_equal(records[0]["state"], records[1]["state"])
+    assert_states_float64_equal(records[0]["state"], resumed)
+    whole = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
+    whole_bytes = sum(value.nbytes for entry in whole.values() for value in entry.values()
+                      if isinstance(value, torch.Tensor))
+    assert all(0 < records[rank]["host_bytes"]["optimizer_state"] < whole_bytes for rank in range(WORLD))
+
+
 # ---------------------------------------------------------------------------- async
 def test_async_two_processes_equal_one_process_with_the_global_batch(tmp_path, roundpipe_threads):
     """Async data parallel is the one-step-stale update of the mean gradient: one process with the two
@@ -263,3 +334,102 @@ def test_several_processes_get_lightnings_launcher(keep_rank):
     assert type(strategy.launcher).__name__ == "_SubprocessScriptLauncher"
     assert (strategy.launcher.num_processes, strategy.launcher.num_nodes) == (2, 1)
     assert strategy.world_size == 2 and strategy.is_distributed and strategy.num_processes == 2
+
+
+# ---------------------------------------------------------------------------- a process killed mid-training
+KILL_WAIT = 30        # seconds: the strategy's wait_timeout in these runs (rank 1's start-up fits in it)
+KILLED_TIMEOUT = 150  # seconds a killed run may take in all: start-up (under load) plus KILL_WAIT, with margin
+
+
+def _run_killed(out: Path, kill_rank: int, *, torchrun: bool = False) -> tuple[int, str]:
+    """Run 8 steps with global rank ``kill_rank`` killing itself (SIGKILL) after the first: the survivor is
+    mid-training. Returns the exit code of the process started (rank 0, or torchrun) and the output of all; fails
+    if the run outlasts ``KILLED_TIMEOUT`` (a survivor stuck past its wait_timeout) or leaves a process behind."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"] \
+        if torchrun else [sys.executable]
+    command = [*launcher, str(SCRIPT), "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2",
+               "--steps", "8", "--kill-rank", str(kill_rank), "--kill-at-step", "1", "--wait", str(KILL_WAIT),
+               "--out", str(out)]
+    env = {key: value for key, value in os.environ.items()
+           if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
+    # a session of its own: every process of the run, orphans included, keeps its id, so none can go unseen
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process:
+        try:  # ends once every process of the run has closed the output (exited)
+            output, _ = process.communicate(timeout=KILLED_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"{' '.join(command)} ran over {KILLED_TIMEOUT} s:\n{output[-6000:]}")
+    left = _session_processes(process.pid)
+    if left:
+        os.killpg(process.pid, signal.SIGKILL)
+    assert not left, f"processes left by {' '.join(command)}: {left}\n{output[-6000:]}"
+    return process.returncode, output
+
+
+def _session_processes(session: int, grace: float = 10.0) -> list[str]:
+    """The live processes of ``session`` (from /proc), once those still exiting have had ``grace`` seconds. A zombie
+    (an exited orphan its new parent has not reaped yet) has no threads left and does not count."""
+    deadline = time.monotonic() + grace
+    while True:
+        live = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            state, _, _, sid = stat[stat.rindex(")") + 2:].split()[:4]
+            if int(sid) == session and state not in "ZX":
+                live.append(f"{entry.name} ({state}): {stat[:stat.rindex(')') + 1]}")
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
+
+
+def _exit_record(out: Path, rank: int) -> str | None:
+    """What ``rank`` wrote on failing (its exit code, then its error), if it ended by failing itself."""
+    path = out / f"exit_rank{rank}.txt"
+    return path.read_text() if path.exists() else None
+
+
+def test_killing_rank_0_makes_rank_1_exit_naming_it(tmp_path):
+    """Lightning's launcher, rank 0 (the process started, parent of rank 1) killed: rank 1 fails its next gradient
+    averaging at once, prints our DataParallelError naming process 0 and exits non-zero by itself; nothing is left.
+    Rank 1's exit code reaches no one (its parent is the process killed), so it writes it: 1 with the error."""
+    returncode, output = _run_killed(tmp_path, kill_rank=0)
+    assert returncode == -signal.SIGKILL, output[-6000:]  # rank 0 killed itself
+    assert _exit_record(tmp_path, 0) is None
+    record = _exit_record(tmp_path, 1)
+    assert record is not None, f"rank 1 did not fail by itself:\n{output[-6000:]}"
+    named = r"DataParallelError: process 1 of 2: .*process 0 stopped or (was lost|is stuck)"
+    assert re.match(r"1\n" + named, record), record
+    assert re.search(named, output), output[-6000:]
+
+
+def test_killing_rank_1_makes_rank_0_exit_non_zero(tmp_path):
+    """Lightning's launcher, rank 1 (the child) killed: rank 0 exits non-zero and nothing is left. Rank 0 fails its
+    next gradient averaging within about 0.1 s and exits 1 with our DataParallelError naming process 1; but
+    Lightning's launcher also runs a thread in rank 0 that polls its children every 5 s and SIGKILLs rank 0 when
+    one has failed, so in a few runs in a hundred that poll falls first: exit -9, without our message."""
+    returncode, output = _run_killed(tmp_path, kill_rank=1)
+    assert returncode in (1, -signal.SIGKILL), output[-6000:]
+    if returncode == 1:  # it ended by itself: in our words
+        named = r"DataParallelError: process 0 of 2: .*process 1 stopped or (was lost|is stuck)"
+        record = _exit_record(tmp_path, 0)
+        assert record is not None and re.match(r"1\n" + named, record), record
+        assert re.search(named, output), output[-6000:]
+
+
+def test_killing_a_rank_under_torchrun_fails_the_run_naming_it(tmp_path):
+    """torchrun, rank 1 killed: torchrun exits non-zero naming rank 1, killed by SIGKILL, as the root cause, and
+    nothing is left. The survivor's own message is not guaranteed: torchrun sends it SIGTERM within 0.1 s, and
+    Lightning's SIGTERM handler then broadcasts on the default group, whose gloo error (or the default action, if
+    Lightning has restored it) can end rank 0 before or instead of our DataParallelError."""
+    returncode, output = _run_killed(tmp_path, kill_rank=1, torchrun=True)
+    assert returncode != 0, output[-6000:]
+    assert "Root Cause (first observed failure):" in output, output[-6000:]
+    root_cause = output[output.index("Root Cause (first observed failure):"):]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -9 .*\(SIGKILL\)", root_cause), root_cause

@@ -19,6 +19,14 @@ it alone, as in plain training); one that only some processes have a gradient fo
 Which is which travels in each bucket, one flag per parameter after its gradients. The averaged gradients are new
 tensors: a gradient a queued step still reads is never changed in place. Every wait is bounded by ``timeout``
 seconds and names the collective, so a lost process makes the others fail, not hang.
+
+Sharded optimizer (``shard_optimizer``, ZeRO-1): each parameter is *owned* by one process (whole parameters,
+the largest first to the process owning the fewest elements so far, as ``ZeroRedundancyOptimizer`` assigns
+them; the same on every process, whatever the plan), which alone keeps its optimizer state and steps it; the
+owners then broadcast the updated weights (:meth:`DataParallel.broadcast_updates`, on the ``weights`` group).
+The gradients are still averaged whole on every process, so clipping, hooks and logging see the full mean.
+A checkpoint gathers the state on process 0 (:meth:`DataParallel.gather_optimizer_state`); a process that
+loads one keeps only what it owns (:meth:`DataParallel.drop_unowned_state`), so any world size resumes it.
 """
 
 from __future__ import annotations
@@ -54,7 +62,12 @@ class DataParallel:
     #: the dtype gradients travel and are summed in (``torch.bfloat16`` halves the traffic of float32 ones, at
     #: bfloat16's precision for the sum); ``None``: each parameter's own
     reduce_dtype: torch.dtype | None = None
+    #: each process keeps the optimizer state of the parameters it owns only and broadcasts them once stepped
+    shard_optimizer: bool = False
+    weights: Any = None      #: process group of those broadcasts, from the optimizer thread (``None``: default)
     sent_bytes: int = field(default=0, init=False)  #: gradient bytes this process has sent to be summed so far
+    broadcast_bytes: int = field(default=0, init=False)  #: sharded: bytes of updated weights this process sent
+    _owners_cache: tuple[tuple[int, ...], dict[int, int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -95,6 +108,92 @@ class DataParallel:
         backward runs, then :meth:`Averaging.finish`."""
         return Averaging(self, [param for param in params if param.requires_grad])
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer state is split over several processes."""
+        return self.shard_optimizer and self.world_size > 1
+
+    def owners(self, params: Sequence[nn.Parameter]) -> dict[int, int]:
+        """The process owning each of ``params`` (an optimizer's, in its order), by parameter id: the largest
+        first (ties in order) to the process owning the fewest elements so far (the lowest rank among equals).
+        Depends only on the parameters' order and sizes, so every process computes the same."""
+        key = tuple(id(param) for param in params)
+        if self._owners_cache is not None and self._owners_cache[0] == key:
+            return self._owners_cache[1]
+        loads = [0] * self.world_size
+        owners: dict[int, int] = {}
+        for param in sorted(params, key=lambda param: -param.numel()):  # sorted() is stable
+            if id(param) in owners:
+                continue
+            rank = min(range(self.world_size), key=lambda rank: loads[rank])
+            owners[id(param)] = rank
+            loads[rank] += param.numel()
+        self._owners_cache = (key, owners)
+        return owners
+
+    def owned(self, params: Sequence[nn.Parameter]) -> set[int]:
+        """The ids of ``params`` this process steps: those it owns when sharded, else all."""
+        if not self.sharded:
+            return {id(param) for param in params}
+        return {key for key, rank in self.owners(params).items() if rank == self.rank}
+
+    def broadcast_updates(self, params: Sequence[nn.Parameter], owners: Mapping[int, int]) -> None:
+        """Copy each of ``params`` (the same list on every process) from its owner to the other processes, once
+        the owners have stepped them: per owner, flat buckets of one dtype broadcast on the ``weights`` group.
+        Call it from one thread, in the same order on every process."""
+        if not self.sharded:
+            return
+        pending = []
+        for owner in range(self.world_size):
+            mine = owner == self.rank
+            for bucket in _buckets([param for param in params if owners[id(param)] == owner], self.bucket_bytes):
+                flat = (torch.cat([param.detach().reshape(-1) for param in bucket]) if mine
+                        else torch.empty(sum(param.numel() for param in bucket), dtype=bucket[0].dtype))
+                src = dist.get_global_rank(self.weights, owner) if self.weights is not None else owner
+                pending.append((dist.broadcast(flat, src=src, group=self.weights, async_op=True), flat, bucket, mine))
+                self.broadcast_bytes += flat.nbytes if mine else 0
+        for work, flat, bucket, mine in pending:
+            self._wait(work, f"broadcasting {flat.numel():,} updated weights of their owner")
+            if mine:
+                continue
+            offset = 0
+            for param in bucket:
+                param.detach().copy_(flat[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
+
+    def drop_unowned_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget the optimizer state of the parameters other processes own (after loading a full checkpoint)."""
+        if not self.sharded:
+            return
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        owners = self.owners(params)
+        for param in params:
+            if owners[id(param)] != self.rank:
+                optimizer.state.pop(param, None)
+
+    def gather_optimizer_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer.state_dict()`` of every process merged (each holds the state of what it owns): the full
+        state on process 0, this process's own elsewhere. On the caller's thread, on every process alike."""
+        if not self.sharded:
+            return state_dict
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        try:
+            dist.gather_object(state_dict["state"], gathered, dst=self._control_source(), group=self.control)
+        except Exception as error:
+            raise DataParallelError(
+                f"process {self.rank} of {self.world_size}: gathering the sharded optimizer state failed, so "
+                f"{self._peers()} stopped or was lost: {type(error).__name__}: {error}") from error
+        if gathered is None:
+            return state_dict
+        merged: dict[int, Any] = {}
+        for states in gathered:
+            merged.update(states)
+        return {**state_dict, "state": dict(sorted(merged.items()))}
+
+    def _control_source(self) -> int:
+        """The global rank of process 0 of the ``control`` group."""
+        return dist.get_global_rank(self.control, 0) if self.control is not None else 0
+
     def agree(self, value: Any) -> Any:
         """Process 0's ``value`` on every process (a plan, say): call it on the caller's thread, at the same
         point on every process."""
@@ -102,8 +201,7 @@ class DataParallel:
             return value
         holder = [value]
         try:
-            dist.broadcast_object_list(holder, src=dist.get_global_rank(self.control, 0)
-                                       if self.control is not None else 0, group=self.control)
+            dist.broadcast_object_list(holder, src=self._control_source(), group=self.control)
         except Exception as error:
             raise DataParallelError(
                 f"process {self.rank} of {self.world_size}: agreeing on {type(value).__name__} failed: "

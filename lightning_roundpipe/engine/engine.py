@@ -53,7 +53,7 @@ from lightning_roundpipe.engine.optim import (
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.pinned import PinnedStorages
 from lightning_roundpipe.engine.stage import StageRunner, Task
-from lightning_roundpipe.engine.step_groups import StepGroup, stage_groups, streaming_refusal, upload_waits
+from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.transport import (
     UploadSources,
@@ -570,6 +570,11 @@ class RoundPipeEngine:
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         outside, unstepped = self._check_optimizer_params(params)
+        if self.data_parallel is not None and self.data_parallel.sharded:
+            coupled = coupling(optimizer, "on" if self.options.streaming_step == "on" else "auto")
+            if coupled is not None:
+                raise ValueError(f"shard_optimizer=True steps each parameter on the process owning it alone, but "
+                                 f"{coupled}: set shard_optimizer=False")
         groups = self._step_groups(optimizer, params)
         window, self._window = self._window, GradWindow(self._abort, self._step + 1)
         window.close([group.params for group in groups])
@@ -663,7 +668,10 @@ class RoundPipeEngine:
         hold the previous step) once this iteration's uploads of them are done, as early as it can.
         ``proceed=False`` skips the update (the copies are still published). ``averaging`` (data parallel, no
         hook): each group's gradients are averaged over the processes before it steps, the groups deepest first
-        (the same order on every process), so one group's communication overlaps the rest of the backward."""
+        (the same order on every process), so one group's communication overlaps the rest of the backward. With
+        a sharded optimizer (``DataParallel.sharded``) this process steps the parameters of a group it owns and
+        then takes the others' from their owners (:meth:`DataParallel.broadcast_updates`) before the group's
+        event is set."""
         hyperparameters = snapshot_param_groups(optimizer)  # as they are now
         host_kernels = self.options.host_optimizer
         # an LR scheduler checks that a step preceded its own
@@ -677,7 +685,12 @@ class RoundPipeEngine:
         self._lent_now()  # forgets the steps that have ended
         if lent:
             self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
-        stepped = [id(param) for param in params]
+        # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
+        sharding = self.data_parallel if self.data_parallel is not None and self.data_parallel.sharded else None
+        sharded = sharding is not None
+        owners = sharding.owners(params) if sharding is not None else {}
+        stepped = [id(param) for param in params if sharding is None or owners[id(param)] == sharding.rank]
+        optimized = {id(param) for param in params}
 
         def publish(group: StepGroup, wait: bool) -> bool:
             """Async: refresh the group's published copy once this iteration's uploads have read it."""
@@ -703,6 +716,8 @@ class RoundPipeEngine:
                     final = window.final_groups(pending)
                     if averaging is not None:  # the collectives go in one order on every process
                         final = [index for index in final if index == max(pending)]
+                    elif sharded:  # every gradient is final already (averaged on the caller's thread)
+                        final = [index for index in final if index == min(pending)]
                     if not final:
                         window.wait_progress()
                         continue
@@ -722,10 +737,21 @@ class RoundPipeEngine:
                         self.timeline.add(-1, -1, f"average step {number} {group.label}", 0, "allreduce", started)
                     if proceed:
                         start = time.perf_counter()
-                        with host.timed(f"step {number} {group.label}" if len(groups) > 1 else f"step {number}"):
+                        label = f"step {number} {group.label}" if len(groups) > 1 else f"step {number}"
+                        with host.timed(label):
                             self._step_group(optimizer, number, hyperparameters, group, stepped, grads, host_kernels)
-                            if not async_step:  # the low-precision copies the next uploads read, cast once
+                            if not (async_step or sharded):  # the low-precision copies the next uploads read
                                 sources.refresh(group.params)
+                        if sharding is not None:  # the same list everywhere: the averaged gradients are the same
+                            started = self.timeline.now()
+                            sharding.broadcast_updates(
+                                [param for param in group.params if id(param) in grads and id(param) in optimized],
+                                owners)
+                            self.timeline.add(-1, -1, f"broadcast step {number} {group.label}", 0, "broadcast",
+                                              started)
+                            if not async_step:
+                                with host.timed(label):
+                                    sources.refresh(group.params)
                         self._spread_step_seconds(group, time.perf_counter() - start, seconds)
                         applied.append(group.label)
                     group.ready.set()
@@ -753,9 +779,10 @@ class RoundPipeEngine:
     @staticmethod
     def _step_group(optimizer: torch.optim.Optimizer, number: int, hyperparameters: list[dict], group: StepGroup,
                     stepped: list[int], grads: dict[int, torch.Tensor], host_kernels: str) -> None:
-        """Step the parameters of ``group`` that the optimizer holds, with the step's hyperparameters."""
-        members = {id(param) for param in group.params}
-        if not members.intersection(stepped):
+        """Step the parameters of ``group`` among ``stepped`` (the optimizer's; sharded: those this process owns),
+        with the step's hyperparameters."""
+        members = {id(param) for param in group.params}.intersection(stepped)
+        if not members:
             return
         subset = [{**copy, "params": [param for param in copy["params"] if id(param) in members]}
                   for copy in hyperparameters]

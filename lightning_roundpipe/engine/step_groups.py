@@ -91,15 +91,25 @@ def upload_waits(groups: Sequence[StepGroup], num_layers: int) -> list[tuple[Hos
     return [tuple(events) for events in waits]
 
 
-def streaming_refusal(optimizer: torch.optim.Optimizer, mode: str) -> str | None:
-    """Why ``optimizer`` steps whole under ``streaming_step=mode``, or ``None`` if it steps by stage."""
-    if mode == "off":
-        return "streaming_step='off'"
+def coupling(optimizer: torch.optim.Optimizer, mode: str) -> str | None:
+    """Why ``optimizer``'s update of a parameter may read other parameters (so it cannot step a subset of them
+    alone: by stage, or only the parameters a process owns), or ``None``. ``mode="on"``: the user declared an
+    optimizer of another class safe."""
     if isinstance(optimizer, torch.optim.LBFGS):
         return "LBFGS couples every parameter"
     if mode == "auto" and not type(optimizer).__module__.startswith("torch.optim"):
         return (f"{type(optimizer).__name__} is not a torch.optim optimizer, which may couple parameters; "
                 "streaming_step='on' declares it safe")
+    return None
+
+
+def streaming_refusal(optimizer: torch.optim.Optimizer, mode: str) -> str | None:
+    """Why ``optimizer`` steps whole under ``streaming_step=mode``, or ``None`` if it steps by stage."""
+    if mode == "off":
+        return "streaming_step='off'"
+    coupled = coupling(optimizer, mode)
+    if coupled is not None:
+        return coupled
     from torch.optim import optimizer as optimizer_module  # the registry of global step hooks
 
     hooked = (getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks",

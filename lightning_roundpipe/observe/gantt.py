@@ -46,6 +46,7 @@ KIND_COLORS = {
     "upload_params": "#54A24B",  # green
     "upload_acts": "#A0D68E",    # light green
     "allreduce": "#72B7B2",      # teal: gradients averaged across processes
+    "broadcast": "#B279A2",      # mauve: updated weights sent by their owners (sharded optimizer)
     "download": "#9D9D9D",       # grey
     "release": "#D0D0D0",        # light grey: gradients to the host, memory released
     "optimizer": "#B07A3B",      # brown
@@ -54,13 +55,13 @@ KIND_NAMES = {
     "forward": "forward", "fused": "fused (fwd + loss + bwd)", "backward": "backward",
     "recompute": "recompute", "upload_params": "upload params", "upload_acts": "upload activations",
     "download": "download", "release": "gradients + release", "optimizer": "optimizer step",
-    "allreduce": "gradients averaged across processes",
+    "allreduce": "gradients averaged across processes", "broadcast": "updated weights broadcast",
 }
 _OTHER_COLOR = "#F2CF5B"
 # lanes of a row (its centre at y = row): (offset of the top edge, height); y grows downwards
 _LANES = {"params": (-0.48, 0.09), "acts": (-0.38, 0.08), "main": (-0.28, 0.56), "bottom": (0.3, 0.13)}
 _LANE_OF_KIND = {"upload_params": "params", "upload_acts": "acts", "download": "bottom", "release": "bottom",
-                 "allreduce": "bottom"}
+                 "allreduce": "bottom", "broadcast": "bottom"}
 
 
 class _Bar(NamedTuple):

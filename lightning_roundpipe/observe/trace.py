@@ -49,7 +49,9 @@ _STREAM_OF_KIND = {
 HOST_OPTIMIZER = "host optimizer"
 """The track of device ``-1``: optimizer steps on the host."""
 COMMUNICATION = "communication"
-"""The host track of events of kind ``allreduce``: the step's gradients averaged across processes (data parallel)."""
+"""The host track of the data-parallel collectives: events of kind ``allreduce`` (the step's gradients averaged
+across processes) and ``broadcast`` (a sharded optimizer's updated weights sent by their owners)."""
+COMMUNICATION_KINDS = frozenset({"allreduce", "broadcast"})
 
 
 @dataclass(frozen=True)
@@ -163,14 +165,14 @@ def _tracks(events: Sequence[TimelineEvent], num_devices: int | None) -> dict[tu
         for stream in (*STREAMS, *extra):
             tracks[(device, stream)] = len(tracks) + 1
     tracks[(-1, HOST_OPTIMIZER)] = 0
-    if any(e.device < 0 and e.kind == "allreduce" for e in events):
+    if any(e.device < 0 and e.kind in COMMUNICATION_KINDS for e in events):
         tracks[(-1, COMMUNICATION)] = len(tracks)
     return tracks
 
 
 def host_stream(kind: str) -> str:
     """The host track of an event of ``kind`` (device ``-1``)."""
-    return COMMUNICATION if kind == "allreduce" else HOST_OPTIMIZER
+    return COMMUNICATION if kind in COMMUNICATION_KINDS else HOST_OPTIMIZER
 
 
 def track_name(device: int, stream: str) -> str:

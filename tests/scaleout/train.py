@@ -8,7 +8,7 @@ trained on, the ``sync_dist`` mean of the losses and the world it saw.
     python tests/scaleout/train.py --strategy ddp --devices 2 --out OUT
     python tests/scaleout/train.py --strategy roundpipe --devices 4 --rings-per-node 2 --out OUT
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/scaleout/train.py \\
-        --strategy roundpipe --devices 4 --rings-per-node 2 --out OUT
+        --strategy roundpipe --devices 4 --rings-per-node 2 --shard-optimizer --out OUT
 
 The run: AdamW with a StepLR schedule stepped per optimizer step, ``accumulate_grad_batches=2``, gradient
 clipping (unless ``--no-clip``), a fixed dataset sharded by the ``DistributedSampler`` Lightning injects, ``seed_everything``. The same
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -86,10 +87,28 @@ def loader(world_size: int) -> DataLoader:
 
 
 def make_strategy(args: argparse.Namespace) -> Any:
+    wait = args.wait if args.wait is not None else WAIT
     if args.strategy == "ddp":
-        return DDPStrategy(timeout=timedelta(seconds=WAIT))
+        return DDPStrategy(timeout=timedelta(seconds=wait))
     return RoundPipeStrategy(num_microbatches=2, rings_per_node=args.rings_per_node, async_step=args.async_step,
-                             timeline_dir=args.timeline_dir, wait_timeout=WAIT)
+                             timeline_dir=args.timeline_dir, wait_timeout=wait,
+                             shard_optimizer=args.shard_optimizer)
+
+
+class KillAt(pl.Callback):
+    """Global rank ``rank`` kills itself with SIGKILL once ``step`` optimizer steps are done: a crash with no
+    cleanup (no exception, no closed process group), as a lost machine or an out-of-memory kill leaves it."""
+
+    roundpipe_reads_gradients = False  # it reads no gradients: the run keeps the path it has without it
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_trainer(strategy: Any, devices: int, steps: int, float64: bool, checkpoints: str | None = None,
@@ -108,6 +127,16 @@ def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
+def host_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this process holds of the training state on the host: its parameters' bytes and element count, and
+    its optimizer state's bytes (the tensors in ``optimizer.state``, which a sharded optimizer keeps for the
+    parameters this process owns only)."""
+    return {"params": sum(param.nbytes for param in module.parameters()),
+            "numel": sum(param.numel() for param in module.parameters()),
+            "optimizer_state": sum(value.nbytes for entry in optimizer.state.values() for value in entry.values()
+                                   if isinstance(value, torch.Tensor))}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=["ddp", "roundpipe"], required=True)
@@ -123,6 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", help="a checkpoint to resume from (ckpt_path)")
     parser.add_argument("--timeline-dir", help="roundpipe: record the timeline and write it here")
     parser.add_argument("--perturb-rank", type=int, help="start this global rank from other weights")
+    parser.add_argument("--shard-optimizer", action="store_true", help="roundpipe: shard_optimizer=True")
+    parser.add_argument("--wait", type=float, help=f"seconds: the strategy's wait timeout (default {WAIT:.0f})")
+    parser.add_argument("--kill-rank", type=int, help="this global rank kills itself (SIGKILL) at --kill-at-step; "
+                        "every process that fails instead writes <out>/exit_rank<r>.txt: its exit code and error")
+    parser.add_argument("--kill-at-step", type=int, default=1, help="optimizer steps done before --kill-rank dies")
     args = parser.parse_args(argv)
 
     pl.seed_everything(0, verbose=False)
@@ -134,13 +168,26 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             for param in module.parameters():
                 param.add_(0.1)
-    trainer.fit(module, loader(world), ckpt_path=args.resume)
+    if args.kill_rank is not None:
+        trainer.callbacks.append(KillAt(args.kill_rank, args.kill_at_step))  # type: ignore[attr-defined]
+        try:
+            trainer.fit(module, loader(world), ckpt_path=args.resume)
+        except BaseException as error:
+            # how this process ends (the exception raised on, so exit code 1): under Lightning's launcher a
+            # child's exit code reaches no one (its parent may be the process killed); one killed writes none
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"exit_rank{trainer.global_rank}.txt"), "w") as file:
+                file.write(f"1\n{type(error).__name__}: {error}\n")
+            raise
+    else:
+        trainer.fit(module, loader(world), ckpt_path=args.resume)
     os.makedirs(args.out, exist_ok=True)
     torch.save({
         "state": state(module), "losses": module.losses, "seen": module.seen, "world_size": world,
         "global_step": trainer.global_step, "synced_loss": float(trainer.callback_metrics["synced_loss"]),
         "distributed_sampler_kwargs": dict(trainer.strategy.distributed_sampler_kwargs),
         "environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+        "host_bytes": host_bytes(module, trainer.optimizers[0]),
     }, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
 
 
