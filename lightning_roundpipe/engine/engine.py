@@ -48,10 +48,10 @@ from lightning_roundpipe.engine.optim import (
     GradWindow,
     HostOptimizer,
     snapshot_param_groups,
-    step_with_groups,
 )
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.pinned import PinnedStorages
+from lightning_roundpipe.engine.queued_step import QueuedStep
 from lightning_roundpipe.engine.stage import StageRunner, Task
 from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.transfer import differentiable_leaves
@@ -657,141 +657,40 @@ class RoundPipeEngine:
 
     def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
                     groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None) -> HostEvent:
-        """Queue step ``self._step`` on the optimizer thread, cut into ``groups``, and make each later upload
-        wait for the groups of the layers it uploads; returns the event of the step's end.
+        """Queue step ``self._step`` on the optimizer thread, cut into ``groups`` (:class:`QueuedStep` says how it
+        runs, and what ``proceed`` and ``averaging`` do), and make each later upload wait for the groups of the
+        layers it uploads; returns the event of the step's end.
 
         The step's gradients: the tensors in ``param.grad`` now (read here, on the caller's thread, and lent to
-        the step), plus what ``window`` holds once each group's are final (taken on the optimizer thread).
-        Whenever the thread is free it steps the shallowest group whose gradients are final: while the backward
-        still runs that is the one that became final last, and once all are final (after ``before_step``, say)
-        the next iteration's first stages go first. Async mode first publishes a group's masters (they still
-        hold the previous step) once this iteration's uploads of them are done, as early as it can.
-        ``proceed=False`` skips the update (the copies are still published). ``averaging`` (data parallel, no
-        hook): each group's gradients are averaged over the processes before it steps, the groups deepest first
-        (the same order on every process), so one group's communication overlaps the rest of the backward. With
-        a sharded optimizer (``DataParallel.sharded``) this process steps the parameters of a group it owns and
-        then takes the others' from their owners (:meth:`DataParallel.broadcast_updates`) before the group's
-        event is set."""
+        the step), plus what ``window`` holds once each group's are final (taken on the optimizer thread)."""
         hyperparameters = snapshot_param_groups(optimizer)  # as they are now
-        host_kernels = self.options.host_optimizer
         # an LR scheduler checks that a step preceded its own
         optimizer._opt_called = True  # type: ignore[attr-defined]
         number = self._step
         sources = self._started_part(self._sources)
         host = self._started_part(self._optimizer)
-        async_step = self.options.async_step
         finished = HostEvent(f"optimizer step {number}")
         lent = {id(param): param.grad for param in params if param.grad is not None}
         self._lent_now()  # forgets the steps that have ended
         if lent:
             self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
-        # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
         sharding = self.data_parallel if self.data_parallel is not None and self.data_parallel.sharded else None
-        sharded = sharding is not None
-        owners = sharding.owners(params) if sharding is not None else {}
-        stepped = [id(param) for param in params if sharding is None or owners[id(param)] == sharding.rank]
-        optimized = {id(param) for param in params}
-
-        def publish(group: StepGroup, wait: bool) -> bool:
-            """Async: refresh the group's published copy once this iteration's uploads have read it."""
-            if group.ready.is_set():
-                return True
-            if not wait and not window.uploads_done(group.readers):
-                return False
-            window.wait_uploads(group.readers)
-            sources.refresh(group.params)
-            group.ready.set()
-            return True
-
-        def run_step() -> None:
-            pending = list(range(len(groups)))  # shallowest first
-            applied: list[str] = []
-            seconds = [0.0] * len(self.trunk)  # per layer, its parameters' share of the step
-            try:
-                while pending:
-                    window.forget_progress()  # what happens from here on wakes the wait below
-                    if async_step:
-                        for index in pending:
-                            publish(groups[index], wait=False)
-                    final = window.final_groups(pending)
-                    if averaging is not None:  # the collectives go in one order on every process
-                        final = [index for index in final if index == max(pending)]
-                    elif sharded:  # every gradient is final already (averaged on the caller's thread)
-                        final = [index for index in final if index == min(pending)]
-                    if not final:
-                        window.wait_progress()
-                        continue
-                    index = final[0]
-                    pending.remove(index)
-                    group = groups[index]
-                    if async_step:
-                        publish(group, wait=True)
-                    grads = {key: lent[key] for key in map(id, group.params) if key in lent}
-                    for key, (_, grad) in window.take(group.params).items():
-                        held = grads.get(key)
-                        grads[key] = grad if held is None else held + grad  # out of place: the lent one stays
-                    if averaging is not None:
-                        started = self.timeline.now()
-                        averaging.send(group.params, grads)
-                        grads = averaging.receive(group.params)
-                        self.timeline.add(-1, -1, f"average step {number} {group.label}", 0, "allreduce", started)
-                    if proceed:
-                        start = time.perf_counter()
-                        label = f"step {number} {group.label}" if len(groups) > 1 else f"step {number}"
-                        with host.timed(label):
-                            self._step_group(optimizer, number, hyperparameters, group, stepped, grads, host_kernels)
-                            if not (async_step or sharded):  # the low-precision copies the next uploads read
-                                sources.refresh(group.params)
-                        if sharding is not None:  # the same list everywhere: the averaged gradients are the same
-                            started = self.timeline.now()
-                            sharding.broadcast_updates(
-                                [param for param in group.params if id(param) in grads and id(param) in optimized],
-                                owners)
-                            self.timeline.add(-1, -1, f"broadcast step {number} {group.label}", 0, "broadcast",
-                                              started)
-                            if not async_step:
-                                with host.timed(label):
-                                    sources.refresh(group.params)
-                        self._spread_step_seconds(group, time.perf_counter() - start, seconds)
-                        applied.append(group.label)
-                    group.ready.set()
-                if proceed:
-                    self._layer_step_seconds = seconds  # one assignment: the main thread reads it whole
-            except BaseException:
-                if applied and pending:  # stopped part-way: the pipeline failed, or the optimizer on a later part
-                    self._torn = (number, applied)
-                raise
-
-        host.submit(run_step, finished, f"step {number}")
+        step = QueuedStep(optimizer, number, params, groups, window, lent=lent, hyperparameters=hyperparameters,
+                          host_kernels=self.options.host_optimizer, sources=sources, host=host,
+                          timeline=self.timeline, trunk=self.trunk, async_step=self.options.async_step,
+                          proceed=proceed, averaging=averaging, sharding=sharding,
+                          on_whole=self._record_step_seconds, on_torn=self._record_torn_step)
+        host.submit(step.run, finished, f"step {number}")
         self._upload_waits = upload_waits(groups, len(self.trunk))
         return finished
 
-    def _spread_step_seconds(self, group: StepGroup, seconds: float, per_layer: list[float]) -> None:
-        """Add a group's step time to its layers, in proportion to the elements of the group's parameters each
-        holds (the step's cost per element is about constant); parameters outside the trunk are left out."""
-        members = {id(param) for param in group.params}
-        sizes = [sum(param.numel() for param in self.trunk.states[layer].params if id(param) in members)
-                 for layer in group.layers]
-        total = sum(sizes)
-        for layer, size in zip(group.layers, sizes, strict=True):
-            per_layer[layer] += seconds * size / total if total else 0.0
+    def _record_step_seconds(self, seconds: list[float]) -> None:
+        """On the optimizer thread: per layer, the seconds a step that ran whole spent on its parameters."""
+        self._layer_step_seconds = seconds  # one assignment: the main thread reads it whole
 
-    @staticmethod
-    def _step_group(optimizer: torch.optim.Optimizer, number: int, hyperparameters: list[dict], group: StepGroup,
-                    stepped: list[int], grads: dict[int, torch.Tensor], host_kernels: str) -> None:
-        """Step the parameters of ``group`` among ``stepped`` (the optimizer's; sharded: those this process owns),
-        with the step's hyperparameters."""
-        members = {id(param) for param in group.params}.intersection(stepped)
-        if not members:
-            return
-        subset = [{**copy, "params": [param for param in copy["params"] if id(param) in members]}
-                  for copy in hyperparameters]
-        try:
-            step_with_groups(optimizer, [copy for copy in subset if copy["params"]], grads, host_kernels=host_kernels)
-        except Exception as error:
-            raise PipelineError(
-                f"optimizer step {number} ({type(optimizer).__name__}) raised {type(error).__name__} on "
-                f"the optimizer thread: {error}") from error
+    def _record_torn_step(self, number: int, applied: list[str]) -> None:
+        """On the optimizer thread: step ``number`` stopped part-way, after stepping the groups ``applied``."""
+        self._torn = (number, applied)
 
     def collect_gradients(self) -> None:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, on this

@@ -77,8 +77,8 @@ class GradWindow:
         self._complete = threading.Event()
         self._idle = threading.Event()  # no job in flight (the window may still get more)
         self._idle.set()
-        self.upload_events: list[HostEvent] = []
-        self._uploads_by_layer: dict[int, list[HostEvent]] = {}  # the uploads of each layer's parameters
+        # the uploads of each layer's parameters; under ``None`` those of jobs that read no layer
+        self._uploads_by_layer: dict[int | None, list[HostEvent]] = {}
         # set by close(groups): per parameter id its group, per group the parameters still open, and per group
         # an event set once none is (its gradients are final)
         self._group_of: dict[int, int] = {}
@@ -109,9 +109,9 @@ class GradWindow:
             self._add_upload(upload_done, layers)
 
     def _add_upload(self, upload_done: HostEvent, layers: Iterable[int]) -> None:
-        self.upload_events.append(upload_done)
-        for layer in layers:
-            self._uploads_by_layer.setdefault(layer, []).append(upload_done)
+        keys: Iterable[int | None] = tuple(layers) or (None,)  # an upload of no layer is still waited for
+        for key in keys:
+            self._uploads_by_layer.setdefault(key, []).append(upload_done)
 
     def deliver(self, ticket: int, grads: Sequence[torch.Tensor | None], *, borrowed: bool = False) -> None:
         """The gradients of job ``ticket``, one per slot given to :meth:`job_started` (``None``: none), computed
@@ -234,8 +234,11 @@ class GradWindow:
     def wait_uploads(self, layers: Iterable[int] | None = None) -> None:
         """Until every upload of the window's jobs (of those reading ``layers``; ``None``: all) is done."""
         with self._lock:
-            events = (list(self.upload_events) if layers is None
-                      else [event for layer in layers for event in self._uploads_by_layer.get(layer, ())])
+            if layers is None:  # each upload once, though it is filed under every layer it reads
+                events = list({id(event): event for uploads in self._uploads_by_layer.values()
+                               for event in uploads}.values())
+            else:
+                events = [event for layer in layers for event in self._uploads_by_layer.get(layer, ())]
         for event in events:
             event.wait(self._abort)
 
@@ -402,7 +405,7 @@ class HostOptimizer:
             finally:
                 self.running = None
                 self._handled += 1
-            item = None  # a finished step's closures hold its gradient window
+            item = None  # a finished step (its task) holds its gradient window
 
     def _handle(self, task: Callable[[], None], done: HostEvent, label: str) -> None:
         if self._abort.aborted:

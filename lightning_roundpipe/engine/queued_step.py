@@ -1,0 +1,201 @@
+"""One optimizer step, cut into step groups, run on the optimizer thread.
+
+:meth:`RoundPipeEngine.step` decides on the caller's thread what a step is (its groups, the hyperparameters
+as they are at that call, the gradients lent from ``param.grad``) and queues a :class:`QueuedStep`; the
+optimizer thread (:class:`~lightning_roundpipe.engine.optim.HostOptimizer`) runs it, group by group as their
+gradients become final (``step_groups.py``), with what data parallel adds to each group: the averaging over
+the processes, and the sharded optimizer's broadcasts of the updated weights. In async mode it also publishes
+each group's weights for the next uploads (``optim.py``).
+
+It lives apart from the engine because it is the part of a step that runs on the optimizer thread: it reads
+nothing of the engine's, only what it was handed when the step was queued, and what the engine learns from it
+(the time each layer's parameters took, a step stopped part-way) goes back through the two callbacks given to
+the constructor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.engine.call import PipelineError
+from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
+from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, step_with_groups
+from lightning_roundpipe.engine.step_groups import StepGroup
+from lightning_roundpipe.engine.transport import UploadSources
+from lightning_roundpipe.observe.trace import Timeline
+
+
+class QueuedStep:
+    """Optimizer step ``number`` of ``optimizer``, cut into ``groups`` (shallowest first); :meth:`run` runs it on
+    the optimizer thread.
+
+    The step's gradients: ``lent`` (the tensors ``param.grad`` held when the step was queued, read on the caller's
+    thread, by parameter id), plus what ``window`` holds once each group's are final (taken on the optimizer
+    thread). Whenever the thread is free it steps the shallowest group whose gradients are final: while the
+    backward still runs that is the one that became final last, and once all are final (after ``before_step``,
+    say) the next iteration's first stages go first. Async mode first publishes a group's masters (they still
+    hold the previous step) once this iteration's uploads of them are done, as early as it can. ``proceed=False``
+    skips the update (the copies are still published). ``averaging`` (data parallel, no hook): each group's
+    gradients are averaged over the processes before it steps, the groups deepest first (the same order on every
+    process), so one group's communication overlaps the rest of the backward. With a sharded optimizer
+    (``sharding``, a :class:`DataParallel` whose ``sharded`` is true) this process steps the parameters of a group
+    it owns and then takes the others' from their owners (:meth:`DataParallel.broadcast_updates`) before the
+    group's event is set.
+
+    What the engine learns: ``on_whole`` gets, once every group has stepped (not with ``proceed=False``), the
+    seconds the step spent per layer of ``trunk``; ``on_torn`` gets the step's number and the labels of the groups
+    it had stepped when it stopped part-way (the pipeline failed, or the optimizer on a later group).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, number: int, params: Sequence[nn.Parameter],
+                 groups: list[StepGroup], window: GradWindow, *, lent: Mapping[int, torch.Tensor],
+                 hyperparameters: list[dict], host_kernels: str, sources: UploadSources, host: HostOptimizer,
+                 timeline: Timeline, trunk: Trunk, async_step: bool, proceed: bool, averaging: Averaging | None,
+                 sharding: DataParallel | None, on_whole: Callable[[list[float]], None],
+                 on_torn: Callable[[int, list[str]], None]) -> None:
+        self.optimizer = optimizer
+        self.number = number
+        self.groups = groups
+        self.window = window
+        self.lent = lent
+        self.hyperparameters = hyperparameters
+        self.host_kernels = host_kernels
+        self.sources = sources
+        self.host = host
+        self.timeline = timeline
+        self.async_step = async_step
+        self.proceed = proceed
+        self.averaging = averaging
+        self.on_whole = on_whole
+        self.on_torn = on_torn
+        # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
+        self.sharding = sharding
+        self.owners = sharding.owners(params) if sharding is not None else {}
+        self.stepped = [id(param) for param in params if sharding is None or self.owners[id(param)] == sharding.rank]
+        self.optimized = {id(param) for param in params}
+        self.num_layers = len(trunk)
+        # per group, the elements of its parameters each of its layers holds: how its step time is spread. Counted
+        # here, on the caller's thread (the only one that changes the trunk's states), once per step
+        self.layer_sizes = [self._layer_sizes(trunk, group) for group in groups] if proceed else []
+
+    def run(self) -> None:
+        """Step every group, each once its gradients are final (the optimizer thread then sets the step's
+        event)."""
+        pending = list(range(len(self.groups)))  # shallowest first
+        applied: list[str] = []
+        seconds = [0.0] * self.num_layers  # per layer, its parameters' share of the step
+        try:
+            while pending:
+                index = self._next_final(pending)
+                if index is None:
+                    self.window.wait_progress()
+                    continue
+                pending.remove(index)
+                group = self.groups[index]
+                if self.async_step:
+                    self._publish(group, wait=True)
+                grads = self._gradients(group)
+                if self.proceed:
+                    self._step(index, grads, seconds)
+                    applied.append(group.label)
+                group.ready.set()
+            if self.proceed:
+                self.on_whole(seconds)
+        except BaseException:
+            if applied and pending:  # stopped part-way: the pipeline failed, or the optimizer on a later part
+                self.on_torn(self.number, applied)
+            raise
+
+    def _next_final(self, pending: list[int]) -> int | None:
+        """The pending group to step now (async: after publishing what it can), or ``None``: wait for progress."""
+        self.window.forget_progress()  # what happens from here on wakes run's wait_progress
+        if self.async_step:
+            for index in pending:
+                self._publish(self.groups[index], wait=False)
+        final = self.window.final_groups(pending)
+        if self.averaging is not None:  # the collectives go in one order on every process
+            final = [index for index in final if index == max(pending)]
+        elif self.sharding is not None:  # every gradient is final already (averaged on the caller's thread)
+            final = [index for index in final if index == min(pending)]
+        return final[0] if final else None
+
+    def _publish(self, group: StepGroup, wait: bool) -> bool:
+        """Async: refresh the group's published copy once this iteration's uploads have read it."""
+        if group.ready.is_set():
+            return True
+        if not wait and not self.window.uploads_done(group.readers):
+            return False
+        self.window.wait_uploads(group.readers)
+        self.sources.refresh(group.params)
+        group.ready.set()
+        return True
+
+    def _gradients(self, group: StepGroup) -> dict[int, torch.Tensor]:
+        """The group's gradients by parameter id: the lent ones plus the window's (averaged: their mean over the
+        processes)."""
+        grads = {key: self.lent[key] for key in map(id, group.params) if key in self.lent}
+        for key, (_, grad) in self.window.take(group.params).items():
+            held = grads.get(key)
+            grads[key] = grad if held is None else held + grad  # out of place: the lent one stays
+        if self.averaging is not None:
+            started = self.timeline.now()
+            self.averaging.send(group.params, grads)
+            grads = self.averaging.receive(group.params)
+            self.timeline.add(-1, -1, f"average step {self.number} {group.label}", 0, "allreduce", started)
+        return grads
+
+    def _step(self, index: int, grads: dict[int, torch.Tensor], seconds: list[float]) -> None:
+        """Update group ``index`` (sharded: then take the other owners' updates), and add its time to ``seconds``."""
+        group = self.groups[index]
+        start = time.perf_counter()
+        label = f"step {self.number} {group.label}" if len(self.groups) > 1 else f"step {self.number}"
+        with self.host.timed(label):
+            self._run_optimizer(group, grads)
+            if not (self.async_step or self.sharding is not None):  # the low-precision copies the next uploads read
+                self.sources.refresh(group.params)
+        if self.sharding is not None:  # the same list everywhere: the averaged gradients are the same
+            started = self.timeline.now()
+            self.sharding.broadcast_updates(
+                [param for param in group.params if id(param) in grads and id(param) in self.optimized], self.owners)
+            self.timeline.add(-1, -1, f"broadcast step {self.number} {group.label}", 0, "broadcast", started)
+            if not self.async_step:
+                with self.host.timed(label):
+                    self.sources.refresh(group.params)
+        self._spread_seconds(index, time.perf_counter() - start, seconds)
+
+    def _run_optimizer(self, group: StepGroup, grads: dict[int, torch.Tensor]) -> None:
+        """Step the parameters of ``group`` among :attr:`stepped` (the optimizer's; sharded: those this process
+        owns), with the step's hyperparameters."""
+        members = {id(param) for param in group.params}.intersection(self.stepped)
+        if not members:
+            return
+        subset = [{**copy, "params": [param for param in copy["params"] if id(param) in members]}
+                  for copy in self.hyperparameters]
+        try:
+            step_with_groups(self.optimizer, [copy for copy in subset if copy["params"]], grads,
+                             host_kernels=self.host_kernels)
+        except Exception as error:
+            raise PipelineError(
+                f"optimizer step {self.number} ({type(self.optimizer).__name__}) raised {type(error).__name__} on "
+                f"the optimizer thread: {error}") from error
+
+    @staticmethod
+    def _layer_sizes(trunk: Trunk, group: StepGroup) -> list[int]:
+        """Per layer of ``group``, the elements of the group's parameters it holds (parameters outside the trunk
+        are left out)."""
+        members = {id(param) for param in group.params}
+        return [sum(param.numel() for param in trunk.states[layer].params if id(param) in members)
+                for layer in group.layers]
+
+    def _spread_seconds(self, index: int, seconds: float, per_layer: list[float]) -> None:
+        """Add group ``index``'s step time to its layers, in proportion to the elements of the group's parameters
+        each holds (the step's cost per element is about constant)."""
+        sizes = self.layer_sizes[index]
+        total = sum(sizes)
+        for layer, size in zip(self.groups[index].layers, sizes, strict=True):
+            per_layer[layer] += seconds * size / total if total else 0.0
