@@ -4,6 +4,8 @@ references (the sync and the async formula). Test modules import these from here
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -14,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_roundpipe import pipeline_loss, token_count
 
 VOCAB, WIDTH, CONTEXT = 17, 16, 8
+R = TypeVar("R")
 
 
 class SharedLog(list):
@@ -126,29 +129,47 @@ def reference_transparent_step(model: nn.Module, inputs: torch.Tensor, target: t
 
 def async_reference(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn, sizes: list[int],
                     optimizer_kind: str, weights=None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch of ``async_step``'s formula (:func:`delayed_update_reference`) over ``batches``, the
+    iterations' ``(inputs, target)``, each in the microbatches of ``sizes``; ``weights(target)`` gives the
+    microbatches' loss weights (default: their sample counts). Runs in the model's dtype. Returns the final
+    parameters (the optimizer's masters) and buffers by name, and the losses."""
+
+    def gradients(compute: nn.Module, iteration: int) -> float:
+        inputs, target = batches[iteration]
+        microbatch_weights = [float(s) for s in sizes] if weights is None else weights(target)
+        return reference_microbatch_step(compute, inputs, target, loss_fn, microbatch_weights, sizes)
+
+    return delayed_update_reference(model, lambda params: make_optimizer(optimizer_kind, params), len(batches),
+                                    gradients)
+
+
+def delayed_update_reference(model: nn.Module, optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                             iterations: int, gradients: Callable[[nn.Module, int], R]
+                             ) -> tuple[dict[str, torch.Tensor], list[R]]:
     """Plain PyTorch of ``async_step``'s formula, independent of the engine: iteration k computes g(k) on
-    W(k-2), and W(k) = step(W(k-1), g(k)). ``batches`` are the iterations' ``(inputs, target)``;
-    ``weights(target)`` gives the microbatches' loss weights (default: their sample counts). Runs in the
-    model's dtype. Returns the final parameters (the optimizer's masters) and buffers by name, and the losses."""
+    W(k-2), and W(k) = step(W(k-1), g(k)). ``gradients(compute, k)`` leaves g(k) in the ``.grad`` of
+    ``compute`` (a copy of ``model`` holding W(k-2); ``None`` where a parameter has none, which its master
+    keeps) and returns what is collected per iteration (the loss); ``optimizer(masters)`` makes the optimizer.
+    Returns the final parameters (the optimizer's masters) and buffers by name, and what ``gradients``
+    returned."""
     compute = clone(model)
     masters = [p.detach().clone().requires_grad_(True) for p in compute.parameters()]
-    optimizer = make_optimizer(optimizer_kind, masters)
-    losses = []
-    for inputs, target in batches:
-        microbatch_weights = [float(s) for s in sizes] if weights is None else weights(target)
-        losses.append(reference_microbatch_step(compute, inputs, target, loss_fn, microbatch_weights, sizes))
+    stepper = optimizer(masters)
+    collected = []
+    for iteration in range(iterations):
+        collected.append(gradients(compute, iteration))
         published = [m.detach().clone() for m in masters]  # W(k-1): what iteration k+1 will run on
         for master, param in zip(masters, compute.parameters(), strict=True):
-            master.grad = param.grad.clone()
+            master.grad = None if param.grad is None else param.grad.clone()
             param.grad = None
-        optimizer.step()
+        stepper.step()
         with torch.no_grad():
             for param, value in zip(compute.parameters(), published, strict=True):
                 param.copy_(value)
     names = [name for name, _ in compute.named_parameters()]
     state = {**dict(zip(names, (m.detach() for m in masters), strict=True)),
              **{name: b.detach() for name, b in compute.named_buffers()}}
-    return state, losses
+    return state, collected
 
 
 def transparency_case(model_name: str):

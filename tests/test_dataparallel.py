@@ -22,7 +22,15 @@ from torch import nn
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
 from lightning_roundpipe.engine.dataparallel import DataParallel, DataParallelError, _buckets
-from tests.models import gpt_batch, gpt_loss, microbatch_weights, reference_microbatch_step, split_sizes, tiny_gpt
+from tests.models import (
+    delayed_update_reference,
+    gpt_batch,
+    gpt_loss,
+    microbatch_weights,
+    reference_microbatch_step,
+    split_sizes,
+    tiny_gpt,
+)
 from tests.numerics import assert_states_float64_equal, double, state, to_double
 
 WORLD, STEPS, SAMPLES = 2, 3, 6  # samples per process and step
@@ -198,25 +206,17 @@ def _reference(ranks: list[int], clip: bool = False, optimizer_state: list | Non
 def _async_reference(ranks: list[int]) -> dict[str, torch.Tensor]:
     """Plain PyTorch of the async step with averaged gradients: iteration k computes each rank's gradients on
     W(k-2) and W(k) = step(W(k-1), their mean). A parameter without gradients keeps ``grad=None``."""
-    compute = _model()
-    masters = [param.detach().clone().requires_grad_(True) for param in compute.parameters()]
-    optimizer = _optimizer(masters)
-    for step in range(STEPS):
+
+    def mean_gradients(compute: nn.Module, step: int) -> None:
         for rank in ranks:
             ids, target = _batch(step, rank)
             sizes = split_sizes(SAMPLES, 2)
             reference_microbatch_step(compute, ids, target, gpt_loss, microbatch_weights("gpt", target, sizes), sizes)
-        published = [master.detach().clone() for master in masters]  # W(k-1): what iteration k+1 runs on
-        for master, param in zip(masters, compute.parameters(), strict=True):
-            master.grad = None if param.grad is None else param.grad / len(ranks)
-            param.grad = None
-        optimizer.step()
-        with torch.no_grad():
-            for param, value in zip(compute.parameters(), published, strict=True):
-                param.copy_(value)
-    names = [name for name, _ in compute.named_parameters()]
-    return {**dict(zip(names, (master.detach() for master in masters), strict=True)),
-            **{name: buffer.detach() for name, buffer in compute.named_buffers()}}
+        for param in compute.parameters():
+            if param.grad is not None:
+                param.grad /= len(ranks)
+
+    return delayed_update_reference(_model(), _optimizer, STEPS, mean_gradients)[0]
 
 
 @pytest.fixture(scope="module")

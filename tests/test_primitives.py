@@ -103,15 +103,30 @@ def test_a_grad_window_waits_for_the_uploads_of_every_job_that_read_the_weights(
     with pytest.raises(TimeoutError, match="backward upload"):
         window.wait_uploads()
 
-    abort = AbortSignal(WAIT)
-    window = GradWindow(abort)
+    # by layer: a job's upload counts for each layer it reads; one of no layer only for the wait for all
+    window = GradWindow(AbortSignal(0.1))
+    both, second, none = HostEvent("layers 0 and 1"), HostEvent("layer 1"), HostEvent("no layer")
+    window.job_read_only(both, [0, 1])
+    window.job_started(second, layers=[1])
+    window.job_read_only(none)
+    assert not window.uploads_done([0]) and not window.uploads_done([1])
+    assert window.uploads_done([2]) and window.uploads_done([])  # no upload reads them
+    both.set()
+    assert window.uploads_done([0]) and not window.uploads_done([0, 1])
+    window.wait_uploads([0])
+    second.set()
+    assert window.uploads_done([0, 1])
+    window.wait_uploads([1, 0])
+    with pytest.raises(TimeoutError, match="no layer"):
+        window.wait_uploads()  # all of them: the upload of no layer too
+
+    window = GradWindow(AbortSignal(WAIT))
     uploads = [HostEvent(f"upload {index}") for index in range(3)]
     for event in uploads:
         window.job_read_only(event)
     for event in uploads:
         event.set()
     window.wait_uploads()
-    assert window.upload_events == uploads
 
 
 # ------------------------------------------------------------------ AbortSignal
