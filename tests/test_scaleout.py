@@ -182,6 +182,17 @@ def test_a_one_process_checkpoint_resumes_on_two_processes_under_torchrun(tmp_pa
     assert_states_float64_equal(records[0]["state"], resumed)
 
 
+def test_gradients_travel_in_the_reduction_dtype_chosen(tmp_path, transparent):
+    """reduce_dtype="bfloat16" reaches the averaging: a quarter of the float64 run's bytes, the same elements (the
+    mean's precision in bfloat16 is checked in tests/test_dataparallel.py)."""
+    records = _run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   "--reduce-dtype", "bfloat16")
+    full = transparent[0][0]["sent_bytes"]
+    assert full > 0 and records[0]["sent_bytes"] * 4 == full
+    assert records[0]["global_step"] == STEPS
+    assert_states_equal(records[0]["state"], records[1]["state"])  # the same means on both processes
+
+
 # ---------------------------------------------------------------------------- a sharded optimizer
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> tuple[dict[int, dict[str, Any]], Path]:

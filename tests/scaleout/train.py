@@ -92,7 +92,7 @@ def make_strategy(args: argparse.Namespace) -> Any:
         return DDPStrategy(timeout=timedelta(seconds=wait))
     return RoundPipeStrategy(num_microbatches=2, rings_per_node=args.rings_per_node, async_step=args.async_step,
                              timeline_dir=args.timeline_dir, wait_timeout=wait,
-                             shard_optimizer=args.shard_optimizer)
+                             shard_optimizer=args.shard_optimizer, reduce_dtype=args.reduce_dtype)
 
 
 class KillAt(pl.Callback):
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeline-dir", help="roundpipe: record the timeline and write it here")
     parser.add_argument("--perturb-rank", type=int, help="start this global rank from other weights")
     parser.add_argument("--shard-optimizer", action="store_true", help="roundpipe: shard_optimizer=True")
+    parser.add_argument("--reduce-dtype", default="auto", help="roundpipe: reduce_dtype")
     parser.add_argument("--wait", type=float, help=f"seconds: the strategy's wait timeout (default {WAIT:.0f})")
     parser.add_argument("--kill-rank", type=int, help="this global rank kills itself (SIGKILL) at --kill-at-step; "
                         "every process that fails instead writes <out>/exit_rank<r>.txt: its exit code and error")
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         "distributed_sampler_kwargs": dict(trainer.strategy.distributed_sampler_kwargs),
         "environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
         "host_bytes": host_bytes(module, trainer.optimizers[0]),
+        "sent_bytes": getattr(getattr(trainer.strategy, "data_parallel", None), "sent_bytes", None),
     }, os.path.join(args.out, f"rank{trainer.global_rank}.pt"))
 
 
