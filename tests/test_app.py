@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -143,6 +144,22 @@ def test_multirun_runs_one_job_per_combination(tmp_path):
     runs = sorted(path for path in tmp_path.iterdir() if path.is_dir() and (path / ".hydra").is_dir())
     assert len(runs) == 4, [path.name for path in tmp_path.iterdir()]
     assert result.stdout.count("summary") == 4
+
+
+def test_two_processes_from_the_command_line_share_one_run_and_one_summary(tmp_path):
+    """The README's two-process command, on CPU devices: Lightning's launcher runs the Hydra command again for
+    process 1, in the same run folder; process 0 alone prints the summary, its tokens/s counting both."""
+    command = [sys.executable, str(REPO / "examples" / "train.py"), "trainer.devices=4", "strategy.rings_per_node=2",
+               "strategy.shard_optimizer=true", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false",
+               "sample_tokens=4", *TINY]
+    env = {key: value for key, value in os.environ.items()  # no launcher variables from whatever started pytest
+           if key not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(" summary ") == 1, result.stdout[-3000:]
+    assert "(all 2 processes; the rest: process 0's)" in result.stdout
+    runs = [path.parent for path in tmp_path.rglob(".hydra")]
+    assert len(runs) == 1 and (runs[0] / "train_ddp_process_1.log").exists(), runs
 
 
 def test_an_unknown_key_in_a_config_file_fails_at_compose_time(tmp_path):

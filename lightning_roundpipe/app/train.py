@@ -41,7 +41,7 @@ register()
 class Summary:
     """What a run reports at the end (also returned by :func:`run`)."""
 
-    tokens_per_second: float
+    tokens_per_second: float  #: over every process of the run
     peak_device_bytes: list[int] | None
     bubble_ratio: float | None
     val_loss: float | None
@@ -49,6 +49,7 @@ class Summary:
     data: str
     sample: str
     timeline_files: list[str] = field(default_factory=list)  #: timeline.json / .png with strategy.timeline=true
+    processes: int = 1  #: the processes that trained together (data parallel); the other figures are process 0's
 
     def lines(self) -> list[str]:
         peak = "n/a (no RoundPipe engine)" if self.peak_device_bytes is None else ", ".join(
@@ -58,7 +59,8 @@ class Summary:
         return [
             "=" * 24 + " summary " + "=" * 24,
             f"python          {sys.version.split()[0]} ({self.data})",
-            f"tokens/s        {self.tokens_per_second:,.0f}",
+            f"tokens/s        {self.tokens_per_second:,.0f}"
+            + (f" (all {self.processes} processes; the rest: process 0's)" if self.processes > 1 else ""),
             f"val loss        {val}",
             f"peak device mem {peak}",
             f"bubble ratio    {bubble}",
@@ -72,10 +74,11 @@ class Summary:
 
 
 class _Throughput(Callback):
-    """Training wall time and the engine's peak memory, read while the engine is still running."""
+    """Training wall time, the tokens every process trained on and the engine's peak memory, read while the
+    engine (and with several processes, their process group) is still running."""
 
     def __init__(self) -> None:
-        self.start = self.seconds = 0.0
+        self.start = self.seconds = self.tokens = 0.0
         self.peak: list[int] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -83,6 +86,8 @@ class _Throughput(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.seconds = time.perf_counter() - self.start
+        seen = torch.tensor(float(getattr(pl_module, "tokens_seen", 0)), dtype=torch.float64)
+        self.tokens = float(trainer.strategy.reduce(seen, reduce_op="sum"))  # every process calls it here
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             self.peak = list(engine.peak_resident_bytes())
@@ -152,9 +157,10 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summar
         metrics = trainer.callback_metrics
         bubble = metrics.get("roundpipe/bubble_ratio")
         val = metrics.get("val/loss")
-        text = model.sample(cfg.sample_prompt.encode(), cfg.sample_tokens, seed=cfg.seed) if cfg.sample_tokens else b""
+        sample = cfg.sample_tokens and trainer.is_global_zero  # the summary is process 0's to print
+        text = model.sample(cfg.sample_prompt.encode(), cfg.sample_tokens, seed=cfg.seed) if sample else b""
         summary = Summary(
-            tokens_per_second=model.tokens_seen / max(throughput.seconds, 1e-9),
+            tokens_per_second=throughput.tokens / max(throughput.seconds, 1e-9),
             peak_device_bytes=throughput.peak,
             bubble_ratio=None if bubble is None else float(bubble),
             val_loss=None if val is None else float(val),
@@ -162,10 +168,12 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summar
             data=datamodule.describe(),
             sample=text.decode("utf-8", errors="replace"),
             timeline_files=list(getattr(strategy, "timeline_files", [])),
+            processes=trainer.world_size,
         )
     finally:
         torch.set_num_threads(threads)
-    print("\n".join(summary.lines()), flush=True)
+    if trainer.is_global_zero:
+        print("\n".join(summary.lines()), flush=True)
     return summary
 
 

@@ -639,9 +639,13 @@ class RoundPipeEngine:
         refusal = streaming_refusal(optimizer, self.options.streaming_step)
         if refusal != self._streaming_said:
             self._streaming_said = refusal
-            log.info("RoundPipe steps %s %s", type(optimizer).__name__,
+            data_parallel = self.data_parallel
+            across = ("" if data_parallel is None or data_parallel.world_size == 1
+                      else f"; each part's gradients averaged over {data_parallel.world_size} processes first"
+                      + (", and each process steps the parameters it owns (sharded)" if data_parallel.sharded else ""))
+            log.info("RoundPipe steps %s %s%s", type(optimizer).__name__,
                      "by stage, overlapping the backward and the next iteration" if refusal is None
-                     else f"whole after the backward: {refusal}")
+                     else f"whole after the backward: {refusal}", across)
         groups = stage_groups(self.trunk, self.planner.plan, whole=refusal is not None)
         trunk_ids = {id(param) for param in self.trunk.parameters()} | self._retired_ids()
         outside = [param for param in params if param.requires_grad and id(param) not in trunk_ids]
