@@ -91,7 +91,10 @@ test: it prints three tables and always exits 0 unless a measurement fails.
        b_i        = the largest end of iteration i's compute events (kinds forward, fused, recompute,
                     backward, devices >= 0): the end of its last backward compute
        reduction  = the summed length of step i + 1's "allreduce" events (device -1, labelled
-                    "average step i+1"; each from its first gradient bucket sent to its means in place)
+                    "average step i+1"; each from its first gradient bucket sent to its means received).
+                    The optimizer thread sends the next group's gradients before stepping the current
+                    group, so an event also spans that step: it is the time in flight, an upper bound of
+                    the communication, and "exposed" below overstates what the thread waited for
        hidden     = the part of that time before b_i / reduction; for one event [s, e]:
                     clip((b_i - s) / (e - s), 0, 1)
        exposed    = reduction - its part before b_i (the reduction left after the backward ended)
@@ -473,7 +476,7 @@ def overlap_table(figures: dict[str, dict], run: EngineRun) -> None:
     print("   b            = the end of iteration i's last compute event (forward/fused/recompute/backward), its "
           "events found by job index (i x J .. (i+1) x J - 1, J jobs per call)")
     print("   reduction ms = the step's allreduce events (labelled 'average step i+1'), summed: first bucket sent .. "
-          "its means received, per event")
+          "its means received, per event (in flight: it spans the step of the group before, sent ahead of it)")
     print("   hidden       = the share of that time before b (one event [s, e]: clip((b - s) / (e - s), 0, 1));  "
           "exposed ms = the rest")
     print("   MB sent      = (DataParallel.sent_bytes + broadcast_bytes) / iterations / 1e6 (gradients with their "

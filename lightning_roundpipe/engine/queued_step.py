@@ -29,6 +29,9 @@ from lightning_roundpipe.engine.step_groups import StepGroup
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 
+SENT_AHEAD = 1
+"""Data parallel: groups whose gradients may be on their way to be averaged beyond the one stepped next."""
+
 
 class QueuedStep:
     """Optimizer step ``number`` of ``optimizer``, cut into ``groups`` (shallowest first); :meth:`run` runs it on
@@ -42,7 +45,8 @@ class QueuedStep:
     hold the previous step) once this iteration's uploads of them are done, as early as it can. ``proceed=False``
     skips the update (the copies are still published). ``averaging`` (data parallel, no hook): each group's
     gradients are averaged over the processes before it steps, the groups deepest first (the same order on every
-    process), so one group's communication overlaps the rest of the backward. With a sharded optimizer
+    process), so one group's communication overlaps the rest of the backward, and the next group's
+    communication the step of this one. With a sharded optimizer
     (``sharding``, a :class:`DataParallel` whose ``sharded`` is true) this process steps the parameters of a group
     it owns and then takes the others' from their owners (:meth:`DataParallel.broadcast_updates`) before the
     group's event is set.
@@ -73,6 +77,7 @@ class QueuedStep:
         self.averaging = averaging
         self.on_whole = on_whole
         self.on_torn = on_torn
+        self._sent_at: dict[int, float] = {}  # averaging: per group sent, when (its timeline event starts there)
         # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
         self.sharding = sharding
         self.owners = sharding.owners(params) if sharding is not None else {}
@@ -99,7 +104,7 @@ class QueuedStep:
                 group = self.groups[index]
                 if self.async_step:
                     self._publish(group, wait=True)
-                grads = self._gradients(group)
+                grads = self._gradients(index)
                 if self.proceed:
                     self._step(index, grads, seconds)
                     applied.append(group.label)
@@ -118,7 +123,8 @@ class QueuedStep:
             for index in pending:
                 self._publish(self.groups[index], wait=False)
         final = self.window.final_groups(pending)
-        if self.averaging is not None:  # the collectives go in one order on every process
+        if self.averaging is not None:  # the collectives go in one order on every process: deepest first
+            self._send_final(pending, final)
             final = [index for index in final if index == max(pending)]
         elif self.sharding is not None:  # every gradient is final already (averaged on the caller's thread)
             final = [index for index in final if index == min(pending)]
@@ -135,18 +141,40 @@ class QueuedStep:
         group.ready.set()
         return True
 
-    def _gradients(self, group: StepGroup) -> dict[int, torch.Tensor]:
-        """The group's gradients by parameter id: the lent ones plus the window's (averaged: their mean over the
-        processes)."""
+    def _send_final(self, pending: list[int], final: list[int]) -> None:
+        """Averaging: start the all-reduce of pending groups whose gradients are final and whose deeper groups
+        were sent, deepest first (the order every process sends in, whatever the timing), without waiting, so
+        that the next group's communication runs while this thread steps the current one. At most
+        :data:`SENT_AHEAD` groups beyond the one stepped next are in flight: each holds a flat copy of its
+        gradients until received."""
+        ready = set(final)
+        in_flight = sum(1 for index in pending if index in self._sent_at)
+        for index in sorted(pending, reverse=True):
+            if index in self._sent_at:
+                continue
+            if index not in ready or in_flight > SENT_AHEAD:
+                return
+            in_flight += 1
+            group = self.groups[index]
+            self._sent_at[index] = self.timeline.now()
+            self.averaging.send(group.params, self._local_gradients(group))  # type: ignore[union-attr]
+
+    def _local_gradients(self, group: StepGroup) -> dict[int, torch.Tensor]:
+        """This process's gradients of ``group`` by parameter id: the lent ones plus the window's."""
         grads = {key: self.lent[key] for key in map(id, group.params) if key in self.lent}
         for key, (_, grad) in self.window.take(group.params).items():
             held = grads.get(key)
             grads[key] = grad if held is None else held + grad  # out of place: the lent one stays
-        if self.averaging is not None:
-            started = self.timeline.now()
-            self.averaging.send(group.params, grads)
-            grads = self.averaging.receive(group.params)
-            self.timeline.add(-1, -1, f"average step {self.number} {group.label}", 0, "allreduce", started)
+        return grads
+
+    def _gradients(self, index: int) -> dict[int, torch.Tensor]:
+        """The gradients group ``index`` steps with, by parameter id: this process's (averaging: their mean over
+        the processes, sent by :meth:`_send_final`)."""
+        group = self.groups[index]
+        if self.averaging is None:
+            return self._local_gradients(group)
+        grads = self.averaging.receive(group.params)
+        self.timeline.add(-1, -1, f"average step {self.number} {group.label}", 0, "allreduce", self._sent_at[index])
         return grads
 
     def _step(self, index: int, grads: dict[int, torch.Tensor], seconds: list[float]) -> None:
