@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -173,21 +173,44 @@ class DataParallel:
 
     def gather_optimizer_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` of every process merged (each holds the state of what it owns): the full
-        state on process 0, this process's own elsewhere. On the caller's thread, on every process alike."""
+        state on process 0, this process's own elsewhere. On the caller's thread, on every process alike.
+
+        The layout (which entries, their shapes and dtypes, and the plain values) travels as one small object;
+        then each tensor on its own, point to point to process 0, which so holds the state once plus one tensor
+        in transit, never a pickled copy of it all."""
         if not self.sharded:
             return state_dict
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        mine: dict[int, dict[str, Any]] = state_dict["state"]
+        layout = {index: {key: _TensorLayout(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor)
+                          else value for key, value in entry.items()} for index, entry in mine.items()}
+        layouts: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         try:
-            dist.gather_object(state_dict["state"], gathered, dst=self._control_source(), group=self.control)
+            dist.gather_object(layout, layouts, dst=self._control_source(), group=self.control)
         except Exception as error:
             raise DataParallelError(
                 f"process {self.rank} of {self.world_size}: gathering the sharded optimizer state failed, so "
                 f"{self._peers()} stopped or was lost: {type(error).__name__}: {error}") from error
-        if gathered is None:
+        what = "sending the sharded optimizer state to process 0"
+        if layouts is None:  # the same order as process 0 receives in: by parameter index, then key
+            for _, entry in sorted(mine.items()):
+                for value in entry.values():
+                    if isinstance(value, torch.Tensor):
+                        self._wait(dist.isend(value.contiguous(), dst=self._control_source(), group=self.control),
+                                   what)
             return state_dict
-        merged: dict[int, Any] = {}
-        for states in gathered:
-            merged.update(states)
+        merged = dict(mine)
+        for rank in range(1, self.world_size):
+            source = dist.get_global_rank(self.control, rank) if self.control is not None else rank
+            for index, entry in sorted(layouts[rank].items()):
+                received = {}
+                for key, value in entry.items():
+                    if isinstance(value, _TensorLayout):
+                        tensor = torch.empty(value.shape, dtype=value.dtype)
+                        self._wait(dist.irecv(tensor, src=source, group=self.control),
+                                   f"receiving the sharded optimizer state of process {rank}")
+                        value = tensor
+                    received[key] = value
+                merged[index] = received
         return {**state_dict, "state": dict(sorted(merged.items()))}
 
     def _control_source(self) -> int:
@@ -207,6 +230,13 @@ class DataParallel:
                 f"process {self.rank} of {self.world_size}: agreeing on {type(value).__name__} failed: "
                 f"{type(error).__name__}: {error}") from error
         return holder[0]
+
+
+class _TensorLayout(NamedTuple):
+    """A tensor of the optimizer state, described: what process 0 allocates to receive it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class Averaging:
