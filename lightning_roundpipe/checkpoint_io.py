@@ -4,9 +4,12 @@ Lightning's ``TorchCheckpointIO`` serializes the whole checkpoint into memory be
 second, then a third copy of a host-sized training state, on the host that RoundPipe already fills.
 Here ``torch.save`` streams into a temporary file beside the target, which is synced to disk and then
 renamed over the target. A crash mid-write leaves the previous checkpoint intact, and an exception
-removes the temporary file. Remote paths (``s3://...``) and ``storage_options`` go to the parent's
-implementation. :class:`~lightning_roundpipe.strategy.RoundPipeStrategy` installs this plugin only when
-the user gave none, in the strategy or as a Trainer plugin.
+removes the temporary file. A local checkpoint is loaded memory-mapped (``torch.load(mmap=True)``): its
+tensors are read from the file's pages as they are used instead of into fresh memory, so resuming does not
+hold a second copy of the training state (with a sharded optimizer, a process never touches the state other
+processes own). Remote paths (``s3://...``) and ``storage_options`` go to the parent's implementation.
+:class:`~lightning_roundpipe.strategy.RoundPipeStrategy` installs this plugin only when the user gave none,
+in the strategy or as a Trainer plugin.
 """
 
 from __future__ import annotations
@@ -23,7 +26,20 @@ from typing_extensions import override
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
-    """Writes local checkpoints atomically and without an in-memory copy; loads them as its parent does."""
+    """Writes local checkpoints atomically and without an in-memory copy; loads them memory-mapped."""
+
+    @override
+    def load_checkpoint(self, path: _PATH, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        target = os.fspath(path)
+        if "://" in target or not os.path.isfile(target):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        try:
+            return torch.load(target, map_location=map_location, weights_only=weights_only, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):  # only a file torch.save wrote in its legacy format cannot be mapped
+                raise
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:

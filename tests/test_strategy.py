@@ -573,6 +573,35 @@ def test_a_failed_checkpoint_write_keeps_the_previous_file_and_leaves_no_tempora
     assert torch.load(path)["step"] == 1
 
 
+def test_a_local_checkpoint_loads_memory_mapped_with_what_lightning_loads(tmp_path, monkeypatch):
+    """The same dict as Lightning's loader, read through a memory map (a legacy-format file, which torch cannot
+    map, loads as Lightning loads it)."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    reader = StreamingCheckpointIO()
+    checkpoint = {"step": 3, "state": {"w": torch.arange(6.0).reshape(2, 3), "m": torch.ones(4, dtype=torch.float64)}}
+    path = tmp_path / "last.ckpt"
+    reader.save_checkpoint(checkpoint, path)
+    real_load, mapped = torch.load, []
+
+    def recording_load(*args, **kwargs):
+        mapped.append(kwargs.get("mmap", False))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    ours = reader.load_checkpoint(path)
+    assert mapped == [True]
+    theirs = TorchCheckpointIO().load_checkpoint(path)
+    assert ours["step"] == theirs["step"] == 3
+    for name, tensor in checkpoint["state"].items():
+        assert torch.equal(ours["state"][name], tensor) and torch.equal(theirs["state"][name], tensor)
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(checkpoint, legacy, _use_new_zipfile_serialization=False)
+    mapped.clear()
+    assert torch.equal(reader.load_checkpoint(legacy)["state"]["w"], checkpoint["state"]["w"])
+    assert mapped == [True, False]  # tried, then loaded as Lightning does
+
+
 def test_storage_options_go_to_lightnings_writer():
     # TorchCheckpointIO refuses storage_options with its own message: proof that the parent handled them
     with pytest.raises(TypeError, match="`storage_options` arg is not supported for `StreamingCheckpointIO`"):
