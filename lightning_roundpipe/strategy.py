@@ -428,6 +428,9 @@ class RoundPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         data_parallel = self.data_parallel if self.world_size > 1 else None
+        if data_parallel is None and (self.options.shard_optimizer or self.options.reduce_dtype != "auto"):
+            log.info("RoundPipe: shard_optimizer and reduce_dtype act between several processes; this run has one "
+                     "(rings_per_node * num_nodes = 1), so they change nothing")
         if data_parallel is not None:  # the checkpoint being resumed, if any, is loaded already: on every process
             self._agree_initial_weights(module)
         trunk, driven = build_module_trunk(module, self.options.pipeline)

@@ -129,6 +129,14 @@ def test_two_processes_equal_ddp_fused(fused, ddp):
     _check_against_ddp(fused, ddp)
 
 
+def test_two_processes_equal_ddp_under_torchrun(tmp_path, ddp):
+    """The same run with torchrun starting both processes (TorchElasticEnvironment, no Lightning launcher)."""
+    records = _run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
+                   torchrun=True)
+    assert [records[rank]["environment"] for rank in range(WORLD)] == ["TorchElasticEnvironment"] * WORLD
+    _check_against_ddp(records, ddp)
+
+
 def test_each_process_writes_its_own_timeline(transparent):
     folder = transparent[1] / "timeline"
     names = sorted(path.name for path in folder.iterdir())
