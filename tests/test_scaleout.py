@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -134,6 +135,36 @@ def test_two_processes_equal_ddp_under_torchrun(tmp_path, ddp):
     records = _run(tmp_path, "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--float64",
                    torchrun=True)
     assert [records[rank]["environment"] for rank in range(WORLD)] == ["TorchElasticEnvironment"] * WORLD
+    _check_against_ddp(records, ddp)
+
+
+def test_two_nodes_started_by_hand_equal_ddp(tmp_path, ddp):
+    """``Trainer(num_nodes=2)``, one ring of 2 devices per node, the script started once per node with NODE_RANK,
+    MASTER_ADDR and MASTER_PORT set (the README's way without torchrun or SLURM; here both "nodes" on this
+    machine)."""
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {key: value for key, value in os.environ.items()
+           if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
+    command = [sys.executable, str(SCRIPT), "--strategy", "roundpipe", "--devices", "2", "--num-nodes", "2",
+               "--float64", "--out", str(tmp_path)]
+    nodes = [subprocess.Popen(command, cwd=ROOT, env={**env, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+                                                      "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for node in range(2)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=TIMEOUT)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.communicate()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    records = {rank: torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
+    assert [records[rank]["environment"] for rank in range(WORLD)] == ["LightningEnvironment"] * WORLD
     _check_against_ddp(records, ddp)
 
 

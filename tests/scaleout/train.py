@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", choices=["ddp", "roundpipe"], required=True)
     parser.add_argument("--devices", type=int, required=True, help="Trainer(devices=...): per node")
     parser.add_argument("--rings-per-node", type=int, default=1, help="roundpipe: processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): run once per node, with "
+                        "NODE_RANK, MASTER_ADDR and MASTER_PORT set")
     parser.add_argument("--fused", action="store_true", help="pipeline_loss instead of calling the trunk")
     parser.add_argument("--async-step", action="store_true", help="roundpipe: the one-step-stale update")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps in all (2 per epoch)")
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
 
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer(make_strategy(args), args.devices, args.steps, args.float64, args.checkpoints,
+                           num_nodes=args.num_nodes,
                            clip=not args.no_clip)
     world = trainer.world_size
     module = Recording("adamw", args.fused)
