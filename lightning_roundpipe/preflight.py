@@ -299,6 +299,7 @@ class MemoryPlan:
     # data parallel: the host figures above are one process's; the node holds processes_per_node of them
     processes_per_node: int = 1       # processes on this node each holding this host state (rings_per_node)
     optimizer_shards: int = 1         # processes the optimizer state is split over (shard_optimizer); 1: whole
+    world_size: int = 1               # processes in the whole run (on every node)
     unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
 
     @property
@@ -477,7 +478,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
                 trainer_fn: str | None = None, limits: HostLimits | None = None,
                 host_optimizer: str | None = None, transport: torch.dtype | None = None,
-                processes_per_node: int = 1, optimizer_shards: int = 1) -> MemoryPlan:
+                processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
@@ -489,8 +490,10 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     host state, so the node's limits are checked against that many times one process's new allocations.
     ``optimizer_shards``: the processes the optimizer state is split over (the world size with
     ``shard_optimizer``, else 1); one process's share is estimated as ``1/optimizer_shards`` of the state
-    (it keeps whole parameters' state, so its share is about that)."""
-    for name, value in (("processes_per_node", processes_per_node), ("optimizer_shards", optimizer_shards)):
+    (it keeps whole parameters' state, so its share is about that). ``world_size``: the processes of the whole
+    run, for advice (sharding the optimizer state helps once there are several, on any nodes)."""
+    for name, value in (("processes_per_node", processes_per_node), ("optimizer_shards", optimizer_shards),
+                        ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
     limits = read_host_limits() if limits is None else limits
@@ -551,7 +554,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         largest_layer=(worst_layer, layer_totals[worst_layer]),
         transport=None if transport is None else str(transport).removeprefix("torch."),
         async_only_copy_bytes=upload_copies - sync_copies,
-        processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
+        processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
         unsharded_optimizer_state_bytes=optimizer_bytes,
     )
     _judge(memory_plan, trunk, transport)
@@ -653,11 +656,12 @@ def _host_message(plan: MemoryPlan) -> str:
         advice.append(f"fewer rings_per_node: each of the {processes} processes on this node holds its own copy of "
                       f"the training state, so the node needs {processes} x {format_bytes(plan.new_bytes)} "
                       "(one ring per node over all of its devices holds it once)")
-        if plan.optimizer_shards == 1 and plan.optimizer_state_bytes:
-            state = plan.optimizer_state_bytes
-            advice.append(f"shard_optimizer=True, which splits the optimizer state ({format_bytes(state)} in each "
-                          "process) over all the processes, each keeping about 1/world size of it: at least "
-                          f"{format_bytes((processes - 1) * state)} less on this node")
+    world = max(plan.world_size, processes)
+    if world > 1 and plan.optimizer_shards == 1 and plan.optimizer_state_bytes:
+        state = plan.optimizer_state_bytes
+        advice.append(f"shard_optimizer=True, which splits the optimizer state ({format_bytes(state)} in each "
+                      "process) over all the processes, each keeping about 1/world size of it: at least "
+                      f"{format_bytes(processes * state * (world - 1) // world)} less on this node")
     if plan.optimizer_state_bytes:
         advice.append("an optimizer with less state (SGD without momentum keeps none; Adam/AdamW keep two "
                       "copies of every trainable parameter)")

@@ -457,7 +457,7 @@ class RoundPipeStrategy(ParallelStrategy):
                 device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
                 trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer, transport=transport,
                 processes_per_node=self.num_processes,
-                optimizer_shards=self.world_size if self.options.shard_optimizer else 1)
+                optimizer_shards=self.world_size if self.options.shard_optimizer else 1, world_size=self.world_size)
             preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
         if self.options.timeline:

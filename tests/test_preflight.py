@@ -699,6 +699,19 @@ def test_a_plan_that_fits_one_process_but_not_two_on_the_node_is_refused_naming_
     assert _adamw_plan(limits=limits, processes_per_node=2, optimizer_shards=2).fits
 
 
+def test_one_process_per_node_of_several_nodes_is_told_to_shard_the_optimizer_state():
+    """One ring per node on 4 nodes: the node holds one copy, and sharding would leave it 1/4 of the state."""
+    need = _adamw_plan().new_bytes
+    plan = _adamw_plan(world_size=4, limits=HostLimits(mem_available=need - 1))
+    message = plan.problems[0].message
+    assert "fewer rings_per_node" not in message
+    assert (f"shard_optimizer=True, which splits the optimizer state ({format_bytes(ADAMW_STATE)} in each process) "
+            f"over all the processes, each keeping about 1/world size of it: at least "
+            f"{format_bytes(ADAMW_STATE * 3 // 4)} less on this node") in message
+    alone = _adamw_plan(limits=HostLimits(mem_available=need - 1)).problems[0].message
+    assert "shard_optimizer" not in alone  # one process in all: nothing to shard over
+
+
 def test_a_sharded_plan_that_does_not_fit_says_so_and_does_not_suggest_sharding():
     sharded = _adamw_plan(processes_per_node=2, optimizer_shards=2)
     plan = _adamw_plan(processes_per_node=2, optimizer_shards=2,
