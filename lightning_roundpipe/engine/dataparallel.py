@@ -23,7 +23,7 @@ seconds and names the collective, so a lost process makes the others fail, not h
 Sharded optimizer (``shard_optimizer``, ZeRO-1): each parameter is *owned* by one process (whole parameters,
 the largest first to the process owning the fewest elements so far, as ``ZeroRedundancyOptimizer`` assigns
 them; the same on every process, whatever the plan), which alone keeps its optimizer state and steps it; the
-owners then broadcast the updated weights (:meth:`DataParallel.broadcast_updates`, on the ``weights`` group).
+owners then broadcast the updated weights (:meth:`DataParallel.start_broadcast`, on the ``weights`` group).
 The gradients are still averaged whole on every process, so clipping, hooks and logging see the full mean.
 A checkpoint gathers the state on process 0 (:meth:`DataParallel.gather_optimizer_state`); a process that
 loads one keeps only what it owns (:meth:`DataParallel.drop_unowned_state`), so any world size resumes it.
@@ -137,29 +137,23 @@ class DataParallel:
             return {id(param) for param in params}
         return {key for key, rank in self.owners(params).items() if rank == self.rank}
 
-    def broadcast_updates(self, params: Sequence[nn.Parameter], owners: Mapping[int, int]) -> None:
-        """Copy each of ``params`` (the same list on every process) from its owner to the other processes, once
-        the owners have stepped them: per owner, flat buckets of one dtype broadcast on the ``weights`` group.
-        Call it from one thread, in the same order on every process."""
-        if not self.sharded:
-            return
+    def start_broadcast(self, params: Sequence[nn.Parameter], owners: Mapping[int, int]) -> Broadcast:
+        """Begin copying each of ``params`` (the same list on every process) from its owner to the other
+        processes, once the owners have stepped them: per owner, flat buckets of one dtype broadcast on the
+        ``weights`` group, without waiting; :meth:`Broadcast.finish` waits and writes the others' weights. Call
+        it from one thread, in the same order on every process."""
         pending = []
-        for owner in range(self.world_size):
-            mine = owner == self.rank
-            for bucket in _buckets([param for param in params if owners[id(param)] == owner], self.bucket_bytes):
-                flat = (torch.cat([param.detach().reshape(-1) for param in bucket]) if mine
-                        else torch.empty(sum(param.numel() for param in bucket), dtype=bucket[0].dtype))
-                src = dist.get_global_rank(self.weights, owner) if self.weights is not None else owner
-                pending.append((dist.broadcast(flat, src=src, group=self.weights, async_op=True), flat, bucket, mine))
-                self.broadcast_bytes += flat.nbytes if mine else 0
-        for work, flat, bucket, mine in pending:
-            self._wait(work, f"broadcasting {flat.numel():,} updated weights of their owner")
-            if mine:
-                continue
-            offset = 0
-            for param in bucket:
-                param.detach().copy_(flat[offset:offset + param.numel()].view_as(param))
-                offset += param.numel()
+        if self.sharded:
+            for owner in range(self.world_size):
+                mine = owner == self.rank
+                for bucket in _buckets([param for param in params if owners[id(param)] == owner], self.bucket_bytes):
+                    flat = (torch.cat([param.detach().reshape(-1) for param in bucket]) if mine
+                            else torch.empty(sum(param.numel() for param in bucket), dtype=bucket[0].dtype))
+                    src = dist.get_global_rank(self.weights, owner) if self.weights is not None else owner
+                    work = dist.broadcast(flat, src=src, group=self.weights, async_op=True)
+                    pending.append((work, flat, bucket if not mine else []))
+                    self.broadcast_bytes += flat.nbytes if mine else 0
+        return Broadcast(self, pending)
 
     def drop_unowned_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget the optimizer state of the parameters other processes own (after loading a full checkpoint)."""
@@ -230,6 +224,24 @@ class DataParallel:
                 f"process {self.rank} of {self.world_size}: agreeing on {type(value).__name__} failed: "
                 f"{type(error).__name__}: {error}") from error
         return holder[0]
+
+
+class Broadcast:
+    """Updated weights on their way from their owners (:meth:`DataParallel.start_broadcast`)."""
+
+    def __init__(self, data_parallel: DataParallel, pending: list[tuple[Any, torch.Tensor, list[nn.Parameter]]]):
+        self._data_parallel = data_parallel
+        self._pending = pending  # per bucket: the collective, its buffer, the parameters this process receives
+
+    def finish(self) -> None:
+        """Wait for every bucket and write the received weights into their parameters."""
+        pending, self._pending = self._pending, []
+        for work, flat, received in pending:
+            self._data_parallel._wait(work, f"broadcasting {flat.numel():,} updated weights of their owner")
+            offset = 0
+            for param in received:
+                param.detach().copy_(flat[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
 
 
 class _TensorLayout(NamedTuple):

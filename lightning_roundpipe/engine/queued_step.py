@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine.call import PipelineError
-from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
+from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataParallel
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, step_with_groups
 from lightning_roundpipe.engine.step_groups import StepGroup
@@ -48,8 +48,8 @@ class QueuedStep:
     process), so one group's communication overlaps the rest of the backward, and the next group's
     communication the step of this one. With a sharded optimizer
     (``sharding``, a :class:`DataParallel` whose ``sharded`` is true) this process steps the parameters of a group
-    it owns and then takes the others' from their owners (:meth:`DataParallel.broadcast_updates`) before the
-    group's event is set.
+    it owns and then takes the others' from their owners (:meth:`DataParallel.start_broadcast`) before the
+    group's event is set; the broadcast stays in flight while the next group steps.
 
     What the engine learns: ``on_whole`` gets, once every group has stepped (not with ``proceed=False``), the
     seconds the step spent per layer of ``trunk``; ``on_torn`` gets the step's number and the labels of the groups
@@ -78,6 +78,8 @@ class QueuedStep:
         self.on_whole = on_whole
         self.on_torn = on_torn
         self._sent_at: dict[int, float] = {}  # averaging: per group sent, when (its timeline event starts there)
+        # sharded: the stepped group whose other owners' updates are in flight, and when they were sent
+        self._broadcasting: tuple[int, Broadcast, float] | None = None
         # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
         self.sharding = sharding
         self.owners = sharding.owners(params) if sharding is not None else {}
@@ -98,6 +100,7 @@ class QueuedStep:
             while pending:
                 index = self._next_final(pending)
                 if index is None:
+                    self._finish_broadcast(seconds)  # nothing to step meanwhile: let its group's uploads go
                     self.window.wait_progress()
                     continue
                 pending.remove(index)
@@ -105,10 +108,26 @@ class QueuedStep:
                 if self.async_step:
                     self._publish(group, wait=True)
                 grads = self._gradients(index)
-                if self.proceed:
-                    self._step(index, grads, seconds)
-                    applied.append(group.label)
-                group.ready.set()
+                if not self.proceed:
+                    group.ready.set()
+                    continue
+                self._step(index, grads, seconds)
+                applied.append(group.label)
+                if self.sharding is None:
+                    group.ready.set()
+                    continue
+                # deepest first (averaged here): the others' updates of this group travel while the next group
+                # steps, and the previous group's are awaited now. Shallowest first (every gradient was final),
+                # the next iteration's first stages wait for this group: it is finished at once
+                previous = self._broadcasting
+                self._broadcasting = (index, self.sharding.start_broadcast(
+                    [param for param in group.params if id(param) in grads and id(param) in self.optimized],
+                    self.owners), self.timeline.now())
+                if previous is not None:
+                    self._finish(previous, seconds)
+                if self.averaging is None:
+                    self._finish_broadcast(seconds)
+            self._finish_broadcast(seconds)
             if self.proceed:
                 self.on_whole(seconds)
         except BaseException:
@@ -177,24 +196,38 @@ class QueuedStep:
         self.timeline.add(-1, -1, f"average step {self.number} {group.label}", 0, "allreduce", self._sent_at[index])
         return grads
 
+    def _label(self, group: StepGroup) -> str:
+        return f"step {self.number} {group.label}" if len(self.groups) > 1 else f"step {self.number}"
+
     def _step(self, index: int, grads: dict[int, torch.Tensor], seconds: list[float]) -> None:
-        """Update group ``index`` (sharded: then take the other owners' updates), and add its time to ``seconds``."""
+        """Update group ``index`` (sharded: this process's parameters of it), and add its time to ``seconds``."""
         group = self.groups[index]
         start = time.perf_counter()
-        label = f"step {self.number} {group.label}" if len(self.groups) > 1 else f"step {self.number}"
-        with self.host.timed(label):
+        with self.host.timed(self._label(group)):
             self._run_optimizer(group, grads)
             if not (self.async_step or self.sharding is not None):  # the low-precision copies the next uploads read
                 self.sources.refresh(group.params)
-        if self.sharding is not None:  # the same list everywhere: the averaged gradients are the same
-            started = self.timeline.now()
-            self.sharding.broadcast_updates(
-                [param for param in group.params if id(param) in grads and id(param) in self.optimized], self.owners)
-            self.timeline.add(-1, -1, f"broadcast step {self.number} {group.label}", 0, "broadcast", started)
-            if not self.async_step:
-                with self.host.timed(label):
-                    self.sources.refresh(group.params)
         self._spread_seconds(index, time.perf_counter() - start, seconds)
+
+    def _finish(self, broadcast: tuple[int, Broadcast, float], seconds: list[float]) -> None:
+        """Sharded: wait for the others' updates of a stepped group, refresh its copies (sync) and set its event.
+        The wait counts as the group's step time (it is what the group's uploads wait for, beyond the step)."""
+        index, in_flight, started = broadcast
+        group = self.groups[index]
+        start = time.perf_counter()
+        in_flight.finish()
+        self.timeline.add(-1, -1, f"broadcast step {self.number} {group.label}", 0, "broadcast", started)
+        if not self.async_step:  # the low-precision copies the next uploads read, from every owner's update
+            with self.host.timed(self._label(group)):
+                self.sources.refresh(group.params)
+        self._spread_seconds(index, time.perf_counter() - start, seconds)
+        group.ready.set()
+
+    def _finish_broadcast(self, seconds: list[float]) -> None:
+        """Finish the broadcast in flight, if any."""
+        broadcast, self._broadcasting = self._broadcasting, None
+        if broadcast is not None:
+            self._finish(broadcast, seconds)
 
     def _run_optimizer(self, group: StepGroup, grads: dict[int, torch.Tensor]) -> None:
         """Step the parameters of ``group`` among :attr:`stepped` (the optimizer's; sharded: those this process
