@@ -351,7 +351,7 @@ class MemoryPlan:
     def new_items(self) -> list[tuple[str, int]]:
         """The host allocations still to come, largest first."""
         optimizer = "optimizer state"
-        notes = ([self._shard_note()] if self._sharded else []) + self.optimizer_notes
+        notes = self._optimizer_notes()
         if notes:
             optimizer += f" ({'; '.join(notes)})"
         items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
@@ -377,7 +377,7 @@ class MemoryPlan:
         if self.next_gradient_bytes:
             rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),
                          "async: gather while the step reads param.grad"))
-        optimizer_notes = ([self._shard_note()] if self._sharded else []) + self.optimizer_notes
+        optimizer_notes = self._optimizer_notes()
         rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
                      "; ".join(optimizer_notes) if optimizer_notes
                      else ("no optimizer" if training else "none: not training")))
@@ -415,10 +415,14 @@ class MemoryPlan:
     def _sharded(self) -> bool:
         return self.optimizer_shards > 1 and self.unsharded_optimizer_state_bytes > 0
 
-    def _shard_note(self) -> str:
+    def _optimizer_notes(self) -> list[str]:
+        """What the optimizer state holds, per optimizer, after how it is sharded."""
+        if not self._sharded:
+            return list(self.optimizer_notes)
         shards = self.optimizer_shards
-        return (f"sharded over {shards} processes (shard_optimizer): about 1/{shards} each of "
-                f"{format_bytes(self.unsharded_optimizer_state_bytes)}, whole parameters per process")
+        return [f"sharded over {shards} processes (shard_optimizer): about 1/{shards} each of "
+                f"{format_bytes(self.unsharded_optimizer_state_bytes)}, whole parameters per process",
+                *self.optimizer_notes]
 
     def _upload_copies_note(self) -> str:
         low = f"Linear/Conv weights in {self.transport}" if self.transport else ""

@@ -149,8 +149,8 @@ class DataParallel:
                 for bucket in _buckets([param for param in params if owners[id(param)] == owner], self.bucket_bytes):
                     flat = (torch.cat([param.detach().reshape(-1) for param in bucket]) if mine
                             else torch.empty(sum(param.numel() for param in bucket), dtype=bucket[0].dtype))
-                    src = dist.get_global_rank(self.weights, owner) if self.weights is not None else owner
-                    work = dist.broadcast(flat, src=src, group=self.weights, async_op=True)
+                    work = dist.broadcast(flat, src=_global_rank(self.weights, owner), group=self.weights,
+                                          async_op=True)
                     pending.append((work, flat, bucket if not mine else []))
                     self.broadcast_bytes += flat.nbytes if mine else 0
         return Broadcast(self, pending)
@@ -160,9 +160,9 @@ class DataParallel:
         if not self.sharded:
             return
         params = [param for group in optimizer.param_groups for param in group["params"]]
-        owners = self.owners(params)
+        owned = self.owned(params)
         for param in params:
-            if owners[id(param)] != self.rank:
+            if id(param) not in owned:
                 optimizer.state.pop(param, None)
 
     def gather_optimizer_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +179,7 @@ class DataParallel:
                           else value for key, value in entry.items()} for index, entry in mine.items()}
         layouts: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         try:
-            dist.gather_object(layout, layouts, dst=self._control_source(), group=self.control)
+            dist.gather_object(layout, layouts, dst=_global_rank(self.control, 0), group=self.control)
         except Exception as error:
             raise DataParallelError(
                 f"process {self.rank} of {self.world_size}: gathering the sharded optimizer state failed, so "
@@ -189,12 +189,12 @@ class DataParallel:
             for _, entry in sorted(mine.items()):
                 for value in entry.values():
                     if isinstance(value, torch.Tensor):
-                        self._wait(dist.isend(value.contiguous(), dst=self._control_source(), group=self.control),
-                                   what)
+                        self._wait(dist.isend(value.contiguous(), dst=_global_rank(self.control, 0),
+                                              group=self.control), what)
             return state_dict
         merged = dict(mine)
         for rank in range(1, self.world_size):
-            source = dist.get_global_rank(self.control, rank) if self.control is not None else rank
+            source = _global_rank(self.control, rank)
             for index, entry in sorted(layouts[rank].items()):
                 received = {}
                 for key, value in entry.items():
@@ -207,10 +207,6 @@ class DataParallel:
                 merged[index] = received
         return {**state_dict, "state": dict(sorted(merged.items()))}
 
-    def _control_source(self) -> int:
-        """The global rank of process 0 of the ``control`` group."""
-        return dist.get_global_rank(self.control, 0) if self.control is not None else 0
-
     def agree(self, value: Any) -> Any:
         """Process 0's ``value`` on every process (a plan, say): call it on the caller's thread, at the same
         point on every process."""
@@ -218,7 +214,7 @@ class DataParallel:
             return value
         holder = [value]
         try:
-            dist.broadcast_object_list(holder, src=self._control_source(), group=self.control)
+            dist.broadcast_object_list(holder, src=_global_rank(self.control, 0), group=self.control)
         except Exception as error:
             raise DataParallelError(
                 f"process {self.rank} of {self.world_size}: agreeing on {type(value).__name__} failed: "
@@ -321,6 +317,11 @@ class Averaging:
         means = self.receive(pending)
         for param in pending:
             param.grad = means.get(id(param))
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    """The global rank of process ``rank`` of ``group`` (``None``: the default group, where they are the same)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _buckets(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

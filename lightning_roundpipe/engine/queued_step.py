@@ -83,8 +83,8 @@ class QueuedStep:
         # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
         self.sharding = sharding
         self.owners = sharding.owners(params) if sharding is not None else {}
-        self.stepped = [id(param) for param in params if sharding is None or self.owners[id(param)] == sharding.rank]
         self.optimized = {id(param) for param in params}
+        self.stepped = sharding.owned(params) if sharding is not None else self.optimized
         self.num_layers = len(trunk)
         # per group, the elements of its parameters each of its layers holds: how its step time is spread. Counted
         # here, on the caller's thread (the only one that changes the trunk's states), once per step
