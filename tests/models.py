@@ -4,7 +4,7 @@ references (the sync and the async formula). Test modules import these from here
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import lightning.pytorch as pl
@@ -244,3 +244,9 @@ def classifier_data(samples: int = 48, batch: int = 8) -> DataLoader:
     x = torch.randn(samples, 6, generator=generator)
     y = torch.randint(0, 3, (samples,), generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def state_bytes(state: Mapping) -> int:
+    """The bytes of every tensor in an optimizer's state (``optimizer.state``, or a state dict's ``"state"``),
+    counted as they are held: what a process keeps of it."""
+    return sum(value.nbytes for entry in state.values() for value in entry.values() if isinstance(value, torch.Tensor))

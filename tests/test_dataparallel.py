@@ -29,6 +29,7 @@ from tests.models import (
     microbatch_weights,
     reference_microbatch_step,
     split_sizes,
+    state_bytes,
     tiny_gpt,
 )
 from tests.numerics import assert_states_float64_equal, double, state, to_double
@@ -105,12 +106,6 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of every tensor in ``optimizer``'s state."""
-    return sum(value.nbytes for entry in optimizer.state.values() for value in entry.values()
-               if isinstance(value, torch.Tensor))
-
-
 def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool,
              clip: bool, shard: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -145,7 +140,7 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
                 engine.step(optimizer, before_step=before_step)
             engine.synchronize()
         params = list(model.parameters())
-        result = {"state": state(model), "waited": gate.waited, "state_bytes": _state_bytes(optimizer),
+        result = {"state": state(model), "waited": gate.waited, "state_bytes": state_bytes(optimizer.state),
                   "owned": sorted(index for index, param in enumerate(params)
                                   if id(param) in data_parallel.owned(params)),
                   "state_of": sorted(index for index, param in enumerate(params) if param in optimizer.state)}

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.engine.options import OptionError
-from tests.models import Classifier
+from tests.models import Classifier, state_bytes
 from tests.numerics import assert_float64_equal, assert_states_equal, assert_states_float64_equal
 from tests.scaleout import train as script
 
@@ -44,22 +44,39 @@ LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE
                     "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
 
 
-def _run(out: Path, *args: str, torchrun: bool = False) -> dict[int, dict[str, Any]]:
-    """Run the script (under torchrun with 2 processes: ``torchrun``); returns each rank's record."""
+def _script(*args: str, torchrun: bool = False) -> list[str]:
+    """The command running the script with ``args`` (under torchrun with 2 processes: ``torchrun``)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"] \
         if torchrun else [sys.executable]
-    command = [*launcher, str(SCRIPT), *args, "--out", str(out)]
+    return [*launcher, str(SCRIPT), *args]
+
+
+def _start(command: list[str], **variables: str) -> subprocess.Popen:
+    """Start ``command`` without the launch variables of whatever started pytest (``variables``: set these), in a
+    session of its own: every process of the run, orphans included, keeps its id, so that none goes unseen and a
+    run that hangs is ended with all it started."""
     env = {key: value for key, value in os.environ.items()
            if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
-    # a session of its own, so that a run that hangs is ended with every process it started
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process:
-        try:
-            output, _ = process.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"{' '.join(command)} ran over {TIMEOUT} s:\n{output[-6000:]}")
+    return subprocess.Popen(command, cwd=ROOT, env={**env, **variables}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _output(process: subprocess.Popen, command: list[str], timeout: float) -> str:
+    """What the run printed, once every process of it has closed the output (exited); ends the whole session and
+    fails the test if that takes over ``timeout`` seconds."""
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate()[0]
+        pytest.fail(f"{' '.join(command)} ran over {timeout} s:\n{output[-6000:]}")
+
+
+def _run(out: Path, *args: str, torchrun: bool = False) -> dict[int, dict[str, Any]]:
+    """Run the script (under torchrun with 2 processes: ``torchrun``); returns each rank's record."""
+    command = _script(*args, "--out", str(out), torchrun=torchrun)
+    with _start(command) as process:
+        output = _output(process, command, TIMEOUT)
     assert process.returncode == 0, f"{' '.join(command)} failed:\n{output[-6000:]}"
     return {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)}
 
@@ -145,19 +162,14 @@ def test_two_nodes_started_by_hand_equal_ddp(tmp_path, ddp):
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {key: value for key, value in os.environ.items()
-           if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
-    command = [sys.executable, str(SCRIPT), "--strategy", "roundpipe", "--devices", "2", "--num-nodes", "2",
-               "--float64", "--out", str(tmp_path)]
-    nodes = [subprocess.Popen(command, cwd=ROOT, env={**env, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
-                                                      "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for node in range(2)]
+    command = _script("--strategy", "roundpipe", "--devices", "2", "--num-nodes", "2", "--float64", "--out",
+                      str(tmp_path))
+    nodes = [_start(command, NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for node in range(2)]
     outputs = []
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=TIMEOUT)[0])
-    finally:
+            outputs.append(_output(node, command, TIMEOUT))
+    finally:  # a node that failed early leaves the other waiting for it
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
@@ -296,9 +308,7 @@ def test_a_one_process_checkpoint_resumes_sharded_on_two_processes_under_torchru
     assert_states_equal(records[0]["state"], records[1]["state"])
     assert_states_float64_equal(records[0]["state"], resumed)
     whole = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
-    whole_bytes = sum(value.nbytes for entry in whole.values() for value in entry.values()
-                      if isinstance(value, torch.Tensor))
-    assert all(0 < records[rank]["host_bytes"]["optimizer_state"] < whole_bytes for rank in range(WORLD))
+    assert all(0 < records[rank]["host_bytes"]["optimizer_state"] < state_bytes(whole) for rank in range(WORLD))
 
 
 # ---------------------------------------------------------------------------- async
@@ -395,22 +405,11 @@ def _run_killed(out: Path, kill_rank: int, *, torchrun: bool = False) -> tuple[i
     """Run 8 steps with global rank ``kill_rank`` killing itself (SIGKILL) after the first: the survivor is
     mid-training. Returns the exit code of the process started (rank 0, or torchrun) and the output of all; fails
     if the run outlasts ``KILLED_TIMEOUT`` (a survivor stuck past its wait_timeout) or leaves a process behind."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"] \
-        if torchrun else [sys.executable]
-    command = [*launcher, str(SCRIPT), "--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2",
-               "--steps", "8", "--kill-rank", str(kill_rank), "--kill-at-step", "1", "--wait", str(KILL_WAIT),
-               "--out", str(out)]
-    env = {key: value for key, value in os.environ.items()
-           if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
-    # a session of its own: every process of the run, orphans included, keeps its id, so none can go unseen
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process:
-        try:  # ends once every process of the run has closed the output (exited)
-            output, _ = process.communicate(timeout=KILLED_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"{' '.join(command)} ran over {KILLED_TIMEOUT} s:\n{output[-6000:]}")
+    command = _script("--strategy", "roundpipe", "--devices", "4", "--rings-per-node", "2", "--steps", "8",
+                      "--kill-rank", str(kill_rank), "--kill-at-step", "1", "--wait", str(KILL_WAIT), "--out",
+                      str(out), torchrun=torchrun)
+    with _start(command) as process:
+        output = _output(process, command, KILLED_TIMEOUT)
     left = _session_processes(process.pid)
     if left:
         os.killpg(process.pid, signal.SIGKILL)

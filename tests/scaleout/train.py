@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
-from tests.models import Classifier  # noqa: E402
+from tests.models import Classifier, state_bytes  # noqa: E402
 
 SAMPLES = 32        # per epoch: 2 optimizer steps of 2 x 8 samples (per process: 8 / world size per batch)
 GLOBAL_BATCH = 8    # samples per batch over all processes
@@ -133,8 +133,7 @@ def host_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     parameters this process owns only)."""
     return {"params": sum(param.nbytes for param in module.parameters()),
             "numel": sum(param.numel() for param in module.parameters()),
-            "optimizer_state": sum(value.nbytes for entry in optimizer.state.values() for value in entry.values()
-                                   if isinstance(value, torch.Tensor))}
+            "optimizer_state": state_bytes(optimizer.state)}
 
 
 def main(argv: list[str] | None = None) -> None:
