@@ -115,6 +115,10 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     (["model=llama_tiny", "model.vocab_size=128"], "model.vocab_size"),
     (["model=llama_tiny", "model.max_position_embeddings=32"], "model.max_position_embeddings"),
     (["model=llama_tiny", "strategy.pipeline=net"], "strategy.pipeline"),
+    # ruled out only when the strategy meets the model or the devices, or when Lightning builds the Trainer
+    (["strategy.pipeline=nett"], "`strategy.pipeline` is 'nett', which names no submodule of ByteLM"),
+    (["trainer.devices=3", "strategy.rings_per_node=2"], "`strategy.rings_per_node` must divide"),
+    (["trainer.devices=0"], "`trainer`: `Trainer(devices=0)`"),
     (["model=llama_tiny", "+model/lora=default", "model.lora.r=0"], "model.lora.r"),
     (["model=llama_tiny", "+model/lora=default", "model.lora.target_modules=[]"], "model.lora.target_modules"),
 ])
@@ -182,6 +186,30 @@ def test_the_command_line_reports_a_bad_value_without_a_traceback(tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()  # one line: no traceback
     assert line.startswith("config error: `strategy.num_microbatches` ") and line.endswith("got 0"), line
+
+
+def test_an_option_the_model_rules_out_is_one_config_error_line(tmp_path):
+    """`strategy.pipeline` is checked when the strategy meets the model, inside fit: still one line, no traceback."""
+    result = _app("strategy.pipeline=nett", "trainer.max_steps=1", "sample_tokens=0", *TINY, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "config error: `strategy.pipeline` is 'nett', which names no submodule of ByteLM; its nn.Sequential "
+        "submodules are ['net', "), result.stderr[-3000:]
+
+
+def test_a_bug_inside_fit_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only our options' errors and the Trainer's refused flags are config errors: a ValueError from the
+    model's own code is not turned into one."""
+    from lightning_roundpipe.app.model import ByteLM
+
+    def broken(self, batch, batch_idx):
+        raise ValueError("a bug in training_step")
+
+    monkeypatch.setattr(ByteLM, "training_step", broken)
+    with pytest.raises(ValueError, match="^a bug in training_step$") as error:
+        run(_compose(*FEW_STEPS, "trainer.max_steps=1"), tmp_path)
+    assert not isinstance(error.value, ConfigError)
 
 
 def test_text_data_without_a_path_says_which_key_to_set(tmp_path):

@@ -27,10 +27,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from lightning_roundpipe.app.schema import ConfigError, register, validate
+from lightning_roundpipe.engine.options import OptionError
 
 CONFIG_MODULE = "lightning_roundpipe.app.conf"  #: the shipped configs, as Hydra's package reference
 CONFIG_DIR = str(pathlib.Path(__file__).resolve().with_name("conf"))  #: the same folder on disk (compose API)
@@ -150,10 +152,16 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summar
         throughput = _Throughput()
         callbacks: list[Callback] = [throughput, *_instantiate_each(cfg, "callbacks")]
         loggers: list[Logger] = _instantiate_each(cfg, "logger")
-        # no logger chosen (logger=null): none at all, rather than Lightning's default TensorBoard one
-        trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
-                                          logger=loggers or False, default_root_dir=str(output_dir), **overrides)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        try:
+            # no logger chosen (logger=null): none at all, rather than Lightning's default TensorBoard one
+            trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
+                                              logger=loggers or False, default_root_dir=str(output_dir), **overrides)
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        except (InstantiationException, OptionError) as error:
+            problem = _as_config_error(error)
+            if problem is None:
+                raise
+            raise problem from error
         metrics = trainer.callback_metrics
         bubble = metrics.get("roundpipe/bubble_ratio")
         val = metrics.get("val/loss")
@@ -186,6 +194,23 @@ def main(cfg: DictConfig) -> float | None:
         _config_error(str(error))
     except MissingMandatoryValue as error:  # a `???` left unset that validate() does not name itself
         _config_error(f"`{error.full_key}` has no value: set it on the command line, {error.full_key}=...")
+
+
+def _as_config_error(error: BaseException) -> ConfigError | None:
+    """The config error ``error`` stands for, else ``None`` (a bug keeps its traceback): an option's value that
+    only meeting the devices or the model rules out (``OptionError``, from the strategy's setup or trunk
+    discovery, e.g. ``strategy.pipeline`` naming no submodule), or Trainer flags Lightning refuses when the
+    Trainer is built (its ``MisconfigurationException``; Hydra's ``instantiate`` wraps both)."""
+    cause = error.__cause__ if isinstance(error, InstantiationException) else error
+    if isinstance(cause, OptionError):
+        return ConfigError(f"`strategy.{cause.option}` {_one_line(cause.problem)}")
+    if isinstance(cause, MisconfigurationException) and cause is not error:
+        return ConfigError(f"`trainer`: {_one_line(cause)}")
+    return None
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
 
 
 def _config_error(message: str) -> NoReturn:
