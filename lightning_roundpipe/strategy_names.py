@@ -5,8 +5,8 @@ generic error before anything of ours runs; it has no hook for unknown names. So
 registered too, through the registry's public ``register``, each as a factory that raises an error naming the
 closest real name: one letter left out or two neighbours swapped, ``round_pipe`` / ``round-pipe`` and the like
 (Lightning lower-cases the name first, so ``RoundPipe`` is ``roundpipe``). A name further off still gets
-Lightning's own error. The registry lists these
-entries (``StrategyRegistry.available_strategies()``), each described as a misspelling.
+Lightning's own error. The registry lists these entries (``StrategyRegistry.available_strategies()``), each
+described as a misspelling.
 """
 
 from __future__ import annotations
