@@ -77,6 +77,7 @@ from lightning_roundpipe.hf.causal_lm import CausalLMForward
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
+from lightning_roundpipe.strategy_names import register_near_misses
 from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, ReduceDtype, build_options
 from lightning_roundpipe.traced import TracedForward, TracedTrunk
 from lightning_roundpipe.trunk import build_module_trunk
@@ -732,10 +733,12 @@ class _ZeroGradBesideSteps:
 
 
 def register() -> None:
-    """Register ``roundpipe`` and ``roundpipe_async`` with Lightning's strategy registry."""
+    """Register ``roundpipe`` and ``roundpipe_async`` with Lightning's strategy registry, and their near misses
+    (:mod:`~lightning_roundpipe.strategy_names`: ``strategy="roundpip"`` asks "did you mean 'roundpipe'?")."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     RoundPipeStrategy.register_strategies(StrategyRegistry)
+    register_near_misses(StrategyRegistry)
 
 
 register()  # when this module is imported before Lightning, the import hook fired while it was half-built

@@ -15,6 +15,7 @@ import warnings
 from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk, build_trunk
+from lightning_roundpipe.engine.options import OptionError
 from lightning_roundpipe.hf.causal_lm import FAMILIES, causal_lm_preset, find_causal_lm
 from lightning_roundpipe.traced import build_traced_trunk, find_blocks
 
@@ -33,8 +34,8 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
         try:
             trunk = module.get_submodule(pipeline)
         except AttributeError:
-            raise ValueError(
-                f"`pipeline={pipeline!r}` names no submodule of {type(module).__name__}; "
+            raise OptionError(  # an option's value: the Hydra app reports it as `strategy.pipeline`
+                "pipeline", f"is {pipeline!r}, which names no submodule of {type(module).__name__}; "
                 f"its nn.Sequential submodules are {sorted(sequentials) or 'none'}"
             ) from None
         refuse_compiled(pipeline, trunk)

@@ -1,10 +1,11 @@
-"""Fixtures shared by the test modules (pytest finds them here; test modules never import each other)."""
+"""Fixtures and hooks shared by the test modules (pytest finds them here; test modules never import each other)."""
 
 from __future__ import annotations
 
 import random
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import pytest
 import torch
@@ -15,6 +16,30 @@ def _seed() -> None:
     """Every test starts from the same random state, whatever ran before it (the tests use no numpy)."""
     torch.manual_seed(0)
     random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler() -> Generator[None, None, None]:
+    """Give the next test the SIGINT handler this one started with: Lightning sets SIGINT to ignored once it
+    has caught a Ctrl-C in ``fit``, and without this every later Ctrl-C of the session would be lost."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if threading.current_thread() is threading.main_thread():  # signal.signal works in the main thread only
+        signal.signal(signal.SIGINT, handler)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """A Ctrl-C that lands inside ``Trainer.fit`` reaches pytest as a ``SystemExit(1)``: Lightning catches the
+    ``KeyboardInterrupt``, shuts down and calls ``sys.exit``. pytest would count that as one failed test and
+    go on; raised again as the ``KeyboardInterrupt`` it was, it stops the session as Ctrl-C does elsewhere.
+    A test that expects the ``SystemExit`` (``pytest.raises``) catches it before this sees it."""
+    try:
+        return (yield)
+    except SystemExit as error:
+        if isinstance(error.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt("Ctrl-C during Trainer.fit (Lightning turned it into SystemExit)") from error
+        raise
 
 
 def _alive_roundpipe_threads() -> list[str]:

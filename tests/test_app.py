@@ -10,9 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from torch.utils.data import DataLoader
 
 # the app needs hydra-core; without it (a bare GPU image, `pytest -m gpu`) this module is skipped, not an error
 pytest.importorskip("hydra", reason="the Hydra app needs hydra-core")
@@ -25,6 +27,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from lightning_roundpipe.app.hf_model import CausalLM  # noqa: E402
+from lightning_roundpipe.app.progress import StepBoundRichProgressBar, StepBoundTQDMProgressBar  # noqa: E402
 from lightning_roundpipe.app.schema import ConfigError, validate  # noqa: E402
 from lightning_roundpipe.app.train import CONFIG_DIR, CONFIG_MODULE, intra_op_threads, run  # noqa: E402
 
@@ -115,6 +118,10 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     (["model=llama_tiny", "model.vocab_size=128"], "model.vocab_size"),
     (["model=llama_tiny", "model.max_position_embeddings=32"], "model.max_position_embeddings"),
     (["model=llama_tiny", "strategy.pipeline=net"], "strategy.pipeline"),
+    # ruled out only when the strategy meets the model or the devices, or when Lightning builds the Trainer
+    (["strategy.pipeline=nett"], "`strategy.pipeline` is 'nett', which names no submodule of ByteLM"),
+    (["trainer.devices=3", "strategy.rings_per_node=2"], "`strategy.rings_per_node` must divide"),
+    (["trainer.devices=0"], "`trainer`: `Trainer(devices=0)`"),
     (["model=llama_tiny", "+model/lora=default", "model.lora.r=0"], "model.lora.r"),
     (["model=llama_tiny", "+model/lora=default", "model.lora.target_modules=[]"], "model.lora.target_modules"),
 ])
@@ -182,6 +189,30 @@ def test_the_command_line_reports_a_bad_value_without_a_traceback(tmp_path):
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()  # one line: no traceback
     assert line.startswith("config error: `strategy.num_microbatches` ") and line.endswith("got 0"), line
+
+
+def test_an_option_the_model_rules_out_is_one_config_error_line(tmp_path):
+    """`strategy.pipeline` is checked when the strategy meets the model, inside fit: still one line, no traceback."""
+    result = _app("strategy.pipeline=nett", "trainer.max_steps=1", "sample_tokens=0", *TINY, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "config error: `strategy.pipeline` is 'nett', which names no submodule of ByteLM; its nn.Sequential "
+        "submodules are ['net', "), result.stderr[-3000:]
+
+
+def test_a_bug_inside_fit_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only our options' errors and the Trainer's refused flags are config errors: a ValueError from the
+    model's own code is not turned into one."""
+    from lightning_roundpipe.app.model import ByteLM
+
+    def broken(self, batch, batch_idx):
+        raise ValueError("a bug in training_step")
+
+    monkeypatch.setattr(ByteLM, "training_step", broken)
+    with pytest.raises(ValueError, match="^a bug in training_step$") as error:
+        run(_compose(*FEW_STEPS, "trainer.max_steps=1"), tmp_path)
+    assert not isinstance(error.value, ConfigError)
 
 
 def test_text_data_without_a_path_says_which_key_to_set(tmp_path):
@@ -342,3 +373,58 @@ def test_a_hugging_face_model_trains_under_roundpipe(tmp_path):
 def test_torch_threads_default_follows_the_accelerator(overrides, expected):
     cfg = _compose(*overrides)
     assert intra_op_threads(cfg) == (torch.get_num_threads() if expected == "default" else expected)
+
+
+# ---------------------------------------------------------------------------- the progress bar
+class _OneWeight(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.weight * batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _train_bar(bar) -> tuple[str, int, int]:
+    """The train bar's description, batches done and total, whichever of Lightning's two bars it is."""
+    if isinstance(bar, RichProgressBar):
+        task = bar.progress.tasks[bar.train_progress_bar_id]
+        return task.description.rstrip(), int(task.completed), int(task.total)
+    return bar.train_progress_bar.desc.rstrip(": "), bar.train_progress_bar.n, bar.train_progress_bar.total
+
+
+def _fit_with_the_bar(bar_class, tmp_path, max_steps: int, ckpt_path=None) -> tuple[str, int, int]:
+    """Fit 10 batches an epoch up to ``max_steps``, saving ``last.ckpt`` in ``tmp_path`` after each step (as in
+    the middle of an epoch); the train bar's state at the end."""
+    bar = bar_class()
+    last = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=1)
+    trainer = pl.Trainer(max_steps=max_steps, max_epochs=-1, accelerator="cpu", devices=1, callbacks=[bar, last],
+                         logger=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(_OneWeight(), DataLoader(torch.ones(10, 1), batch_size=1), ckpt_path=ckpt_path)
+    return _train_bar(bar)
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:.*your dataloader is not resumable")
+@pytest.mark.parametrize("bar_class", [StepBoundRichProgressBar, StepBoundTQDMProgressBar])
+def test_the_progress_bar_counts_to_max_steps_also_after_a_resume(bar_class, tmp_path):
+    """Hand-counted: 10 batches an epoch. Lightning's own bar shows `Epoch 0/-2` (Rich), and after a resume at
+    step 4 to max_steps=6 it counts the epoch's 6th batch against the 2 steps left (6/2)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert _fit_with_the_bar(bar_class, first, max_steps=4) == ("Epoch 0", 4, 4)
+    assert _fit_with_the_bar(bar_class, second, max_steps=6, ckpt_path=first / "last.ckpt") == ("Epoch 0", 6, 6)
+    assert _fit_with_the_bar(bar_class, tmp_path, max_steps=13) == ("Epoch 1", 3, 3)  # epoch 1 stops at its 3rd
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:.*your dataloader is not resumable")
+def test_a_resumed_run_without_a_validation_reports_the_last_one(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    before = run(_compose(*FEW_STEPS, "trainer.max_steps=4"), first)  # validates at steps 2 and 4
+    assert before.val_loss is not None and before.val_step == 4
+    after = run(_compose(*FEW_STEPS, "trainer.max_steps=5", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}"),
+                second)  # one step more: no validation in this run
+    assert (after.val_loss, after.val_step) == (before.val_loss, 4)
+    assert f"val loss        {before.val_loss:.3f} (perplexity " in "\n".join(after.lines())
+    assert "at step 4" in "\n".join(after.lines())

@@ -162,8 +162,8 @@ def test_errors_name_what_to_change(roundpipe_threads):
         trainer.validate(NoTrunk(), _data(4), verbose=False)
     trainer = pl.Trainer(strategy=RoundPipeStrategy(pipeline="nett"), accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    with pytest.raises(ValueError, match=r"`pipeline='nett'` names no submodule of Classifier; its nn.Sequential "
-                                         r"submodules are \['net'\]"):
+    with pytest.raises(ValueError, match=r"^`pipeline` is 'nett', which names no submodule of Classifier; its "
+                                         r"nn.Sequential submodules are \['net'\]$"):
         trainer.validate(Classifier(), _data(4), verbose=False)
     with pytest.raises(ValueError, match="`recompute` must be 'stage' or 'layer'"):
         RoundPipeStrategy(recompute="everything")

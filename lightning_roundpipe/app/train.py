@@ -25,12 +25,15 @@ import lightning.pytorch as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
+from lightning_roundpipe.app.progress import progress_bar
 from lightning_roundpipe.app.schema import ConfigError, register, validate
+from lightning_roundpipe.engine.options import OptionError
 
 CONFIG_MODULE = "lightning_roundpipe.app.conf"  #: the shipped configs, as Hydra's package reference
 CONFIG_DIR = str(pathlib.Path(__file__).resolve().with_name("conf"))  #: the same folder on disk (compose API)
@@ -44,18 +47,20 @@ class Summary:
     tokens_per_second: float  #: over every process of the run
     peak_device_bytes: list[int] | None
     bubble_ratio: float | None
-    val_loss: float | None
+    val_loss: float | None  #: the last validation's, also one of the run resumed from (``ckpt_path``)
     output_dir: str
     data: str
     sample: str
     timeline_files: list[str] = field(default_factory=list)  #: timeline.json / .png with strategy.timeline=true
     processes: int = 1  #: the processes that trained together (data parallel); the other figures are process 0's
+    val_step: int | None = None  #: the global step of that validation
 
     def lines(self) -> list[str]:
         peak = "n/a (no RoundPipe engine)" if self.peak_device_bytes is None else ", ".join(
             f"{b / 2**20:.1f} MiB" for b in self.peak_device_bytes)
         bubble = "n/a" if self.bubble_ratio is None else f"{self.bubble_ratio:.1%}"
-        val = "n/a" if self.val_loss is None else f"{self.val_loss:.3f} (perplexity {math.exp(self.val_loss):.2f})"
+        val = "n/a" if self.val_loss is None else f"{self.val_loss:.3f} (perplexity {math.exp(self.val_loss):.2f})" + (
+            "" if self.val_step is None else f" at step {self.val_step}")
         return [
             "=" * 24 + " summary " + "=" * 24,
             f"python          {sys.version.split()[0]} ({self.data})",
@@ -91,6 +96,26 @@ class _Throughput(Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             self.peak = list(engine.peak_resident_bytes())
+
+
+class _LastValidation(Callback):
+    """The last validation loss and the global step it was measured at. Its state goes into checkpoints, so a
+    run resumed with ``ckpt_path`` that validates no more (or not yet) still reports the last one."""
+
+    def __init__(self) -> None:
+        self.loss: float | None = None
+        self.step: int | None = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if not trainer.sanity_checking and loss is not None:
+            self.loss, self.step = float(loss), trainer.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": self.loss, "step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loss, self.step = state_dict["loss"], state_dict["step"]
 
 
 def _instantiate_each(cfg: DictConfig, group: str) -> list[Any]:
@@ -148,22 +173,31 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summar
         if isinstance(strategy, pl.strategies.SingleDeviceStrategy):
             overrides["devices"] = 1  # the baseline trains on one device whatever the trainer group says
         throughput = _Throughput()
-        callbacks: list[Callback] = [throughput, *_instantiate_each(cfg, "callbacks")]
+        last_validation = _LastValidation()
+        callbacks: list[Callback] = [throughput, last_validation, *_instantiate_each(cfg, "callbacks")]
+        if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(progress_bar())  # Lightning's, with totals right for max_steps and a resume
         loggers: list[Logger] = _instantiate_each(cfg, "logger")
-        # no logger chosen (logger=null): none at all, rather than Lightning's default TensorBoard one
-        trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
-                                          logger=loggers or False, default_root_dir=str(output_dir), **overrides)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        try:
+            # no logger chosen (logger=null): none at all, rather than Lightning's default TensorBoard one
+            trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
+                                              logger=loggers or False, default_root_dir=str(output_dir), **overrides)
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        except (InstantiationException, OptionError) as error:
+            problem = _as_config_error(error)
+            if problem is None:
+                raise
+            raise problem from error
         metrics = trainer.callback_metrics
         bubble = metrics.get("roundpipe/bubble_ratio")
-        val = metrics.get("val/loss")
         sample = cfg.sample_tokens and trainer.is_global_zero  # the summary is process 0's to print
         text = model.sample(cfg.sample_prompt.encode(), cfg.sample_tokens, seed=cfg.seed) if sample else b""
         summary = Summary(
             tokens_per_second=throughput.tokens / max(throughput.seconds, 1e-9),
             peak_device_bytes=throughput.peak,
             bubble_ratio=None if bubble is None else float(bubble),
-            val_loss=None if val is None else float(val),
+            val_loss=last_validation.loss,
+            val_step=last_validation.step,
             output_dir=str(output_dir),
             data=datamodule.describe(),
             sample=text.decode("utf-8", errors="replace"),
@@ -186,6 +220,23 @@ def main(cfg: DictConfig) -> float | None:
         _config_error(str(error))
     except MissingMandatoryValue as error:  # a `???` left unset that validate() does not name itself
         _config_error(f"`{error.full_key}` has no value: set it on the command line, {error.full_key}=...")
+
+
+def _as_config_error(error: BaseException) -> ConfigError | None:
+    """The config error ``error`` stands for, else ``None`` (a bug keeps its traceback): an option's value that
+    only meeting the devices or the model rules out (``OptionError``, from the strategy's setup or trunk
+    discovery, e.g. ``strategy.pipeline`` naming no submodule), or Trainer flags Lightning refuses when the
+    Trainer is built (its ``MisconfigurationException``; Hydra's ``instantiate`` wraps both)."""
+    cause = error.__cause__ if isinstance(error, InstantiationException) else error
+    if isinstance(cause, OptionError):
+        return ConfigError(f"`strategy.{cause.option}` {_one_line(cause.problem)}")
+    if isinstance(cause, MisconfigurationException) and cause is not error:
+        return ConfigError(f"`trainer`: {_one_line(cause)}")
+    return None
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
 
 
 def _config_error(message: str) -> NoReturn:

@@ -158,6 +158,8 @@ class RoundPipeEngine:
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
         # round_size="auto": for what (plan, microbatches, planner settled) the dispatch was chosen, and the choice
         self._rounds_for: tuple[tuple[Plan, int, bool] | None, int | None] = (None, None)
+        # the dispatch last logged at INFO, once the planner settled: (round size or None,), or None before
+        self._dispatch_logged: tuple[int | None] | None = None
         # what the choice weighs of the host step: the order the last step's parts ran in (the simulator's
         # name for it) and, per layer, the seconds the last whole step spent on its parameters (optimizer thread)
         self._step_order: Streaming = "off"
@@ -880,11 +882,22 @@ class RoundPipeEngine:
             chosen = choose_round_size(plan, costs, self.num_devices, num_microbatches, host_step=host_step,
                                        streaming=self._step_order if host_step is not None else "off",
                                        recompute_ahead=True, job_cost=self.planner.job_cost)
-            if chosen != self._rounds_for[1]:
-                log.info("RoundPipe dispatches each training batch %s (predicted fastest from measured costs)",
-                         "in whole jobs" if chosen is None else f"in rounds of {chosen} microbatches")
+            self._log_dispatch(chosen)
             self._rounds_for = (key, chosen)
         return self._rounds_for[1]
+
+    def _log_dispatch(self, chosen: int | None) -> None:
+        """Say the dispatch ``round_size="auto"`` chose: at INFO once the planner has settled, and again only
+        if a settled choice changes; before that at DEBUG, as provisional (early measurements are noisy, and
+        the choice can go back and forth between whole jobs and rounds until they settle)."""
+        how = "in whole jobs" if chosen is None else f"in rounds of {chosen} microbatches"
+        if not self.planner.settled:
+            log.debug("RoundPipe dispatches each training batch %s for now (provisional: the measured costs "
+                      "have not settled)", how)
+        elif self._dispatch_logged != (chosen,):
+            log.info("RoundPipe dispatches each training batch %s (predicted fastest from the settled measured "
+                     "costs)", how)
+            self._dispatch_logged = (chosen,)
 
     def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
         size = batch_size(inputs)
