@@ -305,7 +305,10 @@ class Registry:
                 else:
                     if not any(True for _ in child.parameters()) and not any(True for _ in child.buffers()):
                         self._stateless.add(prefix + name)
-                    (after if seen_blocks else before)[prefix + name] = child
+                    # a module holding only derived tables (rotary frequencies) feeds the blocks, even where it
+                    # is registered after them, as Hugging Face decoders register `rotary_emb`
+                    early = not seen_blocks or _holds_only_derived_tables(child)
+                    (before if early else after)[prefix + name] = child
 
         walk(plan.root, "")
         stateless = {path: before.get(path, after.get(path)) for path in self._stateless}
@@ -514,6 +517,15 @@ class TracedForward(PipelinedForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.prepare(args, kwargs)
         return self.engine(*args, **kwargs)
+
+
+def _holds_only_derived_tables(module: nn.Module) -> bool:
+    """Whether ``module`` has no parameters and only non-persistent buffers (tables computed from the
+    configuration, outside the ``state_dict``), at least one."""
+    buffers = [(owner, name) for owner in module.modules() for name in owner._buffers
+               if owner._buffers[name] is not None]
+    return (bool(buffers) and not any(True for _ in module.parameters())
+            and all(name in owner._non_persistent_buffers_set for owner, name in buffers))
 
 
 def _count(module: nn.Module) -> int:
