@@ -42,6 +42,7 @@ from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
+from lightning_roundpipe.hf.base_model import prepare_call
 
 log = logging.getLogger(__name__)
 
@@ -510,6 +511,7 @@ class TracedForward(PipelinedForward):
         assert isinstance(trunk, TracedTrunk)
         registry = trunk.registry
         modes = registry.modes()
+        args, kwargs = prepare_call(registry.plan.root, args, kwargs)  # a Hugging Face model's: no KV cache
         # the tracer patches torch.nn.Module globally while it records: no worker may be running a layer
         registry.ensure(modes, args, kwargs, self.engine.num_microbatches, self.engine.synchronize)
         return (modes, *args), kwargs
