@@ -34,7 +34,8 @@ def base_model_name(module: nn.Module, name: str = "") -> str | None:
     """The name within ``module`` of the base model of the outermost ``transformers`` model on the way
     to ``name`` (``""``: search all of ``module``), or ``None`` where there is none. ``name`` may be the
     task model (``model``), its base model or the layer list (``model.transformer.h``): each means the
-    base model, whose forward is the one that loops over the layers."""
+    base model, whose forward is the one that loops over the layers; a ``name`` outside the base model (the
+    task head) is not a Hugging Face trunk (``None``)."""
     candidates = ([(prefix, module.get_submodule(prefix)) for prefix in _prefixes(name)] if name
                   else list(module.named_modules()))
     for path, candidate in candidates:
@@ -42,7 +43,9 @@ def base_model_name(module: nn.Module, name: str = "") -> str | None:
             refuse_unsupported_model(path or type(module).__name__, candidate)
             base = getattr(candidate, "base_model", candidate)
             inner = next((n for n, m in candidate.named_modules() if m is base), "")
-            return ".".join(part for part in (path, inner) if part)
+            found = ".".join(part for part in (path, inner) if part)
+            within = not name or name == path or name == found or name.startswith(f"{found}.")
+            return found if within else None
     return None
 
 
