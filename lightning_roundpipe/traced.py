@@ -42,7 +42,7 @@ from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
-from lightning_roundpipe.hf.base_model import prepare_call
+from lightning_roundpipe.hf.base_model import draws_functional_dropout, prepare_call
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class TracedLayer(nn.Module):
 
     @property
     def roundpipe_random(self) -> bool:  # a random op in the recorded code (functional dropout, say)
-        return self.index in self.registry.random_layers
+        return self.index in self.registry.random_layers or draws_functional_dropout(self)
 
     def extra_repr(self) -> str:
         return self.label

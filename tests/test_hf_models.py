@@ -19,7 +19,12 @@ import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.traced import TracedTrunk  # noqa: E402
 from lightning_roundpipe.trunk import find_trunk  # noqa: E402
-from tests.numerics import assert_float64_equal, assert_states_close_to_reference, assert_states_float64_equal  # noqa: E402
+from tests.numerics import (  # noqa: E402
+    assert_float64_equal,
+    assert_states_close_to_reference,
+    assert_states_equal,
+    assert_states_float64_equal,
+)
 
 VOCAB, WIDTH, LENGTH, CLASSES = 64, 32, 10, 3
 SIZES = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=4)
@@ -133,6 +138,27 @@ def test_the_base_model_is_the_trunk_whichever_part_pipeline_names(pipeline):
     module = Model("gpt2")
     assert find_trunk(module, pipeline) == ("model.transformer", module.model.transformer)
     assert find_trunk(module, "model.lm_head") == ("model.lm_head", module.model.lm_head)  # the head is no base
+
+
+class DropoutMistral(Model):
+    """Mistral with attention dropout, which its attention applies as a function (no nn.Dropout module)."""
+
+    def __init__(self) -> None:
+        super().__init__("mistral")
+        torch.manual_seed(0)
+        self.model = transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER, attention_dropout=0.3))
+
+
+def test_functional_attention_dropout_is_seeded_and_replayed():
+    # seeded per (step, call, layer, microbatch) and replayed in recomputation, the masks do not depend on the
+    # device count; drawn unseeded, they would (and recomputation would draw other masks than the forward)
+    strategy = RoundPipeStrategy(num_microbatches=3)
+    two = _fit(DropoutMistral(), strategy, devices=2)
+    three = _fit(DropoutMistral(), RoundPipeStrategy(num_microbatches=3), devices=3)
+    assert_states_equal(two, three)
+    layers = strategy.engine.trunk.layers
+    assert [layer.roundpipe_random for layer in layers] == [False, True, True, False]  # the blocks, in training
+    assert two.losses != _fit(Model("mistral"), "auto").losses  # the dropout did draw
 
 
 def _refusal(module: pl.LightningModule) -> str:

@@ -94,3 +94,14 @@ def prepare_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     if "use_cache" not in inspect.signature(type(model).forward).parameters:
         return args, kwargs  # an encoder (BERT, ViT) has no cache to turn off
     return args, {**kwargs, "use_cache": False}
+
+
+def draws_functional_dropout(module: nn.Module) -> bool:
+    """Whether a module under ``module`` in training mode applies dropout with no dropout module to show
+    it: the attention of Llama-style models (Mistral, Gemma, Phi, ...) keeps ``attention_dropout`` as a
+    number and calls the functional dropout, which the engine must know of to replay it in recomputation."""
+    for child in module.modules():
+        rate = child.__dict__.get("attention_dropout")
+        if child.training and isinstance(rate, (int, float)) and rate > 0:
+            return True
+    return False
