@@ -49,21 +49,31 @@ def _configs() -> dict:
 
 
 ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen3", "gemma", "phi", "bert", "vit"]
+VARIANTS = ["gpt2+labels", "mistral+lora"]  # Hugging Face's own LM loss from labels; LoRA adapters (peft)
 PRESETS = {"llama", "qwen3"}  # causal LMs with RoundPipe's own preset: their logits take its transparent path
+# computed partly in float32 whatever the model's dtype: GemmaRMSNorm, and Hugging Face's LM loss (logits.float())
+FLOAT32_INSIDE = {"gemma", "gpt2+labels"}
 
 
 class Model(pl.LightningModule):
-    """A user's module: the LMs' next-token loss from the logits (padding ignored), the classifiers' own
-    ``.loss`` from their labels."""
+    """A user's module: the LMs' next-token loss from the logits (padding ignored), or their own ``.loss``
+    from labels (``+labels``); the classifiers' own ``.loss`` from their labels; ``+lora``: LoRA adapters."""
 
-    def __init__(self, architecture: str) -> None:
+    def __init__(self, variant: str) -> None:
         super().__init__()
+        architecture, _, self.extra = variant.partition("+")
         model_class, config = _configs()[architecture]
         torch.manual_seed(0)
         self.model = model_class(config)
+        if self.extra == "lora":
+            peft = pytest.importorskip("peft")
+            self.model = peft.get_peft_model(self.model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                                         target_modules=["q_proj", "v_proj"]))
+            for name, param in self.model.named_parameters():  # B starts at zero: let the first steps see A
+                if "lora_B" in name:
+                    torch.nn.init.normal_(param, std=0.02)
         self.architecture = architecture
         self.losses: list[float] = []
-
         self.val_losses: list[float] = []
 
     def _loss(self, batch) -> torch.Tensor:
@@ -72,8 +82,10 @@ class Model(pl.LightningModule):
         mask = batch.get("mask")
         if self.architecture == "bert":
             return self.model(input_ids=batch["ids"], attention_mask=mask, labels=batch["labels"]).loss
-        logits = self.model(input_ids=batch["ids"], attention_mask=mask).logits
         targets = batch["ids"] if mask is None else batch["ids"].masked_fill(mask == 0, -100)
+        if self.extra == "labels":
+            return self.model(input_ids=batch["ids"], attention_mask=mask, labels=targets).loss
+        logits = self.model(input_ids=batch["ids"], attention_mask=mask).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
 
     def training_step(self, batch, batch_idx):
@@ -111,7 +123,7 @@ def _fit(module: Model, strategy, devices: int = 1, precision: str = "64-true") 
     return module
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", ARCHITECTURES + VARIANTS)
 def test_every_architecture_trains_as_under_the_default_strategy(architecture, roundpipe_threads):
     reference = _fit(Model(architecture), "auto")
     strategy = RoundPipeStrategy(num_microbatches=3)
@@ -119,9 +131,9 @@ def test_every_architecture_trains_as_under_the_default_strategy(architecture, r
     trunk = strategy.engine.trunk
     assert len(trunk) == 4  # the layers and what comes before and after them
     assert isinstance(trunk, TracedTrunk) == (architecture not in PRESETS)
-    if architecture == "gemma":
-        # GemmaRMSNorm computes in float32 in a float64 model, so the float64 run is not a float64 computation:
-        # bound by the reference's own float32 error instead (tests/numerics.py, case 3)
+    if architecture in FLOAT32_INSIDE:
+        # a float64 run of a model that computes partly in float32 is not a float64 computation: bound by the
+        # reference's own float32 error instead (tests/numerics.py, case 3)
         reference32 = _fit(Model(architecture), "auto", precision="32-true")
         assert_states_close_to_reference(module, reference32, reference)
     else:
