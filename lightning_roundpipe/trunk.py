@@ -28,7 +28,8 @@ MOSTLY_INSIDE = 0.5
 
 def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.Module]:
     """The submodule to pipeline and its name: ``pipeline``'s, else the first Hugging Face causal LM with a
-    preset, else the base model of the first other Hugging Face model, else the ``nn.Sequential`` holding
+    preset, else the base model of the first other Hugging Face model (unless a trunk found below holds
+    more parameters), else the ``nn.Sequential`` holding
     the most parameters (the shallowest on a tie), unless an ``nn.ModuleList`` of blocks holds more (then
     that list), else ``("", module)`` (one stage). A ``pipeline`` naming a Hugging Face model without a
     preset, or a module inside one, means that model's base model."""
@@ -51,12 +52,17 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
         if name and find_causal_lm(candidate) is not None:
             refuse_compiled(name, candidate)
             return name, candidate
-    base = base_model_name(module)
-    if base is not None:
-        refuse_compiled(base, module.get_submodule(base))
-        return base, module.get_submodule(base)
     blocks = find_blocks(module)
     best = max(sequentials, key=lambda n: (parameter_count(sequentials[n]), -n.count(".")), default=None)
+    base = base_model_name(module)
+    if base is not None:
+        # unless the module's own trunk is larger (a small Hugging Face encoder feeding it, say)
+        rivals: list[nn.Module] = [sequentials[best]] if best is not None else []
+        if blocks is not None and not blocks.startswith(f"{base}."):
+            rivals.append(module.get_submodule(blocks))
+        if all(parameter_count(module.get_submodule(base)) >= parameter_count(rival) for rival in rivals):
+            refuse_compiled(base, module.get_submodule(base))
+            return base, module.get_submodule(base)
     if best is not None and (blocks is None or parameter_count(sequentials[best]) >= parameter_count(
             module.get_submodule(blocks))):
         refuse_compiled(best, sequentials[best])

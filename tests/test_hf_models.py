@@ -173,6 +173,14 @@ def test_functional_attention_dropout_is_seeded_and_replayed():
     assert two.losses != _fit(Model("mistral"), "auto").losses  # the dropout did draw
 
 
+def test_a_larger_trunk_of_the_module_itself_wins_over_a_small_hugging_face_model():
+    module = Model("bert")  # ~37,000 parameters
+    module.net = nn.Sequential(nn.Linear(WIDTH, 1024), nn.Linear(1024, WIDTH))  # ~66,000
+    assert find_trunk(module) == ("net", module.net)
+    module.net = nn.Sequential(nn.Linear(WIDTH, 8), nn.Linear(8, WIDTH))
+    assert find_trunk(module) == ("model.bert", module.model.bert)
+
+
 def _refusal(module: pl.LightningModule) -> str:
     trainer = pl.Trainer(strategy=RoundPipeStrategy(), accelerator="cpu", devices=2, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
