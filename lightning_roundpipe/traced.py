@@ -42,6 +42,7 @@ from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
+from lightning_roundpipe.hf.base_model import draws_functional_dropout, prepare_call
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class TracedLayer(nn.Module):
 
     @property
     def roundpipe_random(self) -> bool:  # a random op in the recorded code (functional dropout, say)
-        return self.index in self.registry.random_layers
+        return self.index in self.registry.random_layers or draws_functional_dropout(self)
 
     def extra_repr(self) -> str:
         return self.label
@@ -305,7 +306,10 @@ class Registry:
                 else:
                     if not any(True for _ in child.parameters()) and not any(True for _ in child.buffers()):
                         self._stateless.add(prefix + name)
-                    (after if seen_blocks else before)[prefix + name] = child
+                    # a module holding only derived tables (rotary frequencies) feeds the blocks, even where it
+                    # is registered after them, as Hugging Face decoders register `rotary_emb`
+                    early = not seen_blocks or _holds_only_derived_tables(child)
+                    (before if early else after)[prefix + name] = child
 
         walk(plan.root, "")
         stateless = {path: before.get(path, after.get(path)) for path in self._stateless}
@@ -507,6 +511,7 @@ class TracedForward(PipelinedForward):
         assert isinstance(trunk, TracedTrunk)
         registry = trunk.registry
         modes = registry.modes()
+        args, kwargs = prepare_call(registry.plan.root, args, kwargs)  # a Hugging Face model's: no KV cache
         # the tracer patches torch.nn.Module globally while it records: no worker may be running a layer
         registry.ensure(modes, args, kwargs, self.engine.num_microbatches, self.engine.synchronize)
         return (modes, *args), kwargs
@@ -514,6 +519,15 @@ class TracedForward(PipelinedForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.prepare(args, kwargs)
         return self.engine(*args, **kwargs)
+
+
+def _holds_only_derived_tables(module: nn.Module) -> bool:
+    """Whether ``module`` has no parameters and only non-persistent buffers (tables computed from the
+    configuration, outside the ``state_dict``), at least one."""
+    buffers = [(owner, name) for owner in module.modules() for name in owner._buffers
+               if owner._buffers[name] is not None]
+    return (bool(buffers) and not any(True for _ in module.parameters())
+            and all(name in owner._non_persistent_buffers_set for owner, name in buffers))
 
 
 def _count(module: nn.Module) -> int:

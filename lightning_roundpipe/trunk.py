@@ -1,10 +1,11 @@
-"""Which part of a module RoundPipe pipelines: the trunk, found by name, as a Hugging Face causal LM, as
-the ``nn.Sequential`` holding the most parameters, or as the forward that loops over the largest
-``nn.ModuleList`` of blocks (recorded with torch.fx and cut at the blocks: :mod:`~lightning_roundpipe.traced`);
-with none of these, the module's own forward runs as one stage.
+"""Which part of a module RoundPipe pipelines: the trunk, found by name, as a Hugging Face causal LM with a
+preset, as the base model of any other Hugging Face model (recorded and cut at its layers:
+:mod:`~lightning_roundpipe.hf.base_model`), as the ``nn.Sequential`` holding the most parameters, or as the
+forward that loops over the largest ``nn.ModuleList`` of blocks (recorded with torch.fx and cut at the
+blocks: :mod:`~lightning_roundpipe.traced`); with none of these, the module's own forward runs as one stage.
 
-Lives above ``engine`` because it knows the Hugging Face preset (``hf.causal_lm``); it imports no
-Lightning, so a plain-PyTorch user of the engine can pick a trunk the way the strategy does.
+Lives above ``engine`` because it knows the Hugging Face integration (``hf``); it imports no Lightning, so
+a plain-PyTorch user of the engine can pick a trunk the way the strategy does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk, build_trunk
 from lightning_roundpipe.engine.options import OptionError
-from lightning_roundpipe.hf.causal_lm import FAMILIES, causal_lm_preset, find_causal_lm
+from lightning_roundpipe.hf.base_model import base_model_name
+from lightning_roundpipe.hf.causal_lm import causal_lm_preset, find_causal_lm
 from lightning_roundpipe.traced import build_traced_trunk, find_blocks
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,12 @@ MOSTLY_INSIDE = 0.5
 
 
 def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.Module]:
-    """The submodule to pipeline and its name: ``pipeline``'s, else the first Hugging Face causal LM (a
-    preset), else the ``nn.Sequential`` holding the most parameters (the shallowest on a tie), unless an
-    ``nn.ModuleList`` of blocks holds more (then that list), else ``("", module)`` (one stage)."""
+    """The submodule to pipeline and its name: ``pipeline``'s, else the first Hugging Face causal LM with a
+    preset, else the base model of the first other Hugging Face model (unless a trunk found below holds
+    more parameters), else the ``nn.Sequential`` holding the most parameters (the shallowest on a tie),
+    unless an ``nn.ModuleList`` of blocks holds more (then that list), else ``("", module)`` (one stage).
+    A ``pipeline`` naming a Hugging Face model without a preset, or a module inside one, means that model's
+    base model."""
     sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
     if pipeline is not None:
         try:
@@ -40,7 +45,9 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
             ) from None
         refuse_compiled(pipeline, trunk)
         if find_causal_lm(trunk) is None and not isinstance(trunk, nn.Sequential):
-            refuse_unknown_hf(f"`pipeline={pipeline!r}`", trunk)
+            base = base_model_name(module, pipeline)
+            if base is not None:
+                return base, module.get_submodule(base)
         return pipeline, trunk
     for name, candidate in module.named_modules():
         if name and find_causal_lm(candidate) is not None:
@@ -48,6 +55,15 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
             return name, candidate
     blocks = find_blocks(module)
     best = max(sequentials, key=lambda n: (parameter_count(sequentials[n]), -n.count(".")), default=None)
+    base = base_model_name(module)
+    if base is not None:
+        # unless the module's own trunk is larger (a small Hugging Face encoder feeding it, say)
+        rivals: list[nn.Module] = [sequentials[best]] if best is not None else []
+        if blocks is not None and not blocks.startswith(f"{base}."):
+            rivals.append(module.get_submodule(blocks))
+        if all(parameter_count(module.get_submodule(base)) >= parameter_count(rival) for rival in rivals):
+            refuse_compiled(base, module.get_submodule(base))
+            return base, module.get_submodule(base)
     if best is not None and (blocks is None or parameter_count(sequentials[best]) >= parameter_count(
             module.get_submodule(blocks))):
         refuse_compiled(best, sequentials[best])
@@ -55,17 +71,6 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
     name, target = (blocks, module.get_submodule(blocks)) if blocks is not None else ("", module)
     refuse_compiled(name or type(module).__name__, target)
     return name, target
-
-
-def refuse_unknown_hf(what: str, trunk: nn.Module) -> None:
-    """A Hugging Face model without a preset is not recorded: its forward (caches, output classes, options)
-    is more than a graph of one signature can stand for."""
-    if type(trunk).__module__.startswith("transformers."):
-        raise TypeError(
-            f"{what} is a {type(trunk).__name__}, a Hugging Face model without a RoundPipe preset, and not an "
-            "nn.Sequential: the trunk must be an nn.Sequential whose children are the layers, a module whose "
-            f"forward loops over an nn.ModuleList of blocks, or a Hugging Face causal LM ({', '.join(FAMILIES)})"
-        )
 
 
 def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[Trunk, nn.Module]:
@@ -78,7 +83,6 @@ def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[
         trunk = build_trunk(target, presets=(causal_lm_preset,))
     else:
         trunk, target, name = build_traced_trunk(module, name or None)
-        refuse_unknown_hf(f"`{name}`" if name else type(module).__name__, target)
         driven = target
         name = name or type(module).__name__
     share = parameter_count(target) / (parameter_count(module) or 1)

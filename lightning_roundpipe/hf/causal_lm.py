@@ -52,18 +52,13 @@ def find_causal_lm(module: nn.Module) -> nn.Module | None:
     """The Hugging Face causal LM that ``module`` is or wraps (a ``PeftModel``), else ``None``.
 
     Recognized by shape (``config.model_type``, ``model.embed_tokens/layers/norm/rotary_emb``,
-    ``lm_head``), so nothing is imported to look. A model of an unsupported family is refused with a
-    clear error rather than pipelined wrongly.
+    ``lm_head``), so nothing is imported to look. A model of that shape from another family (Mistral,
+    Gemma, ...) is not one: its forward may differ from the preset's, so it takes the generic path
+    (:mod:`~lightning_roundpipe.hf.base_model`), which runs the model's own code.
     """
     model = _unwrap_peft(module)
-    if not _has_causal_lm_shape(model):
+    if not _has_causal_lm_shape(model) or getattr(model.config, "model_type", None) not in FAMILIES:
         return None
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise TypeError(
-            f"RoundPipe has no preset for Hugging Face model_type {model_type!r} ({type(model).__name__}); "
-            f"supported: {', '.join(FAMILIES)}. Pass `pipeline=` naming an nn.Sequential of its layers instead"
-        )
     check_transformers_version()
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation == _FLEX:
