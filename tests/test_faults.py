@@ -152,7 +152,7 @@ class FailsInABackwardStage(Classifier):
 
     def _maybe_fail(self, module, inputs, output):
         if is_recomputing() and torch.equal(inputs[0][0], self.first_row):
-            raise RuntimeError("recompute went wrong")
+            raise RuntimeError("recompute went wrong.")  # a full stop, as our own errors end: not doubled
 
 
 class BrokenSGD(torch.optim.SGD):
@@ -264,7 +264,7 @@ class FailsAfterADeeperStageStepped(Classifier):
             deadline = time.monotonic() + WAIT_TIMEOUT / 2
             while torch.equal(self.net[6].weight, self.before) and time.monotonic() < deadline:
                 time.sleep(0.001)
-            raise RuntimeError("recompute went wrong")
+            raise RuntimeError("recompute went wrong.")  # a full stop, as our own errors end: not doubled
 
 
 def test_a_failure_after_part_of_a_step_cut_by_stage_names_the_torn_step_and_writes_no_checkpoint(

@@ -321,7 +321,7 @@ class RoundPipeEngine:
         self._failure_reported = True
         self.close(finish_steps=False)
         torn = self.torn_step
-        suffix = f". {torn}" if torn else ""
+        suffix = (" " if str(error).endswith(".") else ". ") + torn if torn else ""  # one full stop between them
         if isinstance(error, PipelineError):
             raise PipelineError(f"{error}{suffix}") from error.__cause__
         raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}{suffix}") from error
