@@ -470,9 +470,9 @@ def test_the_out_of_memory_advice_leaves_out_what_is_already_set(recompute, roun
     with pytest.raises(PipelineError) as caught:
         trainer.fit(Classifier(), DataLoader(_Batches([2048]), batch_size=None))
     message = str(caught.value)
-    advice = ("over its budget of 16384 bytes. Raise `device_memory_limit`, use more stages (`num_stages`, now 2, up "
-              "to the trunk's 7 layers), put fewer samples in each microbatch (more than the 2 of `num_microbatches`, "
-              "or a smaller batch)")
+    advice = ("over its budget of 16384 bytes. Raise `device_memory_limit`, use more stages (`num_stages`, now 2, at "
+              "most 6 for the trunk's 7 layers), put fewer samples in each microbatch (more than the 2 of "
+              "`num_microbatches`, or a smaller batch)")
     if recompute == "stage":
         advice += (", or use `recompute='layer'` (now 'stage'; backward stages then keep every layer's input and "
                    "hold one layer's activations at a time).")
@@ -491,8 +491,8 @@ def test_the_out_of_memory_advice_offers_more_stages_only_where_a_stage_holds_se
         advice = memory_advice(recompute="layer", num_stages=num_stages, num_layers=7, num_microbatches=3)
         return [phrase for phrase in advice if "stage" in phrase]
 
-    assert stages(7) == []  # one layer per stage already
-    assert stages(6) == ["use more stages (`num_stages`, now 6, up to the trunk's 7 layers)"]
+    assert stages(6) == []  # one layer per forward stage already, beside the fused last layer
+    assert stages(5) == ["use more stages (`num_stages`, now 5, at most 6 for the trunk's 7 layers)"]
     assert stages("auto") == ["use more stages (a `num_stages` above the plan's: 'auto' sizes them by parameter "
                               "bytes until the activations are measured)"]
     assert stages(Plan.from_sizes([3, 3], 1, [2, 2, 2])) == ["give `num_stages` a plan with smaller stages"]

@@ -275,14 +275,15 @@ _DEVICE_MISMATCH = ("on the same device", "on different devices")
 
 def memory_advice(*, recompute: str, num_stages: object, num_layers: int, num_microbatches: int) -> tuple[str, ...]:
     """What is left to change, besides the memory limit, when a device's memory is short: only what the options
-    set do not do already (no `recompute='layer'` when it is set, no more stages when every forward stage holds
-    one layer). ``num_stages``: the option (``"auto"``, an int or an explicit plan)."""
+    set do not do already (no `recompute='layer'` when it is set, no more stages when every stage holds one layer
+    already). ``num_stages``: the option (``"auto"``, an int or an explicit plan)."""
     left = []
     if num_stages == "auto":
         left.append("use more stages (a `num_stages` above the plan's: 'auto' sizes them by parameter bytes "
                     "until the activations are measured)")
-    elif isinstance(num_stages, int) and num_stages < num_layers:
-        left.append(f"use more stages (`num_stages`, now {num_stages}, up to the trunk's {num_layers} layers)")
+    elif isinstance(num_stages, int) and num_stages < num_layers - 1:  # the most: one layer each, and the fused one
+        left.append(f"use more stages (`num_stages`, now {num_stages}, at most {num_layers - 1} for the trunk's "
+                    f"{num_layers} layers)")
     elif isinstance(num_stages, Plan) and max(map(len, (*num_stages.forward, num_stages.fused,
                                                         *num_stages.backward))) > 1:
         left.append("give `num_stages` a plan with smaller stages")
