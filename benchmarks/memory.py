@@ -109,8 +109,8 @@ def call_values(call: object) -> tuple[list[object], list[object]]:
     checkpoints = list(call.checkpoints.values()) + list(call.snapshots.values())
     fused = call.fused  # the fused path's per-microbatch losses and targets; None for a transparent call
     others = list(call.inputs) + (list(fused.losses) if fused else []) + list(call.first_grads or [])
-    for column in list(call.outputs.values()):
-        others.extend(column)
+    for column in list(call.outputs.values()):  # job index -> microbatch -> its output slot
+        others.extend(list(column.values()))
     return [slot.value for slot in checkpoints], [slot.value for slot in others] + [
         fused.targets if fused else None, call.merged]
 
