@@ -1,7 +1,9 @@
 """Every shell command the READMEs document runs in the suite, so a documented command cannot break silently.
 
-The commands are read from README.md's ```bash blocks and from the `run` column of examples/README.md.
-:data:`COMMANDS` says, for each one, how the suite checks it:
+The commands are read from the READMEs' ```bash blocks, the `run` column of examples/README.md, and the prose:
+an inline code span is a command when its first word is a command (:data:`COMMAND_WORDS`) and at least one
+argument follows; a bare tool name (`pytest`, `make`, `roundpipe-train`) names the tool and is not run. Optional
+arguments are written in brackets (`[--quick]`). :data:`COMMANDS` says, for each command, how the suite checks it:
 
 * :class:`Run`: run as written, with :data:`SMOKE` overrides appended (a few steps, a small data window; a
   later override wins in Hydra), and stand-ins for what cannot exist here (a corpus path, a checkpoint of an
@@ -10,6 +12,8 @@ The commands are read from README.md's ```bash blocks and from the `run` column 
   ``run``, as ``main`` calls it): a fresh interpreter per command would cost most of the time budget.
   tests/test_app.py starts the real command line (multirun, two processes, errors).
 * :class:`Script`: a script or module's ``main(argv)``, in-process, with smoke-sized arguments added.
+* :class:`Benchmark`: a benchmark script, run in a fresh interpreter with ``--smoke`` (its own tiny sizes, the
+  same code path): its output must have the lines that make its point (table headers, verdicts).
 * :class:`Compose`: needs GPUs or several machines: the app's argv (after the launcher) composes, passes the
   schema and builds its strategy, without training.
 * :class:`Covered`: a test elsewhere in the suite runs it already (that test must exist and name what it runs).
@@ -30,6 +34,7 @@ import pathlib
 import re
 import shlex
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +60,9 @@ step holds on a device (batch size, context, microbatches, model), so a memory b
 APP = ("roundpipe-train", "python -m lightning_roundpipe.app", "python examples/train.py")
 """The app's command lines (one entry point, see test_the_app_commands_are_one_entry_point)."""
 
+COMMAND_WORDS = ("python", "roundpipe-train", "make", "pytest", "bash", "torchrun", "srun")
+"""First words of a command in the prose (besides a program in ``.venv/bin/``)."""
+
 
 # ---------------------------------------------------------------------------- how each command is checked
 @dataclass(frozen=True)
@@ -73,6 +81,19 @@ class Script:
 
     extra: tuple[str, ...] = ()
     stand_ins: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """``sys.executable benchmarks/X.py --smoke`` plus the documented arguments but ``sized`` (documented arguments
+    that only set sizes or durations, each as written, e.g. ``"--width 1448"``: ``--smoke`` sets its own); its output
+    must match each of ``expect`` (regular expressions, searched line by line). ``grows``: the exit status may be
+    1, the benchmark's own verdict that something grew (a smoke run is too short for that verdict to mean anything;
+    the verdict line must still be printed)."""
+
+    expect: tuple[str, ...]
+    sized: tuple[str, ...] = ()
+    grows: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,14 +131,25 @@ class NotRun:
     why: str
 
 
-Check = Run | Script | Compose | Covered | Recipe | TheSuite | NotRun
+Check = Run | Script | Benchmark | Compose | Covered | Recipe | TheSuite | NotRun
 
 _GPU_SMOKE = "tests/test_examples.py::test_the_gpu_check_runs_every_section_in_smoke_mode"
+_GPU = "needs a CUDA GPU (up to 9 minutes); `python benchmarks/gpu.py --smoke` runs every section on CPU"
 COMMANDS: dict[str, Check] = {
+    # README: status
+    "python benchmarks/gpu.py": NotRun(_GPU),
+    "pytest -m gpu": Covered(_GPU_SMOKE, ('sections["pytest"]',)),
     # README: fresh machine
     "make train": Recipe("python examples/train.py"),
     "make test": TheSuite(),
     # README: configuring runs with Hydra
+    "python -m lightning_roundpipe.app": Run(),
+    "roundpipe-train --help": Covered("tests/test_startup_hook.py::test_the_module_lists_the_shipped_options",
+                                      ('"lightning_roundpipe.app", "--help"',)),
+    "roundpipe-train --config-dir my_conf model=wide": Covered(
+        "tests/test_app.py::test_a_folder_of_your_own_adds_a_model_option",
+        ('"--config-dir"', "my_conf", "gpt_small", "width: 96")),
+    "python -m lightning_roundpipe.planning --layers 10 --devices 2 --microbatches 3 --stages 2": Script(),
     "roundpipe-train experiment=quick": Run(),
     "roundpipe-train strategy.num_stages=6 strategy.recompute=layer strategy.device_memory_limit=2MiB "
     "strategy.num_microbatches=6": Run(extra=("trainer.max_steps=3",), expect="within 2 MiB"),
@@ -132,6 +164,9 @@ COMMANDS: dict[str, Check] = {
     "roundpipe-train trainer.max_steps=3600 ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt": Run(
         extra=("trainer.max_steps=4",), stand_ins={"outputs/<date>/<time>": "quick_run_folder"}, expect="resumed"),
     # README: data parallel over rings, several machines
+    "roundpipe-train trainer.devices=4 strategy.rings_per_node=2": Covered(
+        "tests/test_app.py::test_two_processes_from_the_command_line_share_one_run_and_one_summary",
+        ('"trainer.devices=4"', '"strategy.rings_per_node=2"')),
     "roundpipe-train trainer=gpu trainer.devices=4 strategy.rings_per_node=2": Compose(
         "needs 4 GPUs; tests/test_app.py::test_two_processes_from_the_command_line_share_one_run_and_one_summary "
         "runs the same on CPU devices (trainer.devices=4 strategy.rings_per_node=2)"),
@@ -147,11 +182,36 @@ COMMANDS: dict[str, Check] = {
     "schedule.png": Script(),
     "python -m lightning_roundpipe.observe.gantt trace outputs/.../timeline.json --png timeline.png": Script(
         stand_ins={"outputs/.../timeline.json": "timeline_json"}),
+    # README: benchmarks
+    "python benchmarks/bubble.py [--plot bubble.png]": Benchmark(
+        (r"^1\. Bubble %, 8 devices, 16 microbatches", r"^Qwen3-1\.7B .* (at/below|ABOVE) \|",
+         r"^2\. Llama3-8B: our sync / async-steady bubble %", r"^3\. Host optimizer step, assumed",
+         r"^3\. Host optimizer step, AdamW measured here", r"^picture: bubble\.png$")),
+    "python benchmarks/bubble_paper.py": Benchmark(
+        (r"^Reproduction of the paper's simulator", r"^Qwen3-1\.7B +RoundPipe-sync +\d+\.\d +\d+\.\d\d ",
+         r"^Planner and runtime, bubble %", r"^ +Llama3-8B +paper ")),
+    "python benchmarks/host_optimizer.py [--rounds 3]": Benchmark(
+        (r"^1\. ns per parameter", r"^AdamW +fused=True +\d", r"^2\. fused=True against the default path",
+         r"^SGD +\d+ +\d\.\d\de[+-]\d\d +\d+\.\d{4}%$"), sized=("--rounds 3",)),
+    "python benchmarks/sync_async.py [--quick] --layers 8 --width 1448": Benchmark(
+        (r"^\| configuration \| variant \| ms/step \|", r"^\| clip 1\.0 \| async, streaming_step off \|",
+         r"^Verdict, no clipping: sync/async \d\.\d\d \(target >= 0\.95\) (MET|NOT MET)$",
+         r"^With clipping: sync/async \d"), sized=("--quick", "--layers 8", "--width 1448")),
+    "python benchmarks/overhead.py [--quick]": Benchmark(
+        (r"^variant +ms/step +tokens/s", r"^\(c\) roundpipe, 1 device", r"^Verdict: \(c\)/\(b\) = \d"),
+        sized=("--quick",)),
+    "python benchmarks/memory.py [--quick] [--transport off]": Benchmark(
+        (r"^Device memory \(engine accounting", r"^Host bytes per parameter", r"^total +\d+\.\d\d +\d+\.\d\d$",
+         r"^uploaded B/param/step", r"^Verdict: device peaks within the limit; host: sync \d"),
+        sized=("--quick",)),
+    "python benchmarks/soak.py [--steps 2000]": Benchmark(
+        (r"^ +step +seconds +rss MiB +fds +threads", r"^ +16 ", r"^verdict: .*(no thread left after teardown|GREW)"),
+        sized=("--steps 2000",), grows=True),
     # README: the GPU check
-    "python benchmarks/gpu.py --out $OUT/gpu_results.json": NotRun(
-        "needs a CUDA GPU (up to 9 minutes); `--smoke`, the next command, runs every section on CPU"),
+    "python benchmarks/gpu.py --out $OUT/gpu_results.json": NotRun(_GPU),
     "python benchmarks/gpu.py --smoke": Covered(_GPU_SMOKE, ('"--smoke"', '"gpu.py"')),
     "python -m pytest -q -m gpu tests/test_gpu.py": Covered(_GPU_SMOKE, ('sections["pytest"]',)),
+    "python -m pytest -m gpu tests/test_gpu.py": Covered(_GPU_SMOKE, ('sections["pytest"]',)),
     # examples/README.md
     "python examples/train.py": Run(),
     "python examples/plain_lightning.py": Covered(
@@ -195,12 +255,29 @@ def _table_commands(text: str) -> list[str]:
     return commands
 
 
+def _inline_commands(text: str) -> list[str]:
+    """The commands of the prose: code spans outside fenced blocks whose first word is a command (one of
+    :data:`COMMAND_WORDS` or a program in ``.venv/bin/``) followed by at least one argument."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    commands = []
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        words = span.split()
+        if len(words) > 1 and (words[0] in COMMAND_WORDS or words[0].startswith(".venv/bin/")):
+            commands.append(" ".join(words))
+    return commands
+
+
+def _arguments(command: str) -> list[str]:
+    """``command``'s words, optional ones (``[--quick]``) included, brackets dropped."""
+    return shlex.split(re.sub(r"\[([^\]]*)\]", r"\1", command))
+
+
 def documented_commands() -> dict[str, str]:
     """Every documented command -> the README it is in (the first, if several)."""
     found: dict[str, str] = {}
     for readme in READMES:
         text = readme.read_text()
-        for command in [*_bash_blocks(text), *_table_commands(text)]:
+        for command in [*_bash_blocks(text), *_table_commands(text), *_inline_commands(text)]:
             found.setdefault(command, readme.relative_to(REPO).as_posix())
     return found
 
@@ -211,6 +288,11 @@ def test_the_readers_find_commands_as_a_reader_would():
     assert _bash_blocks(text) == ["run a", "run b --flag c=$OUT/d"]
     table = "| script | run |\n| --- | --- |\n| `a.py` | `python a.py --x` (see `b`) |\n"
     assert _table_commands(table) == ["python a.py --x", "b"]
+    prose = ("Run `python  a.py [--quick]` or `.venv/bin/tool x`, not `pytest`, `make` or `python` alone,\n"
+             "nor `foo --bar` or `--smoke`:\n```bash\npython fenced.py `python in_a_block.py`\n```\n`bash b.sh`\n")
+    assert _inline_commands(prose) == ["python a.py [--quick]", ".venv/bin/tool x", "bash b.sh"]
+    assert _arguments("python b.py [--plot p.png] --layers 8 [--quick]") == [
+        "python", "b.py", "--plot", "p.png", "--layers", "8", "--quick"]
 
 
 def test_every_documented_command_has_an_entry():
@@ -261,19 +343,19 @@ class _Workspace:
 
     def __init__(self, folder: pathlib.Path) -> None:
         self.folder = folder
-        self.runs: dict[str, tuple[Summary, pathlib.Path]] = {}
+        self.runs: dict[tuple[str, ...], tuple[Summary, pathlib.Path]] = {}
 
     def run_app(self, command: str) -> tuple[Summary, pathlib.Path]:
-        """Run ``command`` (a table key) once, with its stand-ins and extra overrides."""
-        if command not in self.runs:
-            check = COMMANDS[command]
-            assert isinstance(check, Run), command
-            overrides = _app_overrides(_substitute(command, self.stand_ins(check.stand_ins)))
+        """Run ``command`` (a table key) with its stand-ins and extra overrides, once for all the commands that
+        are the same overrides (``python examples/train.py`` and ``python -m lightning_roundpipe.app``)."""
+        check = COMMANDS[command]
+        assert isinstance(check, Run), command
+        overrides = (*_app_overrides(_substitute(command, self.stand_ins(check.stand_ins))), *SMOKE, *check.extra)
+        if overrides not in self.runs:
             now = datetime.datetime.now()  # Hydra's layout: outputs/<date>/<time>
             output = self.folder / "outputs" / now.strftime("%Y-%m-%d") / f"{now:%H-%M-%S}-{len(self.runs)}"
-            summary = run(_compose([*overrides, *SMOKE, *check.extra]), output)
-            self.runs[command] = summary, output
-        return self.runs[command]
+            self.runs[overrides] = run(_compose(list(overrides)), output), output
+        return self.runs[overrides]
 
     def stand_ins(self, names: dict[str, str]) -> dict[str, str]:
         """README text -> stand-in, from README text -> stand-in name."""
@@ -333,8 +415,9 @@ def _check_run(command: str, check: Run, workspace: _Workspace) -> None:
 def _check_script(command: str, check: Script, workspace: _Workspace, monkeypatch) -> None:
     argv = shlex.split(_substitute(command, workspace.stand_ins(check.stand_ins)))
     assert argv[0] == "python", command
-    if argv[1] == "-m":
-        main = importlib.import_module(argv[2]).main
+    if argv[1] == "-m":  # a package runs its __main__, which calls the main of a module beside it
+        module = importlib.import_module(argv[2])
+        main = module.main if hasattr(module, "main") else _package_main(argv[2])
         arguments = argv[3:]
     else:
         main = _load_script(REPO / argv[1]).main
@@ -349,6 +432,36 @@ def _check_script(command: str, check: Script, workspace: _Workspace, monkeypatc
         torch.set_num_threads(threads)  # engine_demo.py sets one thread, process-wide
     for picture in [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--png"]:
         assert (workspace.folder / picture).stat().st_size > 0, picture
+
+
+def _package_main(package: str) -> Any:
+    """The ``main`` that ``package/__main__.py`` calls (imported there with ``from ... import main``)."""
+    source = pathlib.Path(importlib.util.find_spec(package).origin).with_name("__main__.py").read_text()
+    imported = re.search(r"^from ([\w.]+) import main$", source, flags=re.M)
+    assert imported and re.search(r"^sys\.exit\(main\(\)\)$", source, flags=re.M), source
+    return importlib.import_module(imported[1]).main
+
+
+def _check_benchmark(command: str, check: Benchmark, tmp_path: pathlib.Path) -> None:
+    words = _arguments(command)
+    assert words[:2] == ["python", f"benchmarks/{words[1].split('/')[-1]}"], command
+    script = REPO / words[1]
+    source = script.read_text()
+    assert "add_smoke(parser" in source, f"{words[1]} has no --smoke (benchmarks/common.py: add_smoke)"
+    arguments = words[2:]
+    for sized in check.sized:  # left to --smoke, but still an option of the script
+        assert f'"{sized.split()[0]}"' in source, f"{words[1]} has no option {sized.split()[0]}"
+        at = next((i for i in range(len(arguments)) if arguments[i:i + len(sized.split())] == sized.split()), None)
+        assert at is not None, (sized, command)
+        del arguments[at:at + len(sized.split())]
+    result = subprocess.run([sys.executable, str(script), *arguments, "--smoke"], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=300)
+    assert result.returncode in ((0, 1) if check.grows else (0,)), result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    absent = [pattern for pattern in check.expect if not any(re.search(pattern, line) for line in lines)]
+    assert not absent, f"{command} --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"
+    for picture in [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--plot"]:
+        assert (tmp_path / picture).stat().st_size > 0, picture
 
 
 def _check_compose(command: str, check: Compose) -> None:
@@ -399,9 +512,11 @@ def _check_the_suite() -> None:
 @pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:.*your dataloader is not resumable",
                             "ignore:a batch of 4 samples is smaller than `num_microbatches=6`")  # SMOKE's 4 val windows
 @pytest.mark.parametrize("command", list(COMMANDS), ids=lambda command: re.sub(r"\W+", "_", command)[:60])
-def test_the_documented_command_runs(command, workspace, monkeypatch):
+def test_the_documented_command_runs(command, workspace, monkeypatch, tmp_path):
     check = COMMANDS[command]
-    if isinstance(check, Run):
+    if isinstance(check, Benchmark):
+        _check_benchmark(command, check, tmp_path)
+    elif isinstance(check, Run):
         monkeypatch.chdir(workspace.folder)  # relative paths (a checkpoint of an earlier run) as documented
         _check_run(command, check, workspace)
     elif isinstance(check, Script):
