@@ -1,7 +1,7 @@
 """Sync against async step speed when the host optimizer step is a large share of the iteration.
 
 Run: ``python benchmarks/sync_async.py [--quick] [--json PATH]`` (default about 4 minutes on 2 cores,
-``--quick`` about 1 minute, ``--smoke`` seconds: width 512, one round of 2 measured steps, a short
+``--quick`` about 1 minute, ``--smoke`` seconds: width 256, one round of 2 measured steps, a short
 calibration, as ``--quick`` no synchronize() diagnostic). Not a test: it prints a table and verdicts and always exits 0.
 
 What is compared, in one interleaved run (rounds of sync, async, ..., each a fresh ``Trainer.fit`` from the
@@ -384,7 +384,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help="measured steps per run (default 10, quick 5, smoke 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped per run (default 3, quick 2, smoke 1)")
-    parser.add_argument("--width", type=int, default=None, help="(default 2048, smoke 512)")
+    parser.add_argument("--width", type=int, default=None, help="(default 2048, smoke 256)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--layers-per-stage", type=int, default=1)
     parser.add_argument("--devices", type=int, default=2, help="CPU stand-in devices")
@@ -399,12 +399,12 @@ def main() -> None:
                         help="the strategy's host_optimizer ('exact': AdamW's per-tensor loop; 'fused': one kernel)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (process-wide)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
-    add_smoke(parser, "width 512, one round of 2 measured steps, a short calibration, no synchronize() diagnostic")
+    add_smoke(parser, "width 256, one round of 2 measured steps, a short calibration, no synchronize() diagnostic")
     args = parser.parse_args()
     args.repeats = sized(args.repeats, args, full=4, quick=2, smoke=1)
     args.steps = sized(args.steps, args, full=10, quick=5, smoke=2)
     args.warmup = sized(args.warmup, args, full=3, quick=2, smoke=1)
-    args.width = sized(args.width, args, full=2048, smoke=512)
+    args.width = sized(args.width, args, full=2048, smoke=256)
     args.calibration_steps, args.calibration_warmup = (3, 1) if args.smoke else (8, 2)
     if args.layers < 2 or not 1 <= args.layers_per_stage < args.layers:
         parser.error("need --layers >= 2 and 1 <= --layers-per-stage < --layers")

@@ -205,7 +205,7 @@ COMMANDS: dict[str, Check] = {
          r"^uploaded B/param/step", r"^Verdict: device peaks within the limit; host: sync \d"),
         sized=("--quick",)),
     "python benchmarks/soak.py [--steps 2000]": Benchmark(
-        (r"^ +step +seconds +rss MiB +fds +threads", r"^ +16 ", r"^verdict: .*(no thread left after teardown|GREW)"),
+        (r"^ +step +seconds +rss MiB +fds +threads", r"^ +8 ", r"^verdict: .*(no thread left after teardown|GREW)"),
         sized=("--steps 2000",), grows=True),
     # README: the GPU check
     "python benchmarks/gpu.py --out $OUT/gpu_results.json": NotRun(_GPU),
