@@ -305,6 +305,17 @@ def test_every_documented_command_has_an_entry():
     assert not stale, f"entries of COMMANDS that no README documents any longer: {stale}"
 
 
+def test_every_benchmark_command_runs_in_smoke_mode():
+    """A benchmark the READMEs name runs here with --smoke; gpu.py needs CUDA, and its --smoke runs elsewhere."""
+    for command in documented_commands():
+        if not command.startswith("python benchmarks/"):
+            continue
+        check = COMMANDS.get(command)
+        gpu = command.startswith("python benchmarks/gpu.py") and (
+            isinstance(check, Covered) and check.test == _GPU_SMOKE or isinstance(check, NotRun) and "--smoke" in check.why)
+        assert isinstance(check, Benchmark) or gpu, f"{command!r} should be a Benchmark entry (run with --smoke)"
+
+
 def test_the_app_commands_are_one_entry_point():
     """roundpipe-train, `python -m lightning_roundpipe.app` and examples/train.py all call app.train.main, the
     function that composes the config and calls the `run` the Run entries call."""
@@ -444,7 +455,7 @@ def _package_main(package: str) -> Any:
 
 def _check_benchmark(command: str, check: Benchmark, tmp_path: pathlib.Path) -> None:
     words = _arguments(command)
-    assert words[:2] == ["python", f"benchmarks/{words[1].split('/')[-1]}"], command
+    assert words[0] == "python" and words[1].startswith("benchmarks/"), command
     script = REPO / words[1]
     source = script.read_text()
     assert "add_smoke(parser" in source, f"{words[1]} has no --smoke (benchmarks/common.py: add_smoke)"
