@@ -1,8 +1,9 @@
 """Where the pipeline bubble goes: the paper's model profiles under GPipe, 1F1B and our schedules.
 
 Run: ``python benchmarks/bubble.py [--plot bubble.png] [--adam-ns-per-param 0.5] [--no-measure]
-[--host-optimizer exact|fused] [--recompute-after] [--whole-jobs]``. Not a test: it prints tables (and
-draws a picture with ``--plot``, which needs matplotlib).
+[--host-optimizer exact|fused] [--recompute-after] [--whole-jobs] [--smoke]``. Not a test: it prints tables (and
+draws a picture with ``--plot``, which needs matplotlib). ``--smoke`` (seconds): the two smallest models, a 2x2
+sweep, AdamW measured on 64K scratch parameters.
 
 Inputs are the paper's measured per-layer costs (RTX 4090, ``lightning_roundpipe/observe/paper_profiles.json``); every
 schedule is simulated with the same costs and per-hop time (``lightning_roundpipe.planning.simulate``):
@@ -83,6 +84,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bubble_paper import DEFAULT_JSON, model_inputs  # noqa: E402
+from common import add_smoke, sized  # noqa: E402
 
 from lightning_roundpipe.planning.partition import plan_auto  # noqa: E402
 from lightning_roundpipe.planning.simulate import (  # noqa: E402
@@ -245,14 +247,14 @@ def optimizer_table(ref: dict, ns_per_param: float, label: str, ahead: bool = Tr
     return rows
 
 
-def measured_ns_per_param(host_kernels: str) -> tuple[float, str]:
-    """AdamW's host step on this machine (``engine.host_step.measure_step`` on 4M scratch parameters) and a
-    line saying how it was measured."""
+def measured_ns_per_param(host_kernels: str, elements: int | None = None) -> tuple[float, str]:
+    """AdamW's host step on this machine (``engine.host_step.measure_step`` on ``elements`` scratch parameters,
+    by default the 4M it uses at setup) and a line saying how it was measured."""
     import torch
 
     from lightning_roundpipe.engine.host_step import SCRATCH_ELEMENTS, measure_step
 
-    scratch = torch.nn.Parameter(torch.zeros(SCRATCH_ELEMENTS))
+    scratch = torch.nn.Parameter(torch.zeros(elements or SCRATCH_ELEMENTS))
     figure = measure_step(torch.optim.AdamW([scratch]), host_kernels)
     if figure.seconds_per_param is None:
         raise RuntimeError(f"AdamW could not be measured: {figure.problem}")
@@ -306,8 +308,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="the paper's profiles and figures")
     parser.add_argument("--sweep-model", default="Llama3-8B")
-    parser.add_argument("--devices", default="2,4,8")
-    parser.add_argument("--microbatches", default="4,8,16,32,64")
+    parser.add_argument("--devices", default=None, help="the sweep's device counts (default 2,4,8; smoke 2,4)")
+    parser.add_argument("--microbatches", default=None, help="the sweep's microbatch counts (default 4,8,16,32,64; "
+                                                             "smoke 4,8)")
     parser.add_argument("--adam-ns-per-param", type=float, default=0.5,
                         help="host AdamW time per parameter (an assumption: ~32 bytes moved a parameter at ~64 GB/s)")
     parser.add_argument("--no-measure", action="store_true",
@@ -321,8 +324,13 @@ def main() -> int:
                         help="sections 2 and 3: every job runs all microbatches (the runtime, sync: the dispatch "
                              "choose_round_size picks)")
     parser.add_argument("--plot", type=Path, help="also draw the three panels into this PNG (needs matplotlib)")
+    add_smoke(parser, "the two smallest models, a 2x2 sweep, AdamW measured on 64K scratch parameters")
     args = parser.parse_args()
+    args.devices = sized(args.devices, args, full="2,4,8", smoke="2,4")
+    args.microbatches = sized(args.microbatches, args, full="4,8,16,32,64", smoke="4,8")
     ref = json.loads(args.json.read_text())["simulation"]
+    if args.smoke:  # the paper's models in its order, smallest first
+        ref["models"] = dict(list(ref["models"].items())[:2])
     if args.sweep_model not in ref["models"]:
         parser.error(f"--sweep-model must be one of {sorted(ref['models'])}")
     schedules = schedules_table(ref)
@@ -331,7 +339,7 @@ def main() -> int:
                         [int(x) for x in args.microbatches.split(",")], ahead, rounds)
     optimizer = optimizer_table(ref, args.adam_ns_per_param, "assumed", ahead, rounds)
     if not args.no_measure:
-        ns, text = measured_ns_per_param(args.host_optimizer)
+        ns, text = measured_ns_per_param(args.host_optimizer, 2**16 if args.smoke else None)
         print(f"\n{text}")
         optimizer_table(ref, ns, f"AdamW measured here (host_optimizer={args.host_optimizer!r})", ahead, rounds)
     if args.plot:

@@ -1,6 +1,7 @@
 """Pipeline bubble on the paper's inputs (arXiv 2604.27085, Fig. 17): paper vs our simulator and planner.
 
-Run: ``python benchmarks/bubble_paper.py [--json PATH]``. Not a test: it prints tables.
+Run: ``python benchmarks/bubble_paper.py [--json PATH] [--smoke]``. Not a test: it prints tables.
+``--smoke``: the two smallest models only (the full run takes seconds too).
 
 Inputs per model: L decoder layers (measured 4090 fwd/bwd per microbatch) plus the LM head as the
 final layer (the embedding costs nothing and is left out), a per-hop cost, 8 devices, 16
@@ -28,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import add_smoke  # noqa: E402
 
 from lightning_roundpipe.planning.partition import LayerCost, Plan, plan_auto  # noqa: E402
 from lightning_roundpipe.planning.simulate import (  # noqa: E402
@@ -79,8 +83,11 @@ def shape(plan: Plan) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"the paper's reference figures (default {DEFAULT_JSON})")
+    add_smoke(parser, "the two smallest models")
     args = parser.parse_args()
     ref = json.loads(args.json.read_text())["simulation"]
+    if args.smoke:  # the paper's models in its order, smallest first
+        ref["models"] = dict(list(ref["models"].items())[:2])
     n, m = ref["num_devices"], ref["num_microbatches"]
     rows = ref["bubble_ratio_percent"]
     spans = ref["makespan_ms"]

@@ -1,7 +1,8 @@
 """The host optimizer: ns per parameter of torch's CPU kernels, and how far the fast ones are from the default.
 
-Run: ``python benchmarks/host_optimizer.py [--params 20e6] [--threads 1,2] [--repeats 5]``. Not a test: it
-prints two tables and always exits 0 (about 30 s on 2 cores with the defaults).
+Run: ``python benchmarks/host_optimizer.py [--params 20e6] [--threads 1,2] [--repeats 5] [--smoke]``. Not a
+test: it prints two tables and always exits 0 (about 30 s on 2 cores with the defaults; ``--smoke``, seconds:
+200K parameters, 2 timed steps on 1 thread, 12K elements for the exactness table).
 
 1. Speed. fp32 parameters split into ``--tensors`` equal tensors (a model's layers), a random gradient in
    every ``param.grad``; one warm-up step allocates the state, then the best of ``--repeats`` timed steps
@@ -22,10 +23,16 @@ prints two tables and always exits 0 (about 30 s on 2 cores with the defaults).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import add_smoke, sized  # noqa: E402
 
 Factory = Callable[..., torch.optim.Optimizer]
 
@@ -83,9 +90,12 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float]:
     return int((ia - ib).abs().max()), int((a != b).sum()), float((a - b).abs().max())
 
 
-def stepped(factory: Factory, flags: dict, steps: int = 5) -> list[torch.Tensor]:
+EXACTNESS_SHAPES = [(900_000,), (300, 333), (7,)]
+SMOKE_SHAPES = [(9_000,), (30, 33), (7,)]
+
+
+def stepped(factory: Factory, flags: dict, shapes: list[tuple[int, ...]], steps: int = 5) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    shapes = [(900_000,), (300, 333), (7,)]
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
     grads = [[torch.randn(shape, generator=generator) * 10.0 ** (k % 3 - 1) for shape in shapes]
              for k in range(steps)]
@@ -99,14 +109,20 @@ def stepped(factory: Factory, flags: dict, steps: int = 5) -> list[torch.Tensor]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=float, default=20e6, help="parameters stepped (default 20e6)")
+    parser.add_argument("--params", type=float, default=None, help="parameters stepped (default 20e6, smoke 2e5)")
     parser.add_argument("--tensors", type=int, default=20, help="split into this many tensors (default 20)")
-    parser.add_argument("--threads", default="1,2", help="torch.set_num_threads values (default 1,2)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps, the best counts (default 5)")
+    parser.add_argument("--threads", default=None, help="torch.set_num_threads values (default 1,2, smoke 1: two "
+                                                        "threads on a busy machine wait for each other)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps, the best counts (default 5, smoke 2)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure the whole table this many times and keep each cell's best (default 1): "
                              "on a shared machine other work only ever slows a step down")
+    add_smoke(parser, "200K parameters, 2 timed steps on 1 thread, 12K elements for the exactness table")
     args = parser.parse_args()
+    args.params = sized(args.params, args, full=20e6, smoke=2e5)
+    args.repeats = sized(args.repeats, args, full=5, smoke=2)
+    args.threads = sized(args.threads, args, full="1,2", smoke="1")
+    shapes = SMOKE_SHAPES if args.smoke else EXACTNESS_SHAPES
     threads = [int(value) for value in args.threads.split(",")]
     total = int(args.params)
     print(f"torch {torch.__version__}, CPU kernels {torch.backends.cpu.get_cpu_capability()}, "
@@ -130,12 +146,15 @@ def main() -> None:
         path = ", ".join(f"{key}=True" for key in flags) or "default"
         print(f"{name:<18} {path:<14}" + "".join(f" {figure:>10.2f}" for figure in figures))
 
-    print("\n2. fused=True against the default path, 5 steps on 1.2M fp32 elements (parameters ~N(0, 1))")
+    elements = sum(torch.Size(shape).numel() for shape in shapes)
+    print(f"\n2. fused=True against the default path, 5 steps on {elements / 1e6:.2g}M fp32 elements "
+          "(parameters ~N(0, 1))")
     print(f"{'optimizer':<28} {'max ulp':>8} {'max |difference|':>17} {'elements differing':>19}")
     for name, factory in EXACTNESS:
         worst = differing = elements = 0
         largest = 0.0
-        for ours, reference in zip(stepped(factory, {"fused": True}), stepped(factory, {}), strict=True):
+        for ours, reference in zip(stepped(factory, {"fused": True}, shapes), stepped(factory, {}, shapes),
+                                     strict=True):
             distance, count, absolute = ulp_distance(ours, reference)
             worst, differing, elements = max(worst, distance), differing + count, elements + ours.numel()
             largest = max(largest, absolute)

@@ -1,7 +1,8 @@
 """Memory: a model ~10x larger than ``device_memory_limit`` trains; device and host bytes it takes.
 
-Run: ``python benchmarks/memory.py [--quick] [--json PATH]`` (default about 1 minute on 2 cores,
-``--quick`` about 15-25 s). Not a test: it prints tables and a verdict and always exits 0.
+Run: ``python benchmarks/memory.py [--quick] [--transport off] [--json PATH]`` (default about 1 minute on 2
+cores, ``--quick`` about 15-25 s, ``--smoke`` seconds: 16 blocks, a limit of 0.4 of the parameter bytes,
+2 steps). Not a test: it prints tables and a verdict and always exits 0.
 
 Setup: the app's byte GPT (``gpt(width, depth, ...)``, deep enough that ``device_memory_limit`` is about
 a tenth of its parameter bytes), ``RoundPipeStrategy`` on 2 CPU devices, Lightning
@@ -79,7 +80,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from common import quiet  # noqa: E402
+from common import add_smoke, quiet, sized  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -109,8 +110,8 @@ def call_values(call: object) -> tuple[list[object], list[object]]:
     checkpoints = list(call.checkpoints.values()) + list(call.snapshots.values())
     fused = call.fused  # the fused path's per-microbatch losses and targets; None for a transparent call
     others = list(call.inputs) + (list(fused.losses) if fused else []) + list(call.first_grads or [])
-    for column in list(call.outputs.values()):
-        others.extend(column)
+    for column in list(call.outputs.values()):  # job index -> microbatch -> its output slot
+        others.extend(list(column.values()))
     return [slot.value for slot in checkpoints], [slot.value for slot in others] + [
         fused.targets if fused else None, call.merged]
 
@@ -308,22 +309,27 @@ def mib(n: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (under 40 s)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 12, quick 4)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per mode (default 12, quick 4, smoke 2)")
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=64, help="transformer blocks")
+    parser.add_argument("--depth", type=int, default=None, help="transformer blocks (default 64, smoke 16)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--batch", type=int, default=6)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=3)
-    parser.add_argument("--fraction", type=float, default=0.1,
-                        help="device_memory_limit as a fraction of the parameter bytes (default 0.1)")
+    parser.add_argument("--fraction", type=float, default=None,
+                        help="device_memory_limit as a fraction of the parameter bytes (default 0.1, smoke 0.4: "
+                             "a stage of a shallower model is a larger share of it)")
     parser.add_argument("--interval", type=float, default=0.01, help="host sampler period, seconds")
     parser.add_argument("--transport", choices=("auto", "off"), default="auto",
                         help="transport_dtype: auto (Linear weights uploaded in bf16) or off")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    add_smoke(parser, "16 blocks, a limit of 0.4 of the parameter bytes, 2 steps")
     args = parser.parse_args()
-    args.steps = args.steps or (4 if args.quick else 12)
+    args.steps = sized(args.steps, args, full=12, quick=4, smoke=2)
+    args.depth = sized(args.depth, args, full=64, smoke=16)
+    args.fraction = sized(args.fraction, args, full=0.1, smoke=0.4)
     torch.set_num_threads(1)
     quiet()
 

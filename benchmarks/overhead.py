@@ -1,8 +1,8 @@
 """RoundPipe's per-step overhead on ONE CPU device: the engine against Lightning's single-device strategy.
 
 Run: ``python benchmarks/overhead.py [--quick] [--json PATH]`` (default about 1.5-2.5 minutes on 2 cores,
-``--quick`` about 15-25 s). Not a test: it prints a table and a verdict and always exits 0. Model and
-batch flags (``--width``, ``--depth``, ``--context``, ``--batch``) change the size; the default (width
+``--quick`` about 15-25 s, ``--smoke`` seconds: one round of 2 measured steps of a width-32, 2-block
+model). Not a test: it prints a table and a verdict and always exits 0. Model and batch flags (``--width``, ``--depth``, ``--context``, ``--batch``) change the size; the default (width
 128, 4 blocks, context 64, batch 8) makes a step of (a)/(b) take about 35-50 ms on one core.
 
 What is compared (the same byte GPT from ``lightning_roundpipe.app.model.gpt``, the same initial
@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from common import quiet  # noqa: E402
+from common import add_smoke, quiet, sized  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
@@ -191,21 +191,27 @@ def plan_shape(plan) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of 12 measured steps (under 40 s)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 11, quick 3)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 30, quick 12)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps dropped per run (default 5, quick 3)")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 11, quick 3, smoke 1)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="measured steps per run (default 30, quick 12, smoke 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps dropped per run (default 5, quick 3, smoke 1)")
+    parser.add_argument("--width", type=int, default=None, help="(default 128, smoke 32)")
+    parser.add_argument("--depth", type=int, default=None, help="(default 4, smoke 2)")
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=None, help="(default 64, smoke 16)")
+    parser.add_argument("--batch", type=int, default=None, help="(default 8, smoke 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (process-wide)")
     parser.add_argument("--num-stages", default="auto", help="(c)'s num_stages: 'auto' (default) or an int")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    add_smoke(parser, "one round of 2 measured steps of a width-32, 2-block model")
     args = parser.parse_args()
-    args.repeats = args.repeats or (3 if args.quick else 11)
-    args.steps = args.steps or (12 if args.quick else 30)
-    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    args.repeats = sized(args.repeats, args, full=11, quick=3, smoke=1)
+    args.steps = sized(args.steps, args, full=30, quick=12, smoke=2)
+    args.warmup = sized(args.warmup, args, full=5, quick=3, smoke=1)
+    args.width = sized(args.width, args, full=128, smoke=32)
+    args.depth = sized(args.depth, args, full=4, smoke=2)
+    args.context = sized(args.context, args, full=64, smoke=16)
+    args.batch = sized(args.batch, args, full=8, smoke=4)
     torch.set_num_threads(args.threads)
     quiet()
 

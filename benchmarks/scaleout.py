@@ -4,8 +4,9 @@ Run: ``python benchmarks/scaleout.py [--sizes-mib 1,4,16,64] [--dtypes float32,b
 [--warmup 3] [--no-measure] [--nodes 2,4,8] [--links 25,100,400] [--iteration sim|paper] [--mode sync|async]
 [--no-overlap] [--link-efficiency 1.0] [--lora-params N] [--no-engine-run] [--engine-width 896]
 [--engine-blocks 8] [--engine-batch 16] [--engine-warmup 3] [--engine-steps 10]`` (default about 50 s on 2
-cores, section 3 about 30 s of it; the projection alone, ``--no-measure --no-engine-run``, about 2 s). Not a
-test: it prints three tables and always exits 0 unless a measurement fails.
+cores, section 3 about 30 s of it; the projection alone, ``--no-measure --no-engine-run``, about 2 s;
+``--smoke``: every section at tiny sizes, seconds beyond starting the processes). Not a test: it prints three
+tables and always exits 0 unless a measurement fails.
 
 1. gloo ``all_reduce`` (SUM) on this machine. Two processes (``torch.multiprocessing.start_processes``,
    spawn), one process group (``torch.distributed.init_process_group("gloo")`` over a ``FileStore`` in a
@@ -141,6 +142,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from bubble import iteration_time, parameters  # noqa: E402
 from bubble_paper import DEFAULT_JSON, model_inputs  # noqa: E402
+from common import add_smoke, sized  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine  # noqa: E402
@@ -510,11 +512,14 @@ def numbers(text: str, kind: type = float) -> list:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-mib", type=numbers, default=[1.0, 4.0, 16.0, 64.0],
-                        help="bucket sizes in MiB, comma separated (default 1,4,16,64)")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="torch dtype names, comma separated")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed all-reduces per dtype and size")
-    parser.add_argument("--repeats", type=int, default=10, help="timed all-reduces per dtype and size")
+    parser.add_argument("--sizes-mib", type=numbers, default=None,
+                        help="bucket sizes in MiB, comma separated (default 1,4,16,64, smoke 1)")
+    parser.add_argument("--dtypes", default=None, help="torch dtype names, comma separated (default "
+                                                       "float32,bfloat16, smoke float32)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed all-reduces per dtype and size (default 3, "
+                                                                 "smoke 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed all-reduces per dtype and size (default 10, "
+                                                                  "smoke 2)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds for the whole measurement (also the process group's timeout)")
     parser.add_argument("--no-measure", action="store_true", help="skip section 1 (the gloo measurement)")
@@ -534,12 +539,23 @@ def main() -> int:
                         help="adapter parameters of the paper's LoRA model (Qwen3-235B); left out without it")
     parser.add_argument("--no-engine-run", action="store_true",
                         help="skip section 3 (the 2-process engine run: the reduction hidden behind the backward)")
-    parser.add_argument("--engine-width", type=int, default=896, help="section 3: the width w of each Linear(w, w)")
+    parser.add_argument("--engine-width", type=int, default=None,
+                        help="section 3: the width w of each Linear(w, w) (default 896, smoke 128)")
     parser.add_argument("--engine-blocks", type=int, default=8, help="section 3: Linear + tanh layers")
     parser.add_argument("--engine-batch", type=int, default=16, help="section 3: rows per process and iteration")
-    parser.add_argument("--engine-warmup", type=int, default=3, help="section 3: untimed iterations per variant")
-    parser.add_argument("--engine-steps", type=int, default=10, help="section 3: measured iterations per variant")
+    parser.add_argument("--engine-warmup", type=int, default=None,
+                        help="section 3: untimed iterations per variant (default 3, smoke 1)")
+    parser.add_argument("--engine-steps", type=int, default=None,
+                        help="section 3: measured iterations per variant (default 10, smoke 2)")
+    add_smoke(parser, "one 1 MiB float32 bucket, 2 timed all-reduces; section 3 with Linear(128, 128) layers, 2 steps")
     args = parser.parse_args()
+    args.sizes_mib = sized(args.sizes_mib, args, full=[1.0, 4.0, 16.0, 64.0], smoke=[1.0])
+    args.dtypes = sized(args.dtypes, args, full="float32,bfloat16", smoke="float32")
+    args.warmup = sized(args.warmup, args, full=3, smoke=1)
+    args.repeats = sized(args.repeats, args, full=10, smoke=2)
+    args.engine_width = sized(args.engine_width, args, full=896, smoke=128)
+    args.engine_warmup = sized(args.engine_warmup, args, full=3, smoke=1)
+    args.engine_steps = sized(args.engine_steps, args, full=10, smoke=2)
     dtypes = [name.strip() for name in args.dtypes.split(",") if name.strip()]
     for name in dtypes:
         if not isinstance(getattr(torch, name, None), torch.dtype):

@@ -1,7 +1,9 @@
 """Soak: a long RoundPipe run must not grow in host memory, open files or threads.
 
 Run: ``python benchmarks/soak.py [--steps 2000] [--every 100] [--json PATH]``. Not a test (a few
-minutes on 2 cores): it prints its samples and a verdict, and exits 1 if anything grew.
+minutes on 2 cores): it prints its samples and a verdict, and exits 1 if anything grew. ``--smoke`` (seconds:
+8 steps sampled every 2, validation every 4, a 200 kB data window) runs the same, too short for its verdict to
+mean anything.
 
 Trains the app's small byte-level GPT (``lightning_roundpipe.app.model.gpt``) on the embedded standard
 library bytes with ``Trainer(strategy=RoundPipeStrategy(...))`` on simulated CPU devices, with validation
@@ -30,9 +32,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from common import add_smoke, sized  # noqa: E402
 
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.app.data import StdlibDataModule  # noqa: E402
@@ -85,18 +89,23 @@ def verdict(samples: list[dict[str, float]], rss_slack_mib: float) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--every", type=int, default=100, help="sample every this many steps")
-    parser.add_argument("--val-every", type=int, default=500, help="validate every this many steps")
+    parser.add_argument("--steps", type=int, default=None, help="(default 2000, smoke 8)")
+    parser.add_argument("--every", type=int, default=None, help="sample every this many steps (default 100, smoke 2)")
+    parser.add_argument("--val-every", type=int, default=None,
+                        help="validate every this many steps (default 500, smoke 4)")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--async-step", action="store_true", help="roundpipe_async instead of sync")
     parser.add_argument("--rss-slack", type=float, default=16.0, help="MiB of RSS growth tolerated (allocator noise)")
     parser.add_argument("--json", type=Path, help="also write the samples and verdict here")
+    add_smoke(parser, "8 steps sampled every 2, validation every 4, a 200 kB data window")
     args = parser.parse_args()
+    args.steps = sized(args.steps, args, full=2000, smoke=8)
+    args.every = sized(args.every, args, full=100, smoke=2)
+    args.val_every = sized(args.val_every, args, full=500, smoke=4)
     torch.set_num_threads(1)  # one intra-op thread per simulated device fits 2 cores
     torch.manual_seed(0)
     module = ByteLM(gpt(width=64, depth=6, heads=4, context=64), lr=3e-3, context=64)
-    data = StdlibDataModule(context=64, batch_size=12, limit_bytes=2_000_000, val_windows=16)
+    data = StdlibDataModule(context=64, batch_size=12, limit_bytes=200_000 if args.smoke else 2_000_000, val_windows=16)
     sampler = Sampler(args.every)
     strategy = RoundPipeStrategy(num_microbatches=3, async_step=args.async_step)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps,

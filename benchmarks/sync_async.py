@@ -1,7 +1,8 @@
 """Sync against async step speed when the host optimizer step is a large share of the iteration.
 
 Run: ``python benchmarks/sync_async.py [--quick] [--json PATH]`` (default about 4 minutes on 2 cores,
-``--quick`` about 1 minute). Not a test: it prints a table and verdicts and always exits 0.
+``--quick`` about 1 minute, ``--smoke`` seconds: width 256, one round of 2 measured steps, a short
+calibration, as ``--quick`` no synchronize() diagnostic). Not a test: it prints a table and verdicts and always exits 0.
 
 What is compared, in one interleaved run (rounds of sync, async, ..., each a fresh ``Trainer.fit`` from the
 same initial weights and the same batches, AdamW, fp32, no logger, checkpointing or progress bar), in two
@@ -113,7 +114,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import quiet  # noqa: E402
+from common import add_smoke, quiet, sized  # noqa: E402
 from overhead import StepTimer, plan_shape  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -379,10 +380,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="2 rounds of 5 measured steps, no synchronize() diagnostic (about 1 minute)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 4, quick 2)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 10, quick 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps dropped per run (default 3, quick 2)")
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 4, quick 2, smoke 1)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="measured steps per run (default 10, quick 5, smoke 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps dropped per run (default 3, quick 2, smoke 1)")
+    parser.add_argument("--width", type=int, default=None, help="(default 2048, smoke 256)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--layers-per-stage", type=int, default=1)
     parser.add_argument("--devices", type=int, default=2, help="CPU stand-in devices")
@@ -397,15 +399,17 @@ def main() -> None:
                         help="the strategy's host_optimizer ('exact': AdamW's per-tensor loop; 'fused': one kernel)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (process-wide)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    add_smoke(parser, "width 256, one round of 2 measured steps, a short calibration, no synchronize() diagnostic")
     args = parser.parse_args()
-    args.repeats = args.repeats or (2 if args.quick else 4)
-    args.steps = args.steps or (5 if args.quick else 10)
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    args.calibration_steps, args.calibration_warmup = 8, 2
+    args.repeats = sized(args.repeats, args, full=4, quick=2, smoke=1)
+    args.steps = sized(args.steps, args, full=10, quick=5, smoke=2)
+    args.warmup = sized(args.warmup, args, full=3, quick=2, smoke=1)
+    args.width = sized(args.width, args, full=2048, smoke=256)
+    args.calibration_steps, args.calibration_warmup = (3, 1) if args.smoke else (8, 2)
     if args.layers < 2 or not 1 <= args.layers_per_stage < args.layers:
         parser.error("need --layers >= 2 and 1 <= --layers-per-stage < --layers")
     args.plan = make_plan(args.layers, args.layers_per_stage)
-    variants = ("sync", "async", *(("sync_off", "async_off") if STREAMING else ()), *(() if args.quick else ("sync_nosync",)))
+    variants = ("sync", "async", *(("sync_off", "async_off") if STREAMING else ()), *(() if args.quick or args.smoke else ("sync_nosync",)))
     torch.set_num_threads(args.threads)
     quiet()
 

@@ -152,7 +152,7 @@ class FailsInABackwardStage(Classifier):
 
     def _maybe_fail(self, module, inputs, output):
         if is_recomputing() and torch.equal(inputs[0][0], self.first_row):
-            raise RuntimeError("recompute went wrong")
+            raise RuntimeError("recompute went wrong.")  # a full stop, as our own errors end: not doubled
 
 
 class BrokenSGD(torch.optim.SGD):
@@ -264,7 +264,7 @@ class FailsAfterADeeperStageStepped(Classifier):
             deadline = time.monotonic() + WAIT_TIMEOUT / 2
             while torch.equal(self.net[6].weight, self.before) and time.monotonic() < deadline:
                 time.sleep(0.001)
-            raise RuntimeError("recompute went wrong")
+            raise RuntimeError("recompute went wrong.")  # a full stop, as our own errors end: not doubled
 
 
 def test_a_failure_after_part_of_a_step_cut_by_stage_names_the_torn_step_and_writes_no_checkpoint(
@@ -461,6 +461,42 @@ def test_activations_that_outgrow_the_budget_name_the_stage_and_the_option(round
     assert type(caught.value.__cause__).__name__ == "OutOfDeviceMemory"
     assert trainer.global_step == 2  # the two small batches trained
     assert roundpipe_threads() == []
+
+
+@pytest.mark.parametrize("recompute", ["stage", "layer"])
+def test_the_out_of_memory_advice_leaves_out_what_is_already_set(recompute, roundpipe_threads):
+    """The message says what is left to change: `recompute='layer'` only where it is not set already."""
+    trainer = _trainer(_strategy(device_memory_limit="16KiB", recompute=recompute))
+    with pytest.raises(PipelineError) as caught:
+        trainer.fit(Classifier(), DataLoader(_Batches([2048]), batch_size=None))
+    message = str(caught.value)
+    advice = ("over its budget of 16384 bytes. Raise `device_memory_limit`, use more stages (`num_stages`, now 2, at "
+              "most 6 for the trunk's 7 layers), put fewer samples in each microbatch (more than the 2 of "
+              "`num_microbatches`, or a smaller batch)")
+    if recompute == "stage":
+        advice += (", or use `recompute='layer'` (now 'stage'; backward stages then keep every layer's input and "
+                   "hold one layer's activations at a time).")
+    else:
+        advice = advice.replace(", put fewer", ", or put fewer") + "."
+        assert "recompute" not in message
+    assert message.endswith(advice), message
+    assert roundpipe_threads() == []
+
+
+def test_the_out_of_memory_advice_offers_more_stages_only_where_a_stage_holds_several_layers():
+    from lightning_roundpipe.engine.device import memory_advice
+    from lightning_roundpipe.planning.partition import Plan
+
+    def stages(num_stages) -> list[str]:
+        advice = memory_advice(recompute="layer", num_stages=num_stages, num_layers=7, num_microbatches=3)
+        return [phrase for phrase in advice if "stage" in phrase]
+
+    assert stages(6) == []  # one layer per forward stage already, beside the fused last layer
+    assert stages(5) == ["use more stages (`num_stages`, now 5, at most 6 for the trunk's 7 layers)"]
+    assert stages("auto") == ["use more stages (a `num_stages` above the plan's: 'auto' sizes them by parameter "
+                              "bytes until the activations are measured)"]
+    assert stages(Plan.from_sizes([3, 3], 1, [2, 2, 2])) == ["give `num_stages` a plan with smaller stages"]
+    assert stages(Plan.from_sizes([1] * 6, 1, [1] * 6)) == []
 
 
 # ------------------------------------------------------------------ 4. NaN and inf

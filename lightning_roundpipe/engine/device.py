@@ -35,13 +35,13 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from lightning_roundpipe.engine.timing import CudaStreamTimer, HostStreamTimer, StreamTimer
-from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE
+from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE, Plan
 
 
 class EngineAborted(RuntimeError):
@@ -273,13 +273,45 @@ _DEVICE_MISMATCH = ("on the same device", "on different devices")
 """Phrases of torch's device-mismatch errors ("Expected all tensors to be on the same device, but ...")."""
 
 
-def error_hint(error: BaseException) -> str:
+def memory_advice(*, recompute: str, num_stages: object, num_layers: int, num_microbatches: int) -> tuple[str, ...]:
+    """What is left to change, besides the memory limit, when a device's memory is short: only what the options
+    set do not do already (no `recompute='layer'` when it is set, no more stages when every stage holds one layer
+    already). ``num_stages``: the option (``"auto"``, an int or an explicit plan)."""
+    left = []
+    if num_stages == "auto":
+        left.append("use more stages (a `num_stages` above the plan's: 'auto' sizes them by parameter bytes "
+                    "until the activations are measured)")
+    elif isinstance(num_stages, int) and num_stages < num_layers - 1:  # the most: one layer each, and the fused one
+        left.append(f"use more stages (`num_stages`, now {num_stages}, at most {num_layers - 1} for the trunk's "
+                    f"{num_layers} layers)")
+    elif isinstance(num_stages, Plan) and max(map(len, (*num_stages.forward, num_stages.fused,
+                                                        *num_stages.backward))) > 1:
+        left.append("give `num_stages` a plan with smaller stages")
+    left.append(f"put fewer samples in each microbatch (more than the {num_microbatches} of `num_microbatches`, "
+                "or a smaller batch)")
+    if recompute != "layer":
+        left.append(f"use `recompute='layer'` (now {recompute!r}; backward stages then keep every layer's input and "
+                    "hold one layer's activations at a time)")
+    return tuple(left)
+
+
+MEMORY_ADVICE = ("use more stages (`num_stages`)", "put fewer samples in each microbatch (`num_microbatches`)",
+                 "use `recompute='layer'`")
+""":func:`memory_advice` for a device that knows nothing of the options."""
+
+
+def either(phrases: Sequence[str]) -> str:
+    """``a, b, or c``: alternatives in one sentence."""
+    return phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])}, or {phrases[-1]}"
+
+
+def error_hint(error: BaseException, advice: Sequence[str] = MEMORY_ADVICE) -> str:
     """What to change after ``error`` in a pipeline operation, when it is one we can explain (empty otherwise):
-    a device out-of-memory error, or tensors of a layer on different devices."""
+    a device out-of-memory error (``advice``: what :func:`memory_advice` says is left), or tensors of a layer
+    on different devices."""
     if isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
-        return (". The device ran out of memory: lower `device_memory_limit` so that the planner makes smaller "
-                "stages, raise `num_microbatches` (fewer samples per microbatch), use `recompute='layer'`, or a "
-                "shorter sequence")
+        return (". The device ran out of memory: " + either([
+            "lower `device_memory_limit` so that the planner makes smaller stages", *advice, "use a shorter sequence"]))
     if isinstance(error, RuntimeError) and any(phrase in str(error) for phrase in _DEVICE_MISMATCH):
         return (". Trunk layers run on per-device copies: each device computes with its own copy of the layer's "
                 "parameters and buffers, and its inputs arrive on that device. Do not hard-code a device or keep "
@@ -321,13 +353,14 @@ class Residency:
     peak_stages: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    advice: tuple[str, ...] = MEMORY_ADVICE  #: what else to change when it runs out (:func:`memory_advice`)
+
     def allocate(self, nbytes: int, what: str, stage: bool = False) -> None:
         with self._lock:
             if self.budget is not None and self.current + nbytes > self.budget:
                 raise OutOfDeviceMemory(
                     f"device {self.device_index} would hold {self.current + nbytes} bytes for {what}, over its "
-                    f"budget of {self.budget} bytes. Raise `device_memory_limit`, use more stages "
-                    "(`num_stages`), fewer samples per microbatch (`num_microbatches`), or `recompute='layer'`."
+                    f"budget of {self.budget} bytes. {either(['Raise `device_memory_limit`', *self.advice])}."
                 )
             self.current += nbytes
             self.peak = max(self.peak, self.current)
@@ -375,7 +408,8 @@ class Device:
     """
 
     def __init__(self, index: int, torch_device: torch.device, abort: AbortSignal, *,
-                 budget: int | None, jitter: float, pin_memory: bool = True, stress: bool = False) -> None:
+                 budget: int | None, jitter: float, pin_memory: bool = True, stress: bool = False,
+                 memory_advice: tuple[str, ...] = MEMORY_ADVICE) -> None:
         if torch_device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"device {torch_device} is not supported: RoundPipe drives CUDA GPUs and CPU devices (simulated, "
@@ -388,7 +422,7 @@ class Device:
         self.is_cuda = torch_device.type == "cuda"
         self.pin_downloads = self.is_cuda and pin_memory  # stage boundaries land in pinned host memory
         self.stress = stress and not self.is_cuda  # late copies and poisoned releases (module docstring)
-        self.residency = Residency(index, budget)
+        self.residency = Residency(index, budget, advice=memory_advice)
         if self.is_cuda:
             self.residency.allocate(CUDA_WORKSPACE_RESERVE, "kernel workspaces (cuBLAS) and the streams' memory pools")
         self.counters = DeviceCounters()

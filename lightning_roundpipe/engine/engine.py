@@ -41,7 +41,14 @@ from torch.utils import _pytree as pytree
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
 from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
-from lightning_roundpipe.engine.device import AbortSignal, Device, EngineAborted, HostEvent, cuda_memory_budget
+from lightning_roundpipe.engine.device import (
+    AbortSignal,
+    Device,
+    EngineAborted,
+    HostEvent,
+    cuda_memory_budget,
+    memory_advice,
+)
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
 from lightning_roundpipe.engine.optim import (
@@ -176,9 +183,11 @@ class RoundPipeEngine:
         if self._started:
             raise RuntimeError("the engine is already started")
         timeline = self._timeline = Timeline(self.options.record_timeline)
+        advice = memory_advice(recompute=self.options.recompute, num_stages=self.options.num_stages,
+                               num_layers=len(self.trunk), num_microbatches=self.num_microbatches)
         self.devices = [
             Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter,
-                   pin_memory=self.options.pin_memory, stress=self.options.stress)
+                   pin_memory=self.options.pin_memory, stress=self.options.stress, memory_advice=advice)
             for index, device in enumerate(self.torch_devices)
         ]
         self.base_seed = self.options.seed if self.options.seed is not None else self._restored.get(
@@ -314,7 +323,7 @@ class RoundPipeEngine:
         self._failure_reported = True
         self.close(finish_steps=False)
         torn = self.torn_step
-        suffix = f". {torn}" if torn else ""
+        suffix = (" " if str(error).endswith(".") else ". ") + torn if torn else ""  # one full stop between them
         if isinstance(error, PipelineError):
             raise PipelineError(f"{error}{suffix}") from error.__cause__
         raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}{suffix}") from error

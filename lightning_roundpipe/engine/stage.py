@@ -430,7 +430,7 @@ class StageRunner:
             raise PipelineError(
                 f"trunk layer {layer} raised {type(error).__name__} in stage {task.job.label} "
                 f"(job {task.job.index}, device {device.index}, microbatch {microbatch}): {error}"
-                f"{error_hint(error)}"
+                f"{error_hint(error, device.residency.advice)}"
             ) from error
         if timer is not None:
             stage_copy.layer_spans.append((layer, timer.stop(started)))
@@ -493,7 +493,7 @@ class StageRunner:
             except Exception as error:
                 raise PipelineError(
                     f"the loss function raised {type(error).__name__} in the fused stage (device {device.index}, "
-                    f"microbatch {microbatch}): {error}{error_hint(error)}") from error
+                    f"microbatch {microbatch}): {error}{error_hint(error, device.residency.advice)}") from error
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise PipelineError(
                     f"the loss function must return a scalar tensor (the microbatch mean), got "

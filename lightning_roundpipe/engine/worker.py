@@ -214,7 +214,7 @@ class Worker:
         job = task.job
         stream.submit(_named(lambda: self._upload_params(task, stage_copy),
                              lambda: f"uploading the parameters of stage {job.label} (job {job.index}) to device "
-                                     f"{self.device.index}"))
+                                     f"{self.device.index}", self.device))
         params_ready = stream.record(f"the parameters of stage {job.label} (job {job.index}) uploaded")
         self._uploads[job.index] = (stage_copy, params_ready)
 
@@ -240,14 +240,14 @@ class Worker:
         compute, download = device.compute_stream, device.download_stream
         where = f"stage {job.label} (job {job.index}) on device {device.index}"
         compute.wait_event(params_ready)  # [5]
-        compute.submit(_named(lambda: runner.bind(device, task, stage_copy), lambda: f"binding {where}"))
+        compute.submit(_named(lambda: runner.bind(device, task, stage_copy), lambda: f"binding {where}", device))
         for microbatch in job.microbatches:
             self._enqueue_microbatch(task, stage_copy, microbatch)
         # unbind on the compute stream: the next job on this device may reuse the same replicas
-        compute.submit(_named(lambda: runner.unbind(device, task), lambda: f"unbinding {where}"))
+        compute.submit(_named(lambda: runner.unbind(device, task), lambda: f"unbinding {where}", device))
         download.wait_event(compute.record(f"stage {job.label} (job {job.index}) computed"))  # [8]
         download.submit(_named(lambda: self._finish(task, stage_copy),
-                               lambda: f"finishing {where} (its gradients and buffers to the host)"))
+                               lambda: f"finishing {where} (its gradients and buffers to the host)", device))
         self._released[sequence] = download.record(f"stage {job.label} (job {job.index}) released")
         self._released.pop(sequence - 3, None)
         download.submit(task.done.set)
@@ -389,7 +389,7 @@ class Worker:
                 handoff.inputs = inputs
             runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
-        acts.submit(_named(upload, lambda: f"uploading the inputs of {where}"))
+        acts.submit(_named(upload, lambda: f"uploading the inputs of {where}", device))
         return acts.record(f"the inputs of {where} uploaded")
 
     def _enqueue_recompute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
@@ -409,7 +409,7 @@ class Worker:
             stage_copy.compute_spans.append((microbatch, "recompute", timer.stop(started)))
             handoff.recomputed = (recomputed, inputs)
 
-        device.compute_stream.submit(_named(run, lambda: f"recomputing {where}"))
+        device.compute_stream.submit(_named(run, lambda: f"recomputing {where}", device))
 
     def _enqueue_compute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
                          where: str) -> HostEvent:
@@ -464,7 +464,7 @@ class Worker:
             device.residency.allocate(outputs.nbytes, f"the outputs of {job.label} microbatch {microbatch}")
             handoff.outputs = outputs
 
-        device.compute_stream.submit(_named(run, lambda: f"computing {where}"))
+        device.compute_stream.submit(_named(run, lambda: f"computing {where}", device))
         return device.compute_stream.record(f"{where} computed")
 
     def _enqueue_download(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
@@ -509,7 +509,7 @@ class Worker:
                 _poison_unshared(released, _stage_tensors(stage_copy))
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 
-        device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}"))
+        device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}", device))
 
 
 def _stage_tensors(stage_copy: StageCopy) -> list[torch.Tensor]:
@@ -525,7 +525,7 @@ def _poison_unshared(released: list[torch.Tensor], kept: list[torch.Tensor]) -> 
     poison([tensor for tensor in released if tensor.untyped_storage().data_ptr() not in shared])
 
 
-def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[], None]:
+def _named(operation: Callable[[], None], what: Callable[[], str], device: Device) -> Callable[[], None]:
     """``operation``, whose failure is reported as a :class:`PipelineError` saying ``what`` failed (the
     original error is its ``__cause__``). Errors that already say where they come from pass through."""
     def run() -> None:
@@ -534,6 +534,7 @@ def _named(operation: Callable[[], None], what: Callable[[], str]) -> Callable[[
         except (PipelineError, EngineAborted, TimeoutError):
             raise
         except Exception as error:
-            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}{error_hint(error)}") from error
+            raise PipelineError(f"{what()} failed: {type(error).__name__}: {error}"
+                               f"{error_hint(error, device.residency.advice)}") from error
 
     return run
