@@ -214,9 +214,10 @@ def test_lightning_demo_transformer_trains_unchanged(devices):
     with pytest.warns(UserWarning, match=r"the forward of `model` assigns `src_mask`"):
         module, strategy = _fit_demo(make, data, devices)
     trunk = strategy.engine.trunk
-    # nn.Transformer's decoder layers are the blocks (they hold more than the encoder's); the encoder's output
-    # (memory) and the causal mask flow from block to block
-    assert "`model.transformer.decoder.layers`" in trunk.source and len(trunk) == 4
+    # nn.Transformer's encoder layers then its decoder layers are the blocks; the encoder's output (memory) and
+    # the causal mask flow from block to block
+    assert "`model.transformer.encoder.layers` then `model.transformer.decoder.layers`" in trunk.source
+    assert len(trunk) == 6
     assert module.model.src_mask is None and module.model.pos_encoder.pe is None  # no proxy or cache left behind
 
 
@@ -293,8 +294,8 @@ class Reused(nn.Module):
         return x
 
 
-class UsedOnTheOtherSide(nn.Module):
-    """``norm`` is registered after the blocks but used before them."""
+class UsedOnBothSides(nn.Module):
+    """``norm`` is used before and after the blocks: its parameters would be in two layers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -305,14 +306,15 @@ class UsedOnTheOtherSide(nn.Module):
         x = self.norm(x)
         for block in self.blocks:
             x = block(x)
-        return x
+        return self.norm(x)
 
 
 @pytest.mark.parametrize(("net", "match"), [
     (Reused, r"calls the blocks of `net.blocks` in the order \[0, 1, 0, 1\]; .* each of the 2 blocks must be called "
              r"once, in order"),
-    (UsedOnTheOtherSide, r"the prologue layer uses `net.norm`, which belongs to the epilogue layer\. .*register that "
-                         r"module on the side where it is used"),
+    (UsedOnBothSides, r"the epilogue layer uses `net.norm`, which belongs to the prologue layer\. RoundPipe gives each "
+                      r"module outside the blocks to the layer where the forward's own code first uses it .*use it in "
+                      r"one place only"),
 ])
 def test_forwards_that_cannot_be_cut_are_refused_clearly(net, match):
     with pytest.raises(CaptureError, match=match):
