@@ -1,6 +1,7 @@
 """Which part of a module RoundPipe pipelines: the trunk, found by name, as a Hugging Face causal LM, as
 the ``nn.Sequential`` holding the most parameters, or as the forward that loops over the largest
-``nn.ModuleList`` of blocks (recorded with torch.fx and cut at the blocks: :mod:`~lightning_roundpipe.traced`);
+``nn.ModuleList`` of blocks or runs several block lists in turn (recorded with torch.fx and cut at the
+blocks: :mod:`~lightning_roundpipe.traced`);
 with none of these, the module's own forward runs as one stage.
 
 Lives above ``engine`` because it knows the Hugging Face preset (``hf.causal_lm``); it imports no
@@ -16,7 +17,7 @@ from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk, build_trunk
 from lightning_roundpipe.hf.causal_lm import FAMILIES, causal_lm_preset, find_causal_lm
-from lightning_roundpipe.traced import build_traced_trunk, find_blocks
+from lightning_roundpipe.traced import build_traced_trunk, find_block_lists, find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,10 @@ MOSTLY_INSIDE = 0.5
 
 def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.Module]:
     """The submodule to pipeline and its name: ``pipeline``'s, else the first Hugging Face causal LM (a
-    preset), else the ``nn.Sequential`` holding the most parameters (the shallowest on a tie), unless an
-    ``nn.ModuleList`` of blocks holds more (then that list), else ``("", module)`` (one stage)."""
+    preset), else, where several block lists (each an ``nn.ModuleList`` or ``nn.Sequential`` of modules of one
+    type) together hold more than the largest ``nn.Sequential``, ``("", module)`` (its forward is cut at
+    every block of every list), else the ``nn.Sequential`` holding the most parameters (the shallowest on a
+    tie), unless an ``nn.ModuleList`` of blocks holds more (then that list), else ``("", module)`` (one stage)."""
     sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
     if pipeline is not None:
         try:
@@ -47,6 +50,13 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
             return name, candidate
     blocks = find_blocks(module)
     best = max(sequentials, key=lambda n: (parameter_count(sequentials[n]), -n.count(".")), default=None)
+    lists = find_block_lists(module)
+    if len(lists) > 1 and (best is None or sum(parameter_count(module.get_submodule(n)) for n in lists)
+                           > parameter_count(sequentials[best])):
+        # several block lists run one after another (a ResNet's stages, an encoder then a decoder): the
+        # forward is cut at every block of every list, rather than pipelining the largest list alone
+        refuse_compiled(type(module).__name__, module)
+        return "", module
     if best is not None and (blocks is None or parameter_count(sequentials[best]) >= parameter_count(
             module.get_submodule(blocks))):
         refuse_compiled(best, sequentials[best])
