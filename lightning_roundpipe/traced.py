@@ -47,7 +47,7 @@ from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
-from lightning_roundpipe.uses import first_segments
+from lightning_roundpipe.uses import first_segments, named_paths
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +65,30 @@ def _is_block_list(module: nn.Module) -> bool:
 
 def find_block_lists(module: nn.Module) -> list[str]:
     """The names (within ``module``) of its block lists, in registration order: every ``nn.ModuleList`` or
-    ``nn.Sequential`` of modules of one type, holding parameters, that is not inside another one (a ResNet's
-    four stages, an encoder's layers then a decoder's)."""
+    ``nn.Sequential`` of modules of one type, holding parameters, that is not inside another one and that
+    the source of a forward above it names (a ResNet's four stages, an encoder's layers then a decoder's;
+    not a list the forward never runs)."""
     found: list[str] = []
     for name, candidate in module.named_modules():
         if not name or any(name.startswith(f"{outer}.") for outer in found):
             continue
-        if _is_block_list(candidate):
+        if _is_block_list(candidate) and _named_by_a_forward(module, name):
             found.append(name)
     return found
+
+
+def _named_by_a_forward(module: nn.Module, name: str) -> bool:
+    """Whether the forward source of ``name``'s parent, or of a module above it, names it or a module
+    between (``self.layer1``, ``self.transformer`` above ``transformer.encoder.layers``)."""
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        above = module.get_submodule(".".join(parts[:depth])) if depth else module
+        if not has_own_forward(above):
+            continue
+        rest = parts[depth:]
+        if any(".".join(rest[:k]) in named_paths(above) for k in range(1, len(rest) + 1)):
+            return True
+    return False
 
 
 def find_blocks(module: nn.Module) -> str | None:

@@ -15,6 +15,7 @@ checked against the result, with an error naming the module when they disagree.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -27,8 +28,13 @@ Position = tuple[int, int]
 def _source_tree(module: nn.Module) -> tuple[ast.FunctionDef, str] | None:
     """The ``forward`` definition of ``module``'s class and the name of its first argument, or ``None``
     where there is no source to read (a built-in, a REPL)."""
+    return _parse(type(module).forward)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(forward: Callable[..., object]) -> tuple[ast.FunctionDef, str] | None:
     try:
-        source = textwrap.dedent(inspect.getsource(type(module).forward))
+        source = textwrap.dedent(inspect.getsource(forward))
     except (OSError, TypeError):
         return None
     try:
@@ -121,3 +127,19 @@ def first_segments(module: nn.Module, lists: list[str], containers: list[str],
         segment = sum(1 for name in lists if name in ends and ends[name] < position)
         segments.setdefault(owned, segment)
     return segments
+
+
+def named_paths(module: nn.Module) -> set[str]:
+    """Every dotted attribute path of ``self`` that ``module``'s forward source names (``self.layer1``,
+    ``self.transformer.h``), outer chains and their prefixes alike; empty without source."""
+    found = _source_tree(module)
+    if found is None:
+        return set()
+    function, this = found
+    paths = set()
+    for node in ast.walk(function):
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            names = _chain(node, this)
+            if names is not None:
+                paths.add(".".join(names))
+    return paths

@@ -325,3 +325,21 @@ def test_a_module_with_parameters_made_inside_the_forward_is_refused_naming_the_
                                            r"\) and holds parameters or buffers, which no layer could own; register it "
                                            r"as a submodule in __init__"):
         _trainer(RoundPipeStrategy(), devices=2).fit(module, data)
+
+
+def test_a_sequential_holding_everything_stays_the_trunk_and_resnet_stages_do_not():
+    from lightning_roundpipe.trunk import find_trunk
+
+    class Net(nn.Module):  # a `self.net = nn.Sequential(...)` whose children are blocks of one type
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*(EncoderLayer() for _ in range(3)))
+            self.extra = nn.ModuleList([nn.Linear(2, 2)])
+
+        def forward(self, x):
+            return self.net(x)
+
+    net = Net()
+    assert find_trunk(net) == ("net", net.net)  # `extra`, never run, is no second block list
+    resnet = ResNet18()
+    assert find_trunk(resnet) == ("", resnet)  # not layer4 alone (75% of the parameters at full width)
