@@ -309,7 +309,22 @@ class UsedOnBothSides(nn.Module):
         return self.norm(x)
 
 
+class IntOfData(nn.Module):
+    """Turns a value computed from the data into a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x * int(x.sum())
+
+
 @pytest.mark.parametrize(("net", "match"), [
+    (IntOfData, r"`int\(\)` of a value computed from the values of tensors, not only their shapes, at "
+                r".*test_traced.py:\d+: return x \* int\(x.sum\(\)\); one graph cannot stand for every batch"),
     (Reused, r"calls the blocks of `net.blocks` in the order \[0, 1, 0, 1\]; .* each of the 2 blocks must be called "
              r"once, in order"),
     (UsedOnBothSides, r"the epilogue layer uses `net.norm`, which belongs to the prologue layer\. RoundPipe gives each "
@@ -331,6 +346,19 @@ def test_a_module_without_a_forward_of_its_own_is_refused_at_setup():
                                          r"pipeline, and NoForward \(NoForward\) has no forward of its own to record "
                                          r"around the blocks `blocks`\. Name the trunk with RoundPipeStrategy\(pipeline"):
         build_module_trunk(NoForward())
+
+
+def test_pipeline_naming_an_empty_list_is_refused():
+    class Empty(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList()
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match=r"^`blocks` is an empty nn.ModuleList: there are no blocks to pipeline$"):
+        build_module_trunk(Empty(), "blocks")
 
 
 # ---------------------------------------------------------------------------- discovery
