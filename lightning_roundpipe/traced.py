@@ -114,7 +114,8 @@ class TracedPlan:
     """Where the traced trunk lies in a module: ``root`` (named ``root_name`` in it; ``""`` is the module
     itself) is the module whose forward is recorded and taken over; ``lists`` are the names of the block
     lists within ``root``, in the order the forward runs them (none: one stage); ``containers`` are the
-    modules traced through (``root`` and those between it and the lists)."""
+    modules traced through (``root``, those between it and the lists, and the ``nn.Sequential`` lists,
+    whose own forward calls the blocks)."""
 
     root_name: str
     root: nn.Module
@@ -130,9 +131,9 @@ class TracedPlan:
 
 
 def _lists_of(module: nn.Module, name: str | None) -> list[str]:
-    """The block lists of ``module`` (names within it): ``name`` alone when it names a list, else every list
-    of ``name``'s module when its forward runs several (its own forward, not a container's), else its
-    largest ``nn.ModuleList`` (today's single-list choice)."""
+    """The block lists of ``module`` (names within it): ``name`` alone when it names an ``nn.ModuleList``,
+    else those of ``name``'s module (:func:`find_block_lists`) when there are several, else its largest
+    ``nn.ModuleList`` (the single-list choice)."""
     target = module.get_submodule(name) if name else module
     prefix = f"{name}." if name else ""
     if name and isinstance(target, nn.ModuleList):
