@@ -8,6 +8,11 @@ $(PY):
 	# The pinned CPU torch first: an unpinned torch requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# litgpt (Lightning's LLM library) for the traced-trunk tests, without its dependencies: its pins
+	# (huggingface-hub<1.4) would downgrade transformers below the test extra's range. Importing its model
+	# code needs torch, lightning, safetensors and psutil, which the lines above install (the last two come
+	# with transformers and peft).
+	$(PY) -m pip install -q --no-deps litgpt==0.5.13
 
 .PHONY: install test
 install: $(PY)

@@ -156,6 +156,7 @@ class ConcreteTracer(fx.Tracer):
         super().__init__(autowrap_functions=())
         self.root = root
         self._containers = {id(module) for module in containers}
+        self._installed = {id(module) for module in root.modules()}
         self._describe = describe  # turns a reason into the whole error message
         self._executing = 0         # > 0 while the example runs for real: nothing is recorded then
         self._thread = threading.get_ident()
@@ -180,6 +181,15 @@ class ConcreteTracer(fx.Tracer):
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
         if not self._recording():  # a leaf running for real calls its own submodules
+            return forward(*args, **kwargs)
+        if id(m) not in self._installed:
+            # made inside the forward (litgpt's `nn.Identity()`): there is no path to record a call by, and
+            # its code is the forward's own code, run again on every call; so it is traced through
+            if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
+                raise self.failure(
+                    f"the forward calls a {type(m).__name__} that is not a submodule of it (made inside the forward, "
+                    f"at {user_location()}) and holds parameters or buffers, which no layer could own; register it "
+                    "as a submodule in __init__")
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 

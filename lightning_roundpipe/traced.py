@@ -1,8 +1,9 @@
-"""Trunks beyond ``nn.Sequential``: a module whose forward loops over an ``nn.ModuleList`` of blocks.
+"""Trunks beyond ``nn.Sequential``: a module whose forward loops over ``nn.ModuleList`` block lists.
 
-Lightning's demo Transformer, nanoGPT-style GPTs and most research code keep their blocks in an
-``nn.ModuleList`` and call them in a Python loop. Such a forward is recorded as a graph
-(:mod:`~lightning_roundpipe.capture`) and cut at the block calls into the trunk's layers::
+Lightning's demo Transformer, nanoGPT-style GPTs, litgpt and most research code keep their blocks in an
+``nn.ModuleList`` and call them in a Python loop; a ResNet runs four ``nn.Sequential`` stages one after
+another, an encoder-decoder two lists. Such a forward is recorded as a graph
+(:mod:`~lightning_roundpipe.capture`) and cut at every block call of every list into the trunk's layers::
 
     prologue | block 0 (+ what runs before block 1) | ... | block n-1 | epilogue
     (args)  -> (values live here)                  -> ... ->         -> (the forward's output)
@@ -12,12 +13,16 @@ several tensors. Values that follow from the input signature alone (a causal mas
 a :class:`~lightning_roundpipe.engine.transfer.NoGrad`; the rest are differentiable activations.
 
 The layers are fixed when the strategy is set up: which module's parameters each one holds (its *state*)
-must be known before the engine plans. The prologue holds the modules registered before the blocks (and
-the parameters and buffers of the modules that hold the blocks), the epilogue those registered after
-them, each block layer its block; modules without state may be used anywhere. What a layer runs is
-recorded at the first call with each input signature (shapes, dtypes, non-tensor arguments, ``training``
-flags), because only then are the inputs known; a graph that reads a module another layer holds is
-refused at that point, saying which and what to do.
+must be known before the engine plans, before any input is seen. Each block layer holds its block; a
+module (or a parameter or buffer of the modules that hold the blocks) outside the blocks goes where the
+forward's own source first uses it (:mod:`~lightning_roundpipe.uses`: litgpt registers ``lm_head`` before
+its blocks and uses it after them), else where it is registered: before the first list to the prologue,
+between two lists to the last block of the first, after the last to the epilogue. Modules without state
+may be used anywhere. What a layer runs is recorded at the first call with each input signature (shapes,
+dtypes, non-tensor arguments, ``training`` flags), because only then are the inputs known. A buffer read
+by later layers than its own (a causal mask, a rotary table handed to every block) is read once by its
+layer and passed along, read-only, in the ``NoGrad``; any other module or parameter that another layer
+reads is refused at that point, saying which and what to do.
 
 The module itself is not changed: the layers are wrappers outside its module tree that hold its own
 modules and parameters, so the optimizer, ``state_dict`` keys and checkpoints stay as they are; while the
@@ -37,12 +42,13 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.capture import DATA, CaptureError, ConcreteTracer, Recorded, is_random
+from lightning_roundpipe.capture import DATA, VALUE, CaptureError, ConcreteTracer, Recorded, is_random
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
 from lightning_roundpipe.hf.base_model import draws_functional_dropout, prepare_call
+from lightning_roundpipe.uses import first_segments, named_paths
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,41 @@ HOW_TO_PROCEED = ("Name the trunk with RoundPipeStrategy(pipeline=...): an nn.Se
 
 
 # ---------------------------------------------------------------------------- discovery
+def _is_block_list(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` or ``nn.Sequential`` of modules of one type that hold parameters: blocks."""
+    children = list(module.children())
+    return (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 0
+            and len({type(c) for c in children}) == 1 and _count(module) > 0)
+
+
+def find_block_lists(module: nn.Module) -> list[str]:
+    """The names (within ``module``) of its block lists, in registration order: every ``nn.ModuleList`` or
+    ``nn.Sequential`` of modules of one type, holding parameters, that is not inside another one and that
+    the source of a forward above it names (a ResNet's four stages, an encoder's layers then a decoder's;
+    not a list the forward never runs)."""
+    found: list[str] = []
+    for name, candidate in module.named_modules():
+        if not name or any(name.startswith(f"{outer}.") for outer in found):
+            continue
+        if _is_block_list(candidate) and _named_by_a_forward(module, name):
+            found.append(name)
+    return found
+
+
+def _named_by_a_forward(module: nn.Module, name: str) -> bool:
+    """Whether the forward source of ``name``'s parent, or of a module above it, names it or a module
+    between (``self.layer1``, ``self.transformer`` above ``transformer.encoder.layers``)."""
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        above = module.get_submodule(".".join(parts[:depth])) if depth else module
+        if not has_own_forward(above):
+            continue
+        rest = parts[depth:]
+        if any(".".join(rest[:k]) in named_paths(above) for k in range(1, len(rest) + 1)):
+            return True
+    return False
+
+
 def find_blocks(module: nn.Module) -> str | None:
     """The name (within ``module``) of its largest ``nn.ModuleList`` of modules of one type, by parameters
     (the shallowest on a tie), or ``None``."""
@@ -72,60 +113,77 @@ def has_own_forward(module: nn.Module) -> bool:
 @dataclass
 class TracedPlan:
     """Where the traced trunk lies in a module: ``root`` (named ``root_name`` in it; ``""`` is the module
-    itself) is the module whose forward is recorded and taken over; ``blocks`` is the name of the
-    ``nn.ModuleList`` within ``root`` (``None``: no blocks, one stage); ``containers`` are the modules
-    traced through (``root`` and those between it and the blocks)."""
+    itself) is the module whose forward is recorded and taken over; ``lists`` are the names of the block
+    lists within ``root``, in the order the forward runs them (none: one stage); ``containers`` are the
+    modules traced through (``root``, those between it and the lists, and the ``nn.Sequential`` lists,
+    whose own forward calls the blocks)."""
 
     root_name: str
     root: nn.Module
-    blocks: str | None
+    lists: list[str]
     containers: list[nn.Module]
 
     @property
     def block_modules(self) -> list[nn.Module]:
-        return [] if self.blocks is None else list(self.root.get_submodule(self.blocks).children())
+        return [block for name in self.lists for block in self.root.get_submodule(name).children()]
 
     def qualified(self, name: str) -> str:
         return f"{self.root_name}.{name}" if self.root_name else name
 
 
+def _lists_of(module: nn.Module, name: str | None) -> list[str]:
+    """The block lists of ``module`` (names within it): ``name`` alone when it names an ``nn.ModuleList``,
+    else those of ``name``'s module (:func:`find_block_lists`) when there are several, else its largest
+    ``nn.ModuleList`` (the single-list choice)."""
+    target = module.get_submodule(name) if name else module
+    prefix = f"{name}." if name else ""
+    if name and isinstance(target, nn.ModuleList):
+        return [name]
+    lists = find_block_lists(target)
+    if len(lists) > 1:
+        return [prefix + n for n in lists]
+    found = find_blocks(target)
+    return [prefix + found] if found else []
+
+
 def plan_traced(module: nn.Module, name: str | None = None) -> TracedPlan:
     """The :class:`TracedPlan` of ``module``: ``name`` (``pipeline=``) is an ``nn.ModuleList`` of blocks or
-    the module to record (its largest block list is used); by default the largest block list of ``module``
-    with, as root, the module's child that holds it (what ``self.model(x)`` calls), or no blocks and
+    the module to record (its block lists are used); by default the block lists of ``module`` with, as
+    root, the module's child that holds them all (what ``self.model(x)`` calls), or no blocks and
     ``module`` itself as one stage."""
     target = module.get_submodule(name) if name else module
-    if isinstance(target, nn.ModuleList):
-        assert name is not None
-        blocks_name: str | None = name
-    else:
-        found = find_blocks(target)
-        blocks_name = (f"{name}.{found}" if name and found else found)
-    if blocks_name is None:
+    names = _lists_of(module, name)
+    if not names:
         root_name = name or ""
     elif name and not isinstance(target, nn.ModuleList):
         root_name = name
     else:
-        first = blocks_name.split(".")[0]
+        firsts = {n.split(".")[0] for n in names}
+        first = next(iter(firsts))
         child = module.get_submodule(first)
-        root_name = first if first != blocks_name and has_own_forward(child) else ""
+        root_name = (first if len(firsts) == 1 and first not in names and has_own_forward(child) else "")
     root = module.get_submodule(root_name) if root_name else module
     if not has_own_forward(root):
         shown = f"`{root_name}`" if root_name else type(module).__name__
+        around = ", ".join(f"`{n}`" for n in names)
         raise ValueError(
             f"{type(module).__name__} has no nn.Sequential submodule or Hugging Face causal LM to pipeline, and "
             f"{shown} ({type(root).__name__}) has no forward of its own to record"
-            f"{'' if blocks_name is None else f' around the blocks `{blocks_name}`'}. {HOW_TO_PROCEED}")
-    relative = None
+            f"{f' around the blocks {around}' if names else ''}. {HOW_TO_PROCEED}")
     containers = [root]
-    if blocks_name is not None:
-        relative = blocks_name[len(root_name) + 1:] if root_name else blocks_name
+    relatives = [n[len(root_name) + 1:] if root_name else n for n in names]
+    for relative, full in zip(relatives, names, strict=True):
         parts = relative.split(".")
         for depth in range(1, len(parts)):
-            containers.append(root.get_submodule(".".join(parts[:depth])))
-        if not any(True for _ in root.get_submodule(relative).children()):
-            raise ValueError(f"`{blocks_name}` is an empty nn.ModuleList: there are no blocks to pipeline")
-    return TracedPlan(root_name, root, relative, containers)
+            container = root.get_submodule(".".join(parts[:depth]))
+            if all(container is not c for c in containers):
+                containers.append(container)
+        blocks = root.get_submodule(relative)
+        if not any(True for _ in blocks.children()):
+            raise ValueError(f"`{full}` is an empty nn.ModuleList: there are no blocks to pipeline")
+        if isinstance(blocks, nn.Sequential):  # `self.layer1(x)`: its forward's loop calls the blocks
+            containers.append(blocks)
+    return TracedPlan(root_name, root, relatives, containers)
 
 
 # ---------------------------------------------------------------------------- the layers
@@ -284,42 +342,51 @@ class Registry:
     # -------------------------------------------------------------- ownership, fixed at setup
     def _build_layers(self) -> None:
         plan = self.plan
-        blocks = plan.block_modules
         container_ids = {id(m) for m in plan.containers}
-        blocks_list = plan.root.get_submodule(plan.blocks) if plan.blocks is not None else None
-        before: dict[str, nn.Module | torch.Tensor] = {}
-        after: dict[str, nn.Module | torch.Tensor] = {}
-        seen_blocks = False
+        list_ids = {id(plan.root.get_submodule(name)) for name in plan.lists}
+        registered: dict[str, int] = {}  # path outside the blocks -> how many block lists are registered before it
+        values: dict[str, nn.Module | torch.Tensor] = {}
+        lists_seen = 0
 
         def walk(container: nn.Module, prefix: str) -> None:
-            nonlocal seen_blocks
+            nonlocal lists_seen
             for name, tensor in [*container._parameters.items(), *container._buffers.items()]:
                 if tensor is not None:
-                    (after if seen_blocks else before)[prefix + name] = tensor
+                    registered[prefix + name], values[prefix + name] = lists_seen, tensor
             for name, child in container._modules.items():
                 if child is None:
                     continue
-                if child is blocks_list:
-                    seen_blocks = True
+                if id(child) in list_ids:
+                    lists_seen += 1
                 elif id(child) in container_ids:
                     walk(child, f"{prefix}{name}.")
                 else:
                     if not any(True for _ in child.parameters()) and not any(True for _ in child.buffers()):
                         self._stateless.add(prefix + name)
-                    # a module holding only derived tables (rotary frequencies) feeds the blocks, even where it
-                    # is registered after them, as Hugging Face decoders register `rotary_emb`
-                    early = not seen_blocks or _holds_only_derived_tables(child)
-                    (before if early else after)[prefix + name] = child
+                    # where the source does not say, a module holding only derived tables (rotary frequencies)
+                    # feeds the blocks, even where it is registered after them, as Hugging Face decoders register
+                    # `rotary_emb`
+                    early = _holds_only_derived_tables(child)
+                    registered[prefix + name], values[prefix + name] = (0 if early else lists_seen), child
 
         walk(plan.root, "")
-        stateless = {path: before.get(path, after.get(path)) for path in self._stateless}
-        owned: list[dict[str, nn.Module | torch.Tensor]] = [before]
-        if plan.blocks is None:
-            owned, labels = [{**before, **after}], ["single stage"]
-        else:
-            owned += [{f"{plan.blocks}.{i}": block} for i, block in enumerate(blocks)]
-            owned.append(after)
-            labels = ["prologue", *(f"block {i}" for i in range(len(blocks))), "epilogue"]
+        segments = dict(registered)
+        if plan.lists:
+            segments.update(self._segments_by_use(set(registered)))
+        lists = [list(plan.root.get_submodule(name).named_children()) for name in plan.lists]
+        # the layer each segment's state goes to: the prologue, the last block of the list before it, the epilogue
+        ends = [sum(len(blocks) for blocks in lists[:j]) for j in range(len(lists) + 1)]
+        count = ends[-1]
+        layer_of_segment = [0, *ends[1:-1], count + 1] if lists else [0]
+        owned: list[dict[str, nn.Module | torch.Tensor]] = [{} for _ in range(count + 2 if lists else 1)]
+        for name, blocks, first in zip(plan.lists, lists, ends, strict=False):
+            for j, (child, block) in enumerate(blocks):
+                owned[1 + first + j][f"{name}.{child}"] = block
+        for path, segment in segments.items():
+            if path not in self._stateless:
+                owned[layer_of_segment[segment]][path] = values[path]
+        stateless = {path: values[path] for path in self._stateless}
+        labels = (["prologue", *(f"block {i}" for i in range(count)), "epilogue"] if lists else ["single stage"])
         for index, (state, label) in enumerate(zip(owned, labels, strict=True)):
             layer = TracedLayer(index, label, self)
             mounted = {**stateless, **state}
@@ -329,6 +396,19 @@ class Registry:
             self.layers.append(layer)
             self._owners.append({path: "module" if isinstance(v, nn.Module) else "tensor"
                                  for path, v in mounted.items()})
+
+    def _segments_by_use(self, paths: set[str]) -> dict[str, int]:
+        """Per path outside the blocks, the segment where the root's forward source first uses it (see
+        :mod:`~lightning_roundpipe.uses`); paths it does not name keep their place by registration."""
+        plan = self.plan
+        containers = {name for name, m in plan.root.named_modules()
+                      if name and any(m is c for c in plan.containers)}
+
+        def resolve(path: str) -> str | None:
+            parts = path.split(".")
+            return next((p for p in (".".join(parts[:d]) for d in range(len(parts), 0, -1)) if p in paths), None)
+
+        return first_segments(plan.root, plan.lists, sorted(containers), resolve) or {}
 
     def _owns(self, index: int, target: str) -> bool:
         owners = self._owners[index]
@@ -393,8 +473,9 @@ class Registry:
         count = len(block_index)
         if calls != list(range(count)):
             raise CaptureError(describe(
-                f"it calls the blocks of `{plan.qualified(str(plan.blocks))}` in the order {calls}; RoundPipe cuts "
-                f"the forward at the block calls, so each of the {count} blocks must be called once, in order"))
+                f"it calls the blocks of {', '.join(f'`{plan.qualified(n)}`' for n in plan.lists)} in the order "
+                f"{calls}; RoundPipe cuts the forward at the block calls, so each of the {count} blocks must be "
+                "called once, in order (list after list, in the order they are registered)"))
         last = 0 if count == 0 else count + 1
         layer_of: dict[fx.Node, int] = {}
         seen = 0
@@ -410,6 +491,7 @@ class Registry:
                 layer_of[node] = 0
             else:
                 layer_of[node] = seen if seen < count else last
+        carried = self._carried_buffers(nodes, layer_of)
         last_use = {node: max([layer_of[node], *(layer_of[user] for user in node.users)])
                     for node in layer_of if node.op != "output"}
         live = [[node for node in layer_of if node.op != "output" and layer_of[node] <= k < last_use[node]]
@@ -419,11 +501,11 @@ class Registry:
         for k in range(last + 1):
             inputs = [n for n in nodes if n.op == "placeholder"] if k == 0 else live[k - 1]
             body = [n for n in nodes if layer_of.get(n) == k and n.op not in ("placeholder", "output")]
-            self._check_owned(k, body, recorded, describe)
+            self._check_owned(k, body, recorded, carried, describe)
             segment = self._segment(k, ident, inputs, body, tuple(live[k]) if k < last else output.args[0],
                                     recorded.constants)
-            constant_in = tuple(not n.meta[DATA] for n in inputs) if k else ()
-            constant_out = tuple(not n.meta[DATA] for n in live[k]) if k < last else ()
+            constant_in = tuple(n in carried or not n.meta[DATA] for n in inputs) if k else ()
+            constant_out = tuple(n in carried or not n.meta[DATA] for n in live[k]) if k < last else ()
             programs.append(Program(_compile(segment, f"<roundpipe: {self.layers[k].label}, graph {ident}>"),
                                     constant_in, constant_out))
         computed = [isinstance(leaf, fx.Proxy) for leaf in recorded.out_leaves]
@@ -456,19 +538,37 @@ class Registry:
         segment.output(fx.node.map_arg(output, lookup))
         return segment
 
-    def _check_owned(self, k: int, body: list[fx.Node], recorded: Recorded, describe: Callable[[str], str]) -> None:
+    def _carried_buffers(self, nodes: list[fx.Node], layer_of: dict[fx.Node, int]) -> set[fx.Node]:
+        """The reads of a buffer of the root or a container (a causal mask, a rotary table) by layers after
+        the one that holds it: read once there and passed along, read-only, in the ``NoGrad`` (placed in
+        ``layer_of``). A parameter is never passed along: its gradient must reach its own layer."""
+        carried = set()
+        for node in nodes:
+            if node.op != "get_attr" or isinstance(node.meta.get(VALUE), nn.Parameter):
+                continue
+            owner = next((k for k in range(len(self.layers)) if self._owns(k, str(node.target))), None)
+            readers = {layer_of[user] for user in node.users}
+            if owner is not None and readers and min(readers) >= owner and readers != {owner}:
+                layer_of[node] = owner
+                carried.add(node)
+        return carried
+
+    def _check_owned(self, k: int, body: list[fx.Node], recorded: Recorded, carried: set[fx.Node],
+                     describe: Callable[[str], str]) -> None:
         for node in body:
             for used in [node, *(n for n in node.all_input_nodes if n.op == "get_attr")]:
-                if used.op not in ("call_module", "get_attr") or str(used.target) in recorded.constants:
+                if (used.op not in ("call_module", "get_attr") or str(used.target) in recorded.constants
+                        or (used in carried and used is not node)):
                     continue
                 target = str(used.target)
                 if not self._owns(k, target):
                     raise CaptureError(describe(
                         f"the {self.layers[k].label} layer uses `{self.plan.qualified(target)}`, which belongs to "
-                        f"{self._owner_of(target)}. RoundPipe gives the modules outside the blocks to the prologue "
-                        "or the epilogue by where they are registered (before or after the blocks), as it must fix "
-                        "each layer's parameters before any input is seen; register that module on the side "
-                        "where it is used, or avoid using it in both"))
+                        f"{self._owner_of(target)}. RoundPipe gives each module outside the blocks to the layer "
+                        "where the forward's own code first uses it (else by where it is registered: before, "
+                        "between or after the block lists), as it must fix each layer's parameters before any "
+                        "input is seen; use it in one place only (between the same two block calls), or register "
+                        "it on the side where it is used"))
 
 
 def _compile(graph: fx.Graph, filename: str) -> Callable[..., Any]:
@@ -494,11 +594,11 @@ def build_traced_trunk(module: nn.Module, name: str | None = None) -> tuple[Trac
     that module's name (``""``: ``module`` itself)."""
     plan = plan_traced(module, name)
     registry = Registry(plan, type(module).__name__)
-    if plan.blocks is None:
+    if not plan.lists:
         source = f"{type(plan.root).__name__} traced with torch.fx: no repeated blocks, one stage"
     else:
         source = (f"{type(plan.root).__name__} traced with torch.fx: {len(plan.block_modules)} blocks of "
-                  f"`{plan.qualified(plan.blocks)}` between a prologue and an epilogue")
+                  f"{' then '.join(f'`{plan.qualified(n)}`' for n in plan.lists)} between a prologue and an epilogue")
     return TracedTrunk(registry, source), plan.root, plan.root_name
 
 

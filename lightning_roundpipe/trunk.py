@@ -1,8 +1,9 @@
 """Which part of a module RoundPipe pipelines: the trunk, found by name, as a Hugging Face causal LM with a
 preset, as the base model of any other Hugging Face model (recorded and cut at its layers:
 :mod:`~lightning_roundpipe.hf.base_model`), as the ``nn.Sequential`` holding the most parameters, or as the
-forward that loops over the largest ``nn.ModuleList`` of blocks (recorded with torch.fx and cut at the
-blocks: :mod:`~lightning_roundpipe.traced`); with none of these, the module's own forward runs as one stage.
+forward that loops over the largest ``nn.ModuleList`` of blocks or runs several block lists in turn (recorded
+with torch.fx and cut at the blocks: :mod:`~lightning_roundpipe.traced`); with none of these, the module's own
+forward runs as one stage.
 
 Lives above ``engine`` because it knows the Hugging Face integration (``hf``); it imports no Lightning, so
 a plain-PyTorch user of the engine can pick a trunk the way the strategy does.
@@ -19,7 +20,7 @@ from lightning_roundpipe.engine.layers import Trunk, build_trunk
 from lightning_roundpipe.engine.options import OptionError
 from lightning_roundpipe.hf.base_model import base_model_name
 from lightning_roundpipe.hf.causal_lm import causal_lm_preset, find_causal_lm
-from lightning_roundpipe.traced import build_traced_trunk, find_blocks
+from lightning_roundpipe.traced import build_traced_trunk, find_block_lists, find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,12 @@ MOSTLY_INSIDE = 0.5
 def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.Module]:
     """The submodule to pipeline and its name: ``pipeline``'s, else the first Hugging Face causal LM with a
     preset, else the base model of the first other Hugging Face model (unless a trunk found below holds
-    more parameters), else the ``nn.Sequential`` holding the most parameters (the shallowest on a tie),
-    unless an ``nn.ModuleList`` of blocks holds more (then that list), else ``("", module)`` (one stage).
-    A ``pipeline`` naming a Hugging Face model without a preset, or a module inside one, means that model's
-    base model."""
+    more parameters), else, where several block lists (each an ``nn.ModuleList`` or ``nn.Sequential`` of
+    modules of one type) together hold more than the largest ``nn.Sequential``, ``("", module)`` (its forward
+    is cut at every block of every list), else the ``nn.Sequential`` holding the most parameters (the
+    shallowest on a tie), unless an ``nn.ModuleList`` of blocks holds more (then that list), else
+    ``("", module)`` (one stage). A ``pipeline`` naming a Hugging Face model without a preset, or a module
+    inside one, means that model's base model."""
     sequentials = {name: m for name, m in module.named_modules() if isinstance(m, nn.Sequential) and name}
     if pipeline is not None:
         try:
@@ -64,6 +67,13 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
         if all(parameter_count(module.get_submodule(base)) >= parameter_count(rival) for rival in rivals):
             refuse_compiled(base, module.get_submodule(base))
             return base, module.get_submodule(base)
+    lists = find_block_lists(module)
+    if len(lists) > 1 and (best is None or sum(parameter_count(module.get_submodule(n)) for n in lists)
+                           > parameter_count(sequentials[best])):
+        # several block lists run one after another (a ResNet's stages, an encoder then a decoder): the
+        # forward is cut at every block of every list, rather than pipelining the largest list alone
+        refuse_compiled(type(module).__name__, module)
+        return "", module
     if best is not None and (blocks is None or parameter_count(sequentials[best]) >= parameter_count(
             module.get_submodule(blocks))):
         refuse_compiled(best, sequentials[best])

@@ -214,9 +214,10 @@ def test_lightning_demo_transformer_trains_unchanged(devices):
     with pytest.warns(UserWarning, match=r"the forward of `model` assigns `src_mask`"):
         module, strategy = _fit_demo(make, data, devices)
     trunk = strategy.engine.trunk
-    # nn.Transformer's decoder layers are the blocks (they hold more than the encoder's); the encoder's output
-    # (memory) and the causal mask flow from block to block
-    assert "`model.transformer.decoder.layers`" in trunk.source and len(trunk) == 4
+    # nn.Transformer's encoder layers then its decoder layers are the blocks; the encoder's output (memory) and
+    # the causal mask flow from block to block
+    assert "`model.transformer.encoder.layers` then `model.transformer.decoder.layers`" in trunk.source
+    assert len(trunk) == 6
     assert module.model.src_mask is None and module.model.pos_encoder.pe is None  # no proxy or cache left behind
 
 
@@ -293,8 +294,8 @@ class Reused(nn.Module):
         return x
 
 
-class UsedOnTheOtherSide(nn.Module):
-    """``norm`` is registered after the blocks but used before them."""
+class UsedOnBothSides(nn.Module):
+    """``norm`` is used before and after the blocks: its parameters would be in two layers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -305,14 +306,30 @@ class UsedOnTheOtherSide(nn.Module):
         x = self.norm(x)
         for block in self.blocks:
             x = block(x)
-        return x
+        return self.norm(x)
+
+
+class IntOfData(nn.Module):
+    """Turns a value computed from the data into a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x * int(x.sum())
 
 
 @pytest.mark.parametrize(("net", "match"), [
+    (IntOfData, r"`int\(\)` of a value computed from the values of tensors, not only their shapes, at "
+                r".*test_traced.py:\d+: return x \* int\(x.sum\(\)\); one graph cannot stand for every batch"),
     (Reused, r"calls the blocks of `net.blocks` in the order \[0, 1, 0, 1\]; .* each of the 2 blocks must be called "
              r"once, in order"),
-    (UsedOnTheOtherSide, r"the prologue layer uses `net.norm`, which belongs to the epilogue layer\. .*register that "
-                         r"module on the side where it is used"),
+    (UsedOnBothSides, r"the epilogue layer uses `net.norm`, which belongs to the prologue layer\. RoundPipe gives each "
+                      r"module outside the blocks to the layer where the forward's own code first uses it .*use it in "
+                      r"one place only"),
 ])
 def test_forwards_that_cannot_be_cut_are_refused_clearly(net, match):
     with pytest.raises(CaptureError, match=match):
@@ -329,6 +346,19 @@ def test_a_module_without_a_forward_of_its_own_is_refused_at_setup():
                                          r"pipeline, and NoForward \(NoForward\) has no forward of its own to record "
                                          r"around the blocks `blocks`\. Name the trunk with RoundPipeStrategy\(pipeline"):
         build_module_trunk(NoForward())
+
+
+def test_pipeline_naming_an_empty_list_is_refused():
+    class Empty(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList()
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match=r"^`blocks` is an empty nn.ModuleList: there are no blocks to pipeline$"):
+        build_module_trunk(Empty(), "blocks")
 
 
 # ---------------------------------------------------------------------------- discovery
