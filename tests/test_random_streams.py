@@ -1,0 +1,171 @@
+"""The user's random streams are the user's, and a step without a backward is the default strategy's (issue 23).
+
+1. Nothing the strategy does at setup or between steps draws from torch's global generators, Python's
+   ``random`` or NumPy's: a seeded run draws the same numbers after setup as under Lightning's default
+   strategy (a shuffled DataLoader's order, a dataset built in ``train_dataloader``). The pre-flight used to
+   time the optimizer on scratch parameters filled from torch's global generator.
+2. An optimizer step that follows no backward changes what it changes under the default strategy. Plain
+   training leaves the last backward's gradients in ``param.grad`` until ``zero_grad()``, so such a step
+   applies them again (SWA's BatchNorm-update epoch: Lightning skips zero_grad and backward there but still
+   steps once at the epoch's end), or nothing once they were cleared (a ``training_step`` returning ``None``:
+   Lightning zeroes before the backward it skips; manual optimization after ``zero_grad()``).
+
+References: Lightning's default strategy (one CPU device) on the same seeded module and data, in float64 with
+one microbatch per batch, so RoundPipe runs the same kernels on the same data in the same order: bitwise
+(``assert_states_equal``, tests/numerics.py) where the issue asks for it, else the float64 tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_roundpipe  # noqa: F401 - registers the strategy names
+from lightning_roundpipe import RoundPipeStrategy
+from tests.models import Classifier
+from tests.numerics import assert_states_float64_equal
+
+
+def _roundpipe(**options: Any) -> RoundPipeStrategy:
+    return RoundPipeStrategy(num_microbatches=1, num_stages=2, **options)
+
+
+def _trainer(strategy: Any, callbacks: list[Callback], *, epochs: int = 2, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1 if strategy == "auto" else 2,
+                      max_epochs=epochs, precision="64-true", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)
+
+
+def _fit(trainer: pl.Trainer, module: pl.LightningModule, data: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r".*does not have many workers.*")
+        warnings.filterwarnings("ignore", r".*training_step.*returned `None`.*")
+        trainer.fit(module, data)
+
+
+# ------------------------------------------------------------------------------------ the global random streams
+def _generator_states() -> dict[str, Any]:
+    """Every global generator's state: torch's CPU one (and each CUDA device's), Python's and NumPy's."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate(),
+                              "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _assert_same_states(ours: dict[str, Any], reference: dict[str, Any], when: str) -> None:
+    assert ours.keys() == reference.keys(), when
+    assert torch.equal(ours["torch"], reference["torch"]), f"{when}: torch's CPU generator differs"
+    for mine, theirs in zip(ours.get("cuda", []), reference.get("cuda", []), strict=True):
+        assert torch.equal(mine, theirs), f"{when}: a CUDA generator differs"
+    assert ours["random"] == reference["random"], f"{when}: Python's random differs"
+    numpy_mine, numpy_theirs = ours["numpy"], reference["numpy"]
+    assert numpy_mine[0] == numpy_theirs[0] and np.array_equal(numpy_mine[1], numpy_theirs[1]) and \
+        numpy_mine[2:] == numpy_theirs[2:], f"{when}: NumPy's generator differs"
+
+
+class RecordStates(Callback):
+    """The global generators' states once setup is done (``on_train_start``, after the strategy's setup and
+    pre-flight), after the first step (``on_train_batch_end`` of batch 0) and at the end of training."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, dict[str, Any]] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.states["after setup"] = _generator_states()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1 and "after a step" not in self.states:
+            self.states["after a step"] = _generator_states()
+
+    def on_train_end(self, trainer, pl_module):
+        self.states["after training"] = _generator_states()
+
+
+def _record(strategy: Any) -> dict[str, dict[str, Any]]:
+    pl.seed_everything(7, verbose=False)
+    module = Classifier(optimizer="adamw")
+    data = DataLoader(TensorDataset(torch.randn(24, 6, dtype=torch.float64), torch.randint(0, 3, (24,))),
+                      batch_size=8)
+    recorder = RecordStates()
+    states = {"before fit": _generator_states()}
+    _fit(_trainer(strategy, [recorder], epochs=1), module, data)
+    return {**states, **recorder.states}
+
+
+@pytest.mark.parametrize("preflight", ["refuse", "off"])
+def test_setup_and_steps_leave_every_global_generator_as_the_default_strategy_does(preflight):
+    """The pre-flight's optimizer timing (``preflight`` other than ``"off"``) used to fill its scratch
+    parameters from torch's global generator."""
+    reference = _record("auto")
+    ours = _record(_roundpipe(preflight=preflight))
+    assert list(ours) == list(reference) == ["before fit", "after setup", "after a step", "after training"]
+    for when in reference:
+        _assert_same_states(ours[when], reference[when], when)
+
+
+def test_measuring_the_host_step_draws_from_no_global_generator():
+    """The host-step figure itself (what the pre-flight runs), for an optimizer whose own step draws too."""
+    from lightning_roundpipe.engine.host_step import measure_step
+
+    class NoisySGD(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.add_(torch.randn_like(param.grad), alpha=1e-3)
+            return super().step(closure)
+
+    params = [nn.Parameter(torch.zeros(64, 64))]
+    for optimizer in (torch.optim.AdamW(params, lr=1e-3), NoisySGD(params, lr=0.1)):
+        torch.manual_seed(3)
+        before = torch.get_rng_state()
+        figure = measure_step(optimizer, max_elements=4096)
+        assert figure.seconds_per_param is not None, figure.problem
+        assert torch.equal(torch.get_rng_state(), before), type(optimizer).__name__
+
+
+class RandomData(pl.LightningDataModule):
+    """The LightningCLI project's pattern: the dataset is drawn from torch's global generator in
+    ``train_dataloader`` (after the strategy's setup), and the loader shuffles with it every epoch."""
+
+    def train_dataloader(self):
+        features = torch.randn(40, 6, dtype=torch.float64)
+        labels = torch.randint(0, 3, (40,))
+        return DataLoader(TensorDataset(features, labels), batch_size=8, shuffle=True)
+
+
+class NoisyInputs(Callback):
+    """A callback that draws from every global generator each epoch (an augmentation's settings, say)."""
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[float, float, float]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.draws.append((torch.rand(()).item(), random.random(), float(np.random.rand())))
+
+
+def _data_module_fit(strategy: Any) -> tuple[Classifier, NoisyInputs]:
+    pl.seed_everything(11, verbose=False)
+    module = Classifier(optimizer="adamw")
+    noise = NoisyInputs()
+    _fit(_trainer(strategy, [noise], epochs=3), module, RandomData())
+    return module, noise
+
+
+def test_a_seeded_datamodule_with_a_shuffled_loader_trains_as_under_the_default_strategy():
+    """The issue's LightningCLI project: 6.6e-2 off the default strategy while setup drew random numbers."""
+    reference, reference_noise = _data_module_fit("auto")
+    module, noise = _data_module_fit(_roundpipe())
+    assert noise.draws == reference_noise.draws
+    assert module.losses == pytest.approx(reference.losses, rel=1e-12, abs=1e-12)
+    assert_states_float64_equal(module.net, reference.net)
