@@ -25,14 +25,15 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy
 from tests.models import Classifier
-from tests.numerics import assert_states_float64_equal
+from tests.numerics import assert_states_equal, assert_states_float64_equal, state
 
 
 def _roundpipe(**options: Any) -> RoundPipeStrategy:
@@ -169,3 +170,112 @@ def test_a_seeded_datamodule_with_a_shuffled_loader_trains_as_under_the_default_
     assert noise.draws == reference_noise.draws
     assert module.losses == pytest.approx(reference.losses, rel=1e-12, abs=1e-12)
     assert_states_float64_equal(module.net, reference.net)
+
+
+# --------------------------------------------------------------------------- a step without a backward
+class SmallCNN(pl.LightningModule):
+    """Two convolutions with BatchNorm and a linear head; SGD with momentum and weight decay (a step with
+    stale gradients moves every weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                 nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                 nn.Flatten(), nn.Linear(4 * 5 * 5, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def _images() -> DataLoader:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 2, 5, 5, generator=generator, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (24,), generator=generator)), batch_size=8)
+
+
+class EpochEnds(Callback):
+    """Parameters and buffers at the end of every epoch."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.states.append({name: value.clone() for name, value in state(pl_module).items()})
+
+
+def _swa_fit(strategy: Any) -> tuple[SmallCNN, EpochEnds]:
+    module, ends = SmallCNN(), EpochEnds()
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    _fit(_trainer(strategy, [swa, ends], epochs=3), module, _images())
+    return module, ends
+
+
+def test_swa_with_batchnorm_is_bitwise_the_default_strategy_at_every_epochs_end():
+    """SWA's last epoch only recomputes the BatchNorm statistics (``fit_loop._skip_backward``: no zero_grad,
+    no backward), and Lightning still steps once at its end, with what ``param.grad`` kept from the last
+    real step. The engine used to step nothing there (it had dropped those gradients)."""
+    reference, reference_ends = _swa_fit("auto")
+    module, ends = _swa_fit(_roundpipe())
+    assert len(ends.states) == len(reference_ends.states) == 4  # three epochs and SWA's BatchNorm epoch
+    for epoch, (ours, theirs) in enumerate(zip(ends.states, reference_ends.states, strict=True)):
+        for name, value in theirs.items():
+            assert torch.equal(ours[name], value), f"epoch {epoch}: {name} differs"
+    assert_states_equal(module, reference)
+    assert not torch.equal(reference_ends.states[-1]["net.0.weight"], reference_ends.states[-2]["net.0.weight"])
+
+
+class SkipsSomeBatches(Classifier):
+    """``training_step`` returns ``None`` on every third batch: Lightning zeroes the gradients, skips the
+    backward and steps nothing."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 3 == 2 else loss
+
+
+class ManualSteps(pl.LightningModule):
+    """Manual optimization stepping on every batch but running ``manual_backward`` on two of three: with
+    ``clear`` the step after no backward follows ``zero_grad()`` (nothing to apply), without it the step
+    applies the previous backward's gradients again, as plain PyTorch does."""
+
+    def __init__(self, clear: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.clear = clear
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if batch_idx % 3 != 2:
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+        elif self.clear:
+            optimizer.zero_grad()
+        optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _plain_data() -> DataLoader:
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(48, 6, generator=generator, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (48,), generator=generator)), batch_size=8)
+
+
+@pytest.mark.parametrize("make", [lambda: SkipsSomeBatches("adamw"), lambda: ManualSteps(clear=True),
+                                  lambda: ManualSteps(clear=False)],
+                         ids=["training_step-returns-None", "manual-after-zero_grad", "manual-stale-gradients"])
+def test_a_step_after_no_backward_changes_what_the_default_strategy_changes(make):
+    reference, module = make(), make()
+    _fit(_trainer("auto", [], epochs=1), reference, _plain_data())
+    _fit(_trainer(_roundpipe(), [], epochs=1), module, _plain_data())
+    assert_states_equal(module.net, reference.net)
