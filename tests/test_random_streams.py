@@ -279,3 +279,46 @@ def test_a_step_after_no_backward_changes_what_the_default_strategy_changes(make
     _fit(_trainer("auto", [], epochs=1), reference, _plain_data())
     _fit(_trainer(_roundpipe(), [], epochs=1), module, _plain_data())
     assert_states_equal(module.net, reference.net)
+
+
+# ------------------------------------------------------------------- float32, one microbatch: bitwise
+class DemoTransformerTrunk(pl.LightningModule):
+    """Lightning's demo Transformer (``lightning.pytorch.demos.Transformer``, without dropout) as an
+    ``nn.Sequential`` trunk: its embedding, its encoder layers and its decoder."""
+
+    VOCAB = 33
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        torch.manual_seed(0)
+        demo = Transformer(vocab_size=self.VOCAB, ninp=32, nhead=2, nhid=64, nlayers=2, dropout=0.0)
+        self.net = nn.Sequential(demo.embedding, *demo.transformer.encoder.layers, demo.decoder)
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.nll_loss(F.log_softmax(self.net(x), -1).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":  # the demo's optimizer (torch's fused kernel under host_optimizer="exact")
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_demo_transformer_in_float32_with_one_microbatch_is_bitwise_the_default_strategy(optimizer):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, DemoTransformerTrunk.VOCAB, (32, 10), generator=generator)
+    data = DataLoader(TensorDataset(ids, ids.roll(-1, 1)), batch_size=8)
+    results = []
+    for strategy in ("auto", _roundpipe()):
+        module = DemoTransformerTrunk(optimizer)
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1 if strategy == "auto" else 2,
+                             max_steps=4, precision="32-true", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        _fit(trainer, module, data)
+        results.append(module)
+    assert results[1].net[1].self_attn.in_proj_weight.dtype == torch.float32
+    assert_states_equal(results[1].net, results[0].net)
