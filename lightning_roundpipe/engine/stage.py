@@ -343,7 +343,11 @@ class StageRunner:
             for param, copied in zip(self.trunk.states[layer].params, stage_copy.params[layer], strict=True):
                 # a differentiating job's leaves collect its gradients on the device, in their own dtype
                 copies = 2 if differentiate and param.requires_grad else 1
-                if copies == 2:
+                # a trained parameter requires grad in a forward-only job too, as in plain training (no_grad
+                # records nothing, so it costs nothing): some kernels choose their algorithm by it (nn.
+                # MultiheadAttention's attention differs by ulps), and the forward's outputs, which the
+                # loss is computed from, must be bitwise what the backward's recompute and plain training get
+                if param.requires_grad:
                     copied.requires_grad_(True)
                 resident += copies * tensors_nbytes([copied])
             resident += tensors_nbytes(stage_copy.buffers[layer])
