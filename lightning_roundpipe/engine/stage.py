@@ -344,9 +344,11 @@ class StageRunner:
                 # a differentiating job's leaves collect its gradients on the device, in their own dtype
                 copies = 2 if differentiate and param.requires_grad else 1
                 # a trained parameter requires grad in a forward-only job too, as in plain training (no_grad
-                # records nothing, so it costs nothing): some kernels choose their algorithm by it (nn.
-                # MultiheadAttention's attention differs by ulps), and the forward's outputs, which the
-                # loss is computed from, must be bitwise what the backward's recompute and plain training get
+                # records nothing, so it costs nothing): torch.matmul folds a non-contiguous batched input
+                # into one mm only when an operand requires grad, whatever the grad mode, so F.linear on
+                # one (nn.MultiheadAttention's input projection) rounds differently without it; the
+                # forward's outputs, which the loss is computed from, must be bitwise the recompute's and
+                # plain training's
                 if param.requires_grad:
                     copied.requires_grad_(True)
                 resident += copies * tensors_nbytes([copied])
