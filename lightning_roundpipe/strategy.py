@@ -611,6 +611,9 @@ class RoundPipeStrategy(ParallelStrategy):
             # for the step anyway; what no longer overlaps it is the main thread's own work until the next
             # upload (hooks, the next batch, dispatch).
             self.engine.synchronize()
+            # and param.grad holds the step's gradients until zero_grad(), as under the default strategy: a
+            # step that follows no backward (SWA's BatchNorm epoch) applies them again, as Lightning's would
+            self.engine.restore_gradients()
         return result
 
     # ------------------------------------------------------------------ checkpoints

@@ -174,6 +174,8 @@ class RoundPipeEngine:
         self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
         self._last_step_done: HostEvent | None = None
         self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
+        # the last step made with keep_gradients in sync mode, and what it was lent: restore_gradients' input
+        self._kept: tuple[QueuedStep, list[nn.Parameter], dict[int, torch.Tensor]] | None = None
         self._warned_short_batch = False
         self._warned_unstepped = False
         self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
@@ -576,7 +578,8 @@ class RoundPipeEngine:
         from nothing; ``keep_gradients=True`` leaves them (as plain training does until ``zero_grad()``), and
         the caller clears them: with ``set_to_none=True`` at any time, in place only after
         :meth:`wait_for_steps` (the step reads those tensors). Either way gradients may be read or cleared
-        on this thread as soon as this returns.
+        on this thread as soon as this returns. With ``keep_gradients=True`` in sync mode,
+        :meth:`restore_gradients` afterwards puts the gradients the step applied into ``param.grad``.
         """
         self._check_running()
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -608,7 +611,7 @@ class RoundPipeEngine:
         if before_step is not None:
             proceed = before_step()
         finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False,
-                                    averaging=on_thread)
+                                    averaging=on_thread, keep=keep_gradients and not self.options.async_step)
         if not keep_gradients:
             for param in params:
                 param.grad = None
@@ -671,7 +674,8 @@ class RoundPipeEngine:
         return groups
 
     def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
-                    groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None) -> HostEvent:
+                    groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None,
+                    keep: bool = False) -> HostEvent:
         """Queue step ``self._step`` on the optimizer thread, cut into ``groups`` (:class:`QueuedStep` says how it
         runs, and what ``proceed`` and ``averaging`` do), and make each later upload wait for the groups of the
         layers it uploads; returns the event of the step's end.
@@ -694,7 +698,8 @@ class RoundPipeEngine:
                           host_kernels=self.options.host_optimizer, sources=sources, host=host,
                           timeline=self.timeline, trunk=self.trunk, async_step=self.options.async_step,
                           proceed=proceed, averaging=averaging, sharding=sharding,
-                          on_whole=self._record_step_seconds, on_torn=self._record_torn_step)
+                          on_whole=self._record_step_seconds, on_torn=self._record_torn_step, keep_gradients=keep)
+        self._kept = (step, params, lent) if keep else None
         host.submit(step.run, finished, f"step {number}")
         self._upload_waits = upload_waits(groups, len(self.trunk))
         return finished
@@ -713,6 +718,22 @@ class RoundPipeEngine:
         gradients between backward and step, or after the step). Does not wait for a step in flight."""
         self._check_running()
         self._publish_gradients(self._window.wait_idle, self._window)
+
+    def restore_gradients(self) -> None:
+        """Wait for the last step and, if it was made with ``keep_gradients=True`` in sync mode, put into
+        ``param.grad`` the gradients it stepped with where ``param.grad`` holds nothing newer (``None``, or what
+        the step was lent), as plain training leaves them until ``zero_grad()``. A step that follows no
+        backward (Lightning's ``_skip_backward``, a manual step without ``manual_backward``) then applies what
+        it would apply under plain training: these gradients again, unless they were cleared."""
+        self.wait_for_steps()
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return
+        step, params, lent = kept
+        for param in params:
+            grad = step.stepped_with.get(id(param))
+            if grad is not None and (param.grad is None or param.grad is lent.get(id(param))):
+                param.grad = grad
 
     def wait_for_steps(self) -> None:
         """Wait until every queued optimizer step has finished (and no longer reads the gradients it was

@@ -31,7 +31,8 @@ and ``momentum_buffer`` like the parameter), so either steps state the other mad
 resumes under plain Lightning, and the other way round.
 
 :func:`measure_step` times one step of an optimizer's class and hyperparameters on scratch parameters,
-for the pre-flight plan's host-optimizer line.
+for the pre-flight plan's host-optimizer line. It draws its scratch values from a private generator: the
+user's random streams stay as they are.
 """
 
 from __future__ import annotations
@@ -153,20 +154,28 @@ def _time_step(optimizer: Any, elements: int, dtype: torch.dtype, fused: bool) -
     pieces = min(4, elements)
     columns = min(1024, elements // pieces)
     shapes = [(elements // pieces // columns, columns)] * pieces
-    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-1.0, 1.0)) for shape in shapes]
+    # scratch values from a private generator: drawing from torch's global one here, at setup, would change
+    # everything a seeded run draws after it (a shuffled DataLoader's order, a dataset built in
+    # train_dataloader) against Lightning's default strategy, which measures nothing
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-1.0, 1.0, generator=generator))
+              for shape in shapes]
     elements = sum(param.numel() for param in params)
     for param in params:
-        param.grad = torch.empty_like(param).uniform_(-1e-2, 1e-2)
+        param.grad = torch.empty_like(param).uniform_(-1e-2, 1e-2, generator=generator)
     scratch = _scratch_optimizer(optimizer, params, fused)
-    scratch.step()  # makes the state
-    best, spent = math.inf, 0.0
-    for _ in range(5):
-        start = time.perf_counter()
-        scratch.step()
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-        if spent > 0.05:  # enough for a stable best, and the whole measurement stays well under a second
-            break
+    # an optimizer of the user's own class may draw random numbers in its step (noise, a random subset):
+    # its scratch steps give back what they drew from torch's CPU generator
+    with torch.random.fork_rng(devices=[]):
+        scratch.step()  # makes the state
+        best, spent = math.inf, 0.0
+        for _ in range(5):
+            start = time.perf_counter()
+            scratch.step()
+            took = time.perf_counter() - start
+            best, spent = min(best, took), spent + took
+            if spent > 0.05:  # enough for a stable best, and the whole measurement stays well under a second
+                break
     return best / elements
 
 

@@ -61,7 +61,7 @@ class QueuedStep:
                  hyperparameters: list[dict], host_kernels: str, sources: UploadSources, host: HostOptimizer,
                  timeline: Timeline, trunk: Trunk, async_step: bool, proceed: bool, averaging: Averaging | None,
                  sharding: DataParallel | None, on_whole: Callable[[list[float]], None],
-                 on_torn: Callable[[int, list[str]], None]) -> None:
+                 on_torn: Callable[[int, list[str]], None], keep_gradients: bool = False) -> None:
         self.optimizer = optimizer
         self.number = number
         self.groups = groups
@@ -77,6 +77,10 @@ class QueuedStep:
         self.averaging = averaging
         self.on_whole = on_whole
         self.on_torn = on_torn
+        # keep_gradients: the gradients each parameter was stepped with, by id, for the caller's thread to put
+        # into param.grad once the step is done (RoundPipeEngine.restore_gradients)
+        self.keep_gradients = keep_gradients
+        self.stepped_with: dict[int, torch.Tensor] = {}
         self._sent_at: dict[int, float] = {}  # averaging: per group sent, when (its timeline event starts there)
         # sharded: the stepped group whose other owners' updates are in flight, and when they were sent
         self._broadcasting: tuple[int, Broadcast, float] | None = None
@@ -108,6 +112,8 @@ class QueuedStep:
                 if self.async_step:
                     self._publish(group, wait=True)
                 grads = self._gradients(index)
+                if self.keep_gradients:
+                    self.stepped_with.update(grads)
                 if not self.proceed:
                     group.ready.set()
                     continue

@@ -343,7 +343,13 @@ class StageRunner:
             for param, copied in zip(self.trunk.states[layer].params, stage_copy.params[layer], strict=True):
                 # a differentiating job's leaves collect its gradients on the device, in their own dtype
                 copies = 2 if differentiate and param.requires_grad else 1
-                if copies == 2:
+                # a trained parameter requires grad in a forward-only job too, as in plain training (no_grad
+                # records nothing, so it costs nothing): torch.matmul folds a non-contiguous batched input
+                # into one mm only when an operand requires grad, whatever the grad mode, so F.linear on
+                # one (nn.MultiheadAttention's input projection) rounds differently without it; the
+                # forward's outputs, which the loss is computed from, must be bitwise the recompute's and
+                # plain training's
+                if param.requires_grad:
                     copied.requires_grad_(True)
                 resident += copies * tensors_nbytes([copied])
             resident += tensors_nbytes(stage_copy.buffers[layer])
