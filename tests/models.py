@@ -72,6 +72,36 @@ class Head(nn.Module):
         return F.linear(self.norm(x), self.weight)
 
 
+def without_dropout(module: nn.Module) -> nn.Module:
+    """``module`` with every dropout off, functional attention dropout included (for bitwise comparisons)."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Dropout):
+            layer.p = 0.0
+        if isinstance(layer, nn.MultiheadAttention):
+            layer.dropout = 0.0  # functional attention dropout
+    return module
+
+
+class RecordsLosses(pl.LightningModule):
+    """Records each training and validation loss of ``loss(batch)``, which a subclass defines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def loss(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.val_losses.append(self.loss(batch).item())
+
+
 def tiny_gpt(seed: int = 0, blocks: int = 3, dropout: float = 0.0) -> nn.Sequential:
     torch.manual_seed(seed)
     embed = Embed()

@@ -19,6 +19,7 @@ import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.traced import TracedTrunk  # noqa: E402
 from lightning_roundpipe.trunk import find_trunk  # noqa: E402
+from tests.models import RecordsLosses  # noqa: E402
 from tests.numerics import (  # noqa: E402
     assert_float64_equal,
     assert_states_close_to_reference,
@@ -55,7 +56,7 @@ PRESETS = {"llama", "qwen3"}  # causal LMs with RoundPipe's own preset: their lo
 FLOAT32_INSIDE = {"gemma", "gpt2+labels"}
 
 
-class Model(pl.LightningModule):
+class Model(RecordsLosses):
     """A user's module: the LMs' next-token loss from the logits (padding ignored), or their own ``.loss``
     from labels (``+labels``); the classifiers' own ``.loss`` from their labels; ``+lora``: LoRA adapters."""
 
@@ -73,10 +74,8 @@ class Model(pl.LightningModule):
                 if "lora_B" in name:
                     torch.nn.init.normal_(param, std=0.02)
         self.architecture = architecture
-        self.losses: list[float] = []
-        self.val_losses: list[float] = []
 
-    def _loss(self, batch) -> torch.Tensor:
+    def loss(self, batch) -> torch.Tensor:
         if self.architecture == "vit":
             return self.model(pixel_values=batch["pixels"], labels=batch["labels"]).loss
         mask = batch.get("mask")
@@ -87,14 +86,6 @@ class Model(pl.LightningModule):
             return self.model(input_ids=batch["ids"], attention_mask=mask, labels=targets).loss
         logits = self.model(input_ids=batch["ids"], attention_mask=mask).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.val_losses.append(self._loss(batch).item())
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)

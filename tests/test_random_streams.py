@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy
-from tests.models import Classifier
+from tests.models import Classifier, without_dropout
 from tests.numerics import assert_states_equal, assert_states_float64_equal, state
 
 
@@ -335,12 +335,7 @@ def test_lightnings_demo_transformer_in_float32_with_one_microbatch_is_bitwise_t
         torch.manual_seed(0)
         module = LightningTransformer(vocab_size=31)
         module.prepare_data = lambda: None  # WikiText2 downloads: the data below needs no download
-        for layer in module.modules():
-            if isinstance(layer, nn.Dropout):
-                layer.p = 0.0
-            if isinstance(layer, nn.MultiheadAttention):
-                layer.dropout = 0.0  # functional attention dropout
-        return module
+        return without_dropout(module)
 
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 31, (16, 9), generator=generator)

@@ -22,6 +22,7 @@ from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
 from lightning_roundpipe.capture import CaptureError
 from lightning_roundpipe.traced import TracedTrunk
 from lightning_roundpipe.trunk import build_module_trunk
+from tests.models import without_dropout
 from tests.numerics import assert_float64_equal, assert_states_float64_equal
 
 VOCAB, WIDTH, CONTEXT = 23, 16, 12
@@ -172,15 +173,6 @@ def test_the_parameters_and_checkpoints_are_the_modules_own(tmp_path):
 
 
 # ---------------------------------------------------------------------------- Lightning's own demo modules
-def _no_dropout(module: nn.Module) -> nn.Module:
-    for layer in module.modules():
-        if isinstance(layer, nn.Dropout):
-            layer.p = 0.0
-        if isinstance(layer, nn.MultiheadAttention):
-            layer.dropout = 0.0  # functional attention dropout
-    return module
-
-
 class Losses(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -204,7 +196,7 @@ def _fit_demo(make, data, devices: int):
 def test_lightning_demo_transformer_trains_unchanged(devices):
     def make() -> LightningTransformer:
         torch.manual_seed(0)
-        module = _no_dropout(LightningTransformer(vocab_size=31))
+        module = without_dropout(LightningTransformer(vocab_size=31))
         module.prepare_data = lambda: None  # WikiText2 downloads: the data below needs no download
         return module
 
