@@ -492,9 +492,9 @@ class RoundPipeStrategy(ParallelStrategy):
         super().on_train_start()
         self._guard_zero_grad()  # in case Lightning rebuilt its optimizer wrappers after setup
 
-    def _release(self, finish_steps: bool) -> None:
+    def _release(self, finish_steps: bool, finish_jobs: bool = True) -> None:
         if self.engine is not None:
-            self.engine.close(finish_steps=finish_steps)
+            self.engine.close(finish_steps=finish_steps, finish_jobs=finish_steps and finish_jobs)
             self._write_timeline()
         for patch in self._patches:
             patch.remove()
@@ -543,7 +543,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # the steps Lightning has counted complete (they are whole or not at all), unless the pipeline itself
         # failed; the batch in flight is dropped. Every wait in there is bounded by `wait_timeout`.
-        self._release(finish_steps=self.engine is not None and not self.engine.failed)
+        self._release(finish_steps=self.engine is not None and not self.engine.failed, finish_jobs=False)
 
     def _interrupted(self) -> bool:
         """Whether the run is being interrupted: Lightning handles an exception (it calls the callbacks'
@@ -629,7 +629,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if engine.failed:
             engine.close(finish_steps=False)
         elif self._interrupted():
-            engine.close(finish_steps=True)
+            engine.close(finish_steps=True, finish_jobs=False)
         else:
             engine.synchronize()
 

@@ -670,3 +670,23 @@ def test_calls_before_start_say_the_engine_is_not_started(roundpipe_threads):
         engine(torch.zeros(4, 2))  # one layer: one job, the ring's first on device 0
         assert engine.peak_resident_stages() == [1, 0]
     assert roundpipe_threads() == []
+
+
+def test_closing_right_after_a_no_grad_call_keeps_its_batchnorm_statistics(roundpipe_threads):
+    """A no-grad call returns once its outputs have arrived; its jobs may still be copying the BatchNorm
+    statistics back into the module. Closing at once must let them land (it once dropped them now and then).
+    Reference: plain PyTorch running the same microbatches one after another."""
+    x, _ = bn_batch(8, 0)
+    reference = bn_model()
+    with torch.no_grad():
+        for chunk in x.split(microbatch_sizes(8, 2)):
+            reference(chunk)
+    jitter = EngineOptions(num_microbatches=2, jitter=2e-3, stress=True)  # late copy-backs, as on a GPU
+    for _ in range(20):
+        model = bn_model()
+        engine = RoundPipeEngine(model, 2, jitter).start()
+        with torch.no_grad():
+            engine(x)
+        engine.close()
+        assert_states_equal(model, reference)
+    assert roundpipe_threads() == []

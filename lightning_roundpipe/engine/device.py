@@ -106,6 +106,10 @@ class HostEvent:
     def wait(self, abort: AbortSignal) -> None:
         abort.wait(self._flag, self.name)
 
+    def wait_until(self, deadline: float) -> bool:
+        """Wait until the event is set or ``time.monotonic()`` passes ``deadline``; whether it was set."""
+        return self._flag.wait(max(0.0, deadline - time.monotonic()))
+
 
 _STOP = object()
 

@@ -211,15 +211,18 @@ class RoundPipeEngine:
         self._started = True
         return self
 
-    def close(self, *, finish_steps: bool = True) -> None:
+    def close(self, *, finish_steps: bool = True, finish_jobs: bool | None = None) -> None:
         """Stop every thread. Safe to call twice and after an error; never raises (see
         :meth:`raise_unreported_failure`).
 
         With ``finish_steps`` queued optimizer steps complete first; without it (after an exception) only
         a step already doing its arithmetic finishes and the rest are dropped. Either way every step is
         applied whole or not at all, so the module holds consistent weights afterwards, unless the pipeline
-        failed while a step cut by stage waited for gradients (:attr:`torn_step` says so). Device work still
-        queued is dropped.
+        failed while a step cut by stage waited for gradients (:attr:`torn_step` says so). With
+        ``finish_jobs`` (default: ``finish_steps``) on a healthy engine the jobs already dispatched end first,
+        so a call that returned has all its effects (a no-grad call's BatchNorm statistics are copied back
+        after its outputs arrive); pass ``False`` when a call in flight is abandoned (an exception
+        propagating). Otherwise device work still queued is dropped.
 
         Nothing here waits without a bound: the optimizer thread is given ``wait_timeout`` per step, the
         other threads ``wait_timeout`` in all to finish the operation they are running. A thread still
@@ -234,6 +237,8 @@ class RoundPipeEngine:
         if not finish_steps:
             self._abort.abort()
         timeout = self.options.wait_timeout
+        if (finish_steps if finish_jobs is None else finish_jobs) and self._abort.error is None:
+            self._finish_dispatched_jobs(time.monotonic() + timeout)
         optimizer = self._started_part(self._optimizer)
         stuck = [optimizer.close(timeout)]
         if stuck[0] is not None:  # the module's weights may be mid-update: never a silent success
@@ -259,6 +264,15 @@ class RoundPipeEngine:
                 "keeps its thread for good).",
                 RuntimeWarning, stacklevel=2,
             )
+
+    def _finish_dispatched_jobs(self, deadline: float) -> None:
+        """On a healthy engine, let the jobs already dispatched end before the devices stop: a call returns
+        once its outputs have arrived, while its jobs may still be copying buffers back into the module (a
+        no-grad call's BatchNorm statistics), which stopping the devices would drop. Bounded by ``deadline``:
+        a job that does not end by then is dropped with the rest of the device work."""
+        for event in self._last_done:
+            if event is not None and event.wait_until(deadline) and event.cuda_event is not None:
+                event.cuda_event.synchronize()
 
     def _pin_targets(self, sources: UploadSources) -> list[torch.Tensor]:
         """What uploads read (the masters, async's published copy, the low-precision copies) and the buffers:
