@@ -51,6 +51,20 @@ def resolve_transport(options: EngineOptions, plugin: Precision) -> EngineOption
     return options
 
 
+def refuse_own_optimizer_step(plugin: Precision) -> None:
+    """A precision plugin whose ``optimizer_step`` is not Lightning's own (``Precision``'s or
+    ``MixedPrecision``'s) is refused: :func:`step` does their work, so another plugin's would be bypassed
+    silently."""
+    own = type(plugin).optimizer_step
+    if own not in (Precision.optimizer_step, MixedPrecision.optimizer_step):
+        raise TypeError(
+            f"the precision plugin {type(plugin).__name__} has an optimizer_step of its own ({own.__qualname__}), "
+            "which RoundPipe cannot call: it steps the optimizer on a thread of its own once the pipeline's "
+            "gradients are final, and runs what Lightning's precision plugins run around a step (clipping, "
+            "on_before_optimizer_step, the 16-bit loss scale's checks) itself. Use a precision of Lightning's "
+            "(Trainer(precision=...)), or move that code to a callback's on_before_optimizer_step")
+
+
 def backward_scale(plugin: Precision, module: LightningModule | None) -> float:
     """What Lightning would multiply a returned loss by before its backward: the 16-bit loss scale, and
     ``1 / accumulate_grad_batches`` in automatic optimization. ``pipeline_loss`` runs the backward inside

@@ -425,6 +425,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        precision.refuse_own_optimizer_step(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         assert module is not None

@@ -643,3 +643,18 @@ def test_a_trunk_holding_a_minority_of_the_parameters_is_used_with_a_warning():
     with pytest.warns(UserWarning, match=r"RoundPipe pipelines `net`, which holds only 7% of the parameters"):
         trunk, driven = build_module_trunk(module)
     assert driven is module.net and trunk.layers == list(module.net)
+
+
+def test_a_precision_plugin_with_an_optimizer_step_of_its_own_is_refused_not_bypassed():
+    """Lightning's precision plugins (32-true, bf16-mixed, 16-mixed, ...) keep working (the precision tests
+    above); one that overrides optimizer_step would be bypassed by the engine's step, so it is refused."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    class CountingPrecision(Precision):
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+
+    with pytest.raises(TypeError, match=r"the precision plugin CountingPrecision has an optimizer_step of its own "
+                                        r"\(.*CountingPrecision.optimizer_step\), which RoundPipe cannot call: .* "
+                                        r"move that code to a callback's on_before_optimizer_step"):
+        _fit(Classifier(), RoundPipeStrategy(), plugins=[CountingPrecision()])
