@@ -30,6 +30,7 @@ import ast
 import datetime
 import importlib.util
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -500,9 +501,18 @@ def _check_covered(check: Covered) -> None:
     assert not absent, f"{check.test} no longer names {absent}: it may not run the command any more"
 
 
+def _make_dry_run(target: str) -> subprocess.CompletedProcess[str]:
+    """What ``make -n target`` prints, as from a shell: the suite itself may run under ``make test`` (CI), whose
+    variables would make this make a sub-make (printing "Entering directory", taking its flags)."""
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    return subprocess.run(["make", "--no-print-directory", "-n", target], capture_output=True, text=True, cwd=REPO,
+                          timeout=60, env=environment)
+
+
 def _check_recipe(command: str, check: Recipe) -> None:
     target = command.split()[1]
-    recipe = subprocess.run(["make", "-n", target], capture_output=True, text=True, cwd=REPO, timeout=60)
+    recipe = _make_dry_run(target)
     assert recipe.returncode == 0, recipe.stderr
     # the last line: before it, the venv's creation where .venv is missing
     assert recipe.stdout.splitlines()[-1] == f".venv/bin/{check.command}", recipe.stdout
@@ -512,7 +522,8 @@ def _check_recipe(command: str, check: Recipe) -> None:
 def _check_the_suite() -> None:
     ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci[-1] == "make test", ci
-    recipe = subprocess.run(["make", "-n", "test"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    recipe = _make_dry_run("test")
+    assert recipe.returncode == 0, recipe.stderr
     assert recipe.stdout.splitlines()[-3:] == [".venv/bin/ruff check .", ".venv/bin/mypy",
                                               ".venv/bin/python -m pytest -q"], recipe.stdout  # every test
     tests_section = (REPO / "README.md").read_text().split("\n## Tests\n", 1)[1]
