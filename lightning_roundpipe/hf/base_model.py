@@ -64,11 +64,15 @@ def refuse_unsupported_model(name: str, model: nn.Module) -> None:
             "encoder's output at every layer, and RoundPipe pipelines one list of layers of a Hugging Face model. "
             "Train it under another strategy (strategy='auto'), or use a decoder-only or encoder-only model "
             "(GPT-2, Llama, Mistral, BERT, ViT, ...)")
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation == _FLEX:
+    refuse_flex_attention(model, f"`{name}` ({type(model).__name__})")
+
+
+def refuse_flex_attention(model: nn.Module, shown: str) -> None:
+    """Refuse a model loaded with flex attention (``shown`` names it in the message), for the presets too."""
+    if getattr(model.config, "_attn_implementation", None) == _FLEX:
         raise ValueError(
-            f"`{name}` ({type(model).__name__}) uses attn_implementation={_FLEX!r}, whose block masks RoundPipe "
-            "cannot move between devices; load the model with attn_implementation='sdpa' (or 'eager')")
+            f"{shown} uses attn_implementation={_FLEX!r}, whose block masks RoundPipe cannot move between devices; "
+            "load the model with attn_implementation='sdpa' (or 'eager')")
 
 
 def prepare_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

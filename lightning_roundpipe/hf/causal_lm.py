@@ -40,12 +40,12 @@ from torch import nn
 from lightning_roundpipe.engine.microbatch import token_count
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.engine.transfer import NoGrad
+from lightning_roundpipe.hf.base_model import refuse_flex_attention
 from lightning_roundpipe.hf.lm_loss import chunked_lm_loss
 
 SUPPORTED_TRANSFORMERS = ("5.0", "5.25")  # [lowest, first unsupported): masks and layer calls change often
 FAMILIES = ("llama", "qwen2", "qwen3")    # model_type values whose forward the preset reproduces
 IGNORE_INDEX = -100                       # Hugging Face's label for "no loss at this token"
-_FLEX = "flex_attention"                  # its masks are BlockMask objects, not tensors to copy
 
 
 def find_causal_lm(module: nn.Module) -> nn.Module | None:
@@ -60,12 +60,7 @@ def find_causal_lm(module: nn.Module) -> nn.Module | None:
     if not _has_causal_lm_shape(model) or getattr(model.config, "model_type", None) not in FAMILIES:
         return None
     check_transformers_version()
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation == _FLEX:
-        raise ValueError(
-            f"{type(model).__name__} uses attn_implementation={_FLEX!r}, whose block masks RoundPipe cannot move "
-            "between devices; load the model with attn_implementation='sdpa' (or 'eager')"
-        )
+    refuse_flex_attention(model, type(model).__name__)
     return model
 
 
