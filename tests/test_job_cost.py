@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
-from lightning_roundpipe.engine import replica, stage
+from lightning_roundpipe.engine import feedback, replica
 from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.device import Residency
+from lightning_roundpipe.engine.feedback import Measurements, StepTimes
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.stage import StageRunner, StepTimes
+from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.timing import HostSpan
 from lightning_roundpipe.planning import partition
 from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, plan_auto, predicted_cost
@@ -188,7 +189,7 @@ def test_a_jobs_wait_is_what_passes_between_its_input_and_its_compute(monkeypatc
     job's output, which is also the device's previous job: each waited exactly the 3 ms of its binding."""
     clock = SharedClock()
     taken: list[StepTimes] = []
-    take, bind = StageRunner.take_step_times, StageRunner.bind
+    take, bind = Measurements.take_step_times, StageRunner.bind
 
     def record(self):
         times = take(self)
@@ -199,7 +200,7 @@ def test_a_jobs_wait_is_what_passes_between_its_input_and_its_compute(monkeypatc
         clock.spend(0.003)
         bind(self, device, task, stage_copy)
 
-    monkeypatch.setattr(StageRunner, "take_step_times", record)
+    monkeypatch.setattr(Measurements, "take_step_times", record)
     monkeypatch.setattr(StageRunner, "bind", slow_bind)
     torch.manual_seed(0)
     model = nn.Sequential(*[Spend(clock, 0.001) for _ in range(3)])
@@ -251,7 +252,7 @@ def test_a_binding_skips_the_sync_only_while_nothing_changed():
 def test_the_runner_makes_its_bindings_again_for_recollected_layers():
     host = Layer()
     trunk = Trunk([host])
-    runner = StageRunner(trunk, 1, "stage", None, 0, None, measure=False)  # type: ignore[arg-type]
+    runner = StageRunner(trunk, 1, "stage", None, 0, None)  # type: ignore[arg-type]
 
     class FakeDevice:
         index = 0
@@ -305,19 +306,19 @@ def _fused_only(steps: int, samples=lambda step: 4):
 def _watch_metering(monkeypatch) -> list[bool]:
     """Whether each microbatch's activations were metered, in the order they finished."""
     metered: list[bool] = []
-    done = StageRunner.activations_done
+    done = Measurements.activations_done
 
     def watch(self, meter):
         metered.append(meter.measured)
         return done(self, meter)
 
-    monkeypatch.setattr(StageRunner, "activations_done", watch)
+    monkeypatch.setattr(Measurements, "activations_done", watch)
     return metered
 
 
 def test_metering_stops_once_settled_and_the_accounting_stays_the_same(monkeypatch):
     metered = _watch_metering(monkeypatch)
-    monkeypatch.setattr(stage, "ACTIVATIONS_REMETER", 4)
+    monkeypatch.setattr(feedback, "ACTIVATIONS_REMETER", 4)
     peaks, figures = _fused_only(9)
     # the first ACTIVATIONS_SETTLE microbatches are metered; then one in 4 (after 3 charged ones)
     assert metered == [True, True, True, False, False, False, True, False, False]

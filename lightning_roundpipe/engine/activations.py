@@ -18,8 +18,8 @@ covers them.
 Counting costs a Python call per saved tensor in the forward, and one per saved tensor in the backward (the
 unpack hook), where autograd must take the GIL for it: beside the engine's other threads that stalls the
 backward. So a meter can also hold known figures instead (``figures``): it charges each layer's figure to the
-residency as the layer runs and installs no hook. The stage runner meters a stage's compute until its figures
-have settled for the inputs' shapes, and again from time to time (see ``StageRunner.activation_meter``).
+residency as the layer runs and installs no hook. A stage's compute is metered until its figures have
+settled for the inputs' shapes, and again from time to time (see ``feedback.Measurements.activation_meter``).
 """
 
 from __future__ import annotations

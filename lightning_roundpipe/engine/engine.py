@@ -49,6 +49,7 @@ from lightning_roundpipe.engine.device import (
     cuda_memory_budget,
     memory_advice,
 )
+from lightning_roundpipe.engine.feedback import Measurements, estimate_autocast_copies
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
 from lightning_roundpipe.engine.optim import (
@@ -70,10 +71,8 @@ from lightning_roundpipe.engine.transport import (
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import (
-    LayerCost,
     Plan,
     Planner,
-    autocast_copy_bytes,
     costs_from_bytes,
     stage_memory_budget,
     workspace_reserve,
@@ -149,6 +148,7 @@ class RoundPipeEngine:
         # user's optimizer, never read by the pipeline again, so not "outside the trunk"
         self._retired: dict[int, weakref.ref[nn.Parameter]] = {}
         self._runner: StageRunner | None = None
+        self._measurements: Measurements | None = None
         self._workers: list[Worker] = []
         self._optimizer: HostOptimizer | None = None
         # dispatch and step state
@@ -156,7 +156,6 @@ class RoundPipeEngine:
         self._step = 0                           # optimizer steps queued so far
         self._calls_in_step = 0
         self._window = GradWindow(self._abort)   # the gradients of the step being accumulated
-        self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
         # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
         self._upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(self.trunk))]
@@ -199,12 +198,14 @@ class RoundPipeEngine:
         self._pinning = self.options.pin_memory and any(device.is_cuda for device in self.devices)
         if self._pinning:
             self._pinned.pin(self._pin_targets(sources))
+        measurements = self._measurements = Measurements(timeline, len(self.trunk), self.num_devices,
+                                                         measure=not self.options.freeze_plan,
+                                                         measure_times=not self.deterministic)
+        measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
-                                   self.base_seed, sources, measure=not self.options.freeze_plan,
-                                   measure_times=not self.deterministic,
+                                   self.base_seed, sources, measure_times=measurements.measure_times,
                                    deferred_batchnorm=self.options.deferred_batchnorm)
-        self._runner.restore_activation_bytes(self._restored.get("activation_bytes", {}))
-        self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
+        self._workers = [Worker(self._runner, measurements, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, timeline)
         self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
                                                             0.0))
@@ -826,7 +827,7 @@ class RoundPipeEngine:
         seed the random layers of the next steps), the ring position, the planner's plan and what it has learned,
         and the activation measurements it has not been given yet. Call it between steps, after
         :meth:`synchronize`, so that every measurement of the steps so far is in."""
-        runner = self._runner
+        measurements = self._measurements
         return {
             "version": 1,
             "step": self._step,
@@ -834,7 +835,7 @@ class RoundPipeEngine:
             "num_devices": self.num_devices,
             "ring_position": self._next_job % self.num_devices,
             "planner": self.planner.state_dict(),
-            "activation_bytes": runner.pending_activation_bytes() if runner is not None else {},
+            "activation_bytes": measurements.pending_activation_bytes() if measurements is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -858,50 +859,14 @@ class RoundPipeEngine:
         self._restored = restored
 
     def _replan(self, closed: GradWindow) -> None:
-        """After each step, what the planner learns: first what layers kept for backward in the step before
-        (memory: a plan that no longer fits is replaced at once), then the times of each step measured whole, in
-        device time (``timing.py``). The planner discards the warm-up step and changes the plan only once its
-        observations agree (see :class:`~lightning_roundpipe.planning.partition.Planner`).
-
-        Memory is learned one step late, after every job of that step has finished (in sync mode they have,
-        as this step's jobs waited for its update), so a plan changes for memory at the same step in every
-        run, whatever the timing. Times are learned only when not :attr:`deterministic`."""
-        runner = self._started_part(self._runner)
-        previous, self._previous_window = self._previous_window, closed
-        if self.options.freeze_plan:
-            return
-        if previous is not None:
-            with self._failures_surfaced():
-                previous.wait_complete()
-            activations = runner.take_activation_bytes(before=previous.number + 1)
-            if activations:
-                self.planner.observe_activations(activations)
-        if self.deterministic:
-            return
-        for times in runner.take_step_times():
-            measured = []
-            for index, (param_bytes, grad_bytes) in enumerate(self.layer_device_bytes):
-                forward, backward = times.forward[index], times.backward[index]
-                measured.append(LayerCost(max(sum(forward) / len(forward), 1e-9),
-                                          max(sum(backward) / len(backward), 1e-9), param_bytes, grad_bytes))
-            self.planner.observe(measured, job_cost=times.job_cost())  # so one device gets few, large stages
-        self.planner.replan()
+        """After each step, what the planner learns (:meth:`Measurements.replan`)."""
+        with self._failures_surfaced():
+            self._started_part(self._measurements).replan(self.planner, closed, self.layer_device_bytes)
 
     def _estimate_autocast_copies(self, context: CallContext) -> None:
-        """Before anything is measured: what autocast's weight copies will take in the fused and backward
-        stages (:func:`~lightning_roundpipe.planning.partition.autocast_copy_bytes` of the float32 weights
-        that do not travel in autocast's dtype already), so that the first plan leaves room for them."""
-        dtype = context.autocast_dtype(self.torch_devices[0].type)
-        estimate: dict[int, int] = {}
-        if dtype is not None:
-            sources = self._started_part(self._sources)
-            transported = sources.transport == dtype
-            for index, state in enumerate(self.trunk.states):
-                cast = sum(param.numel() * param.element_size() for param in state.params
-                           if param.dtype == torch.float32
-                           and not (transported and sources.is_low_precision(index, param)))
-                estimate[index] = autocast_copy_bytes(cast, autocast_itemsize=dtype.itemsize)
-        self.planner.observe_activations(estimate, measured=False)
+        """Before anything is measured: room for autocast's weight copies (:func:`estimate_autocast_copies`)."""
+        estimate_autocast_copies(self.planner, self.trunk, self._started_part(self._sources),
+                                 context.autocast_dtype(self.torch_devices[0].type))
 
     # ------------------------------------------------------------------ dispatch
     def _round_size(self, plan: Plan, num_microbatches: int) -> int | None:

@@ -5,9 +5,9 @@ read weights from) and computes one microbatch of a forward, fused or backward j
 devices' compute and parameter streams; the worker decides when. A :class:`StageCopy` is one job's
 copy of its stage's tensors on one device (a plan's stage is only a range of layers).
 
-Measurements are device time (``timing.py``): each layer call and each microbatch's compute is a span of
-the device's compute stream, resolved when the job finishes (:meth:`StageRunner.record_measurements`), and
-what a differentiating job's layers keep for backward is counted as they save it (``activations.py``).
+A job records what it measures in its :class:`StageCopy` (device-time spans of each layer call and each
+microbatch's compute, what its layers keep for backward); ``feedback.py`` resolves them when the job
+finishes and feeds the planner.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,20 +40,6 @@ from lightning_roundpipe.engine.transfer import (
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 from lightning_roundpipe.planning.schedule import Job, StageKind
-
-ACTIVATIONS_SETTLE = 3
-"""Metered microbatches in a row that find no layer keeping more than before, after which a stage's compute is
-charged its known figures instead of metered (for the same inputs' shapes, autocast and training flags)."""
-
-ACTIVATIONS_REMETER = 50
-"""Once settled, one microbatch in this many is metered again (a layer that keeps more for the same shapes, a
-data-dependent one say, is found within that many)."""
-
-_ACTIVATION_KEYS = 1024
-"""Distinct (stage, inputs' shapes, ...) whose activation figures the stage runner keeps (the oldest go first)."""
-
-_RECENT_JOBS = 4096
-"""Jobs whose compute bounds the stage runner keeps for :attr:`StepTimes.job_seconds` (far more than a step has)."""
 
 
 class ReplicaWriteWarning(UserWarning):
@@ -115,56 +100,17 @@ class StageCopy:
     activations: ActivationMeter | None = None  # differentiating job: what the computing microbatch keeps for backward
     activation_bytes: dict[int, int] = field(default_factory=dict)  # per layer, the most one microbatch kept
 
-
-@dataclass
-class _ActivationFigures:
-    """What one stage's compute keeps for backward per microbatch, for inputs of one shape (see
-    :meth:`StageRunner.activation_meter`)."""
-
-    per_layer: dict[int, int]
-    agreeing: int = 1    # metered microbatches in a row that found no layer above ``per_layer``
-    charged: int = 0     # microbatches charged from ``per_layer`` since the last metered one
-
-
-@dataclass
-class StepTimes:
-    """One optimizer step's measured per-layer times per microbatch, in device time (for the planner), and
-    its jobs' fixed cost."""
-
-    forward: dict[int, list[float]] = field(default_factory=dict)
-    backward: dict[int, list[float]] = field(default_factory=dict)
-    jobs: list[int] = field(default_factory=list)  # the jobs that reported times, by index
-    # per job that reads another job's output: how long its device waited to compute once both that output
-    # was computed and its own previous job was done (the hand-offs between them, unbinding and binding:
-    # what a job costs whatever its size), in seconds; filled when the step is taken
-    job_seconds: list[float] = field(default_factory=list)
-
-    def complete(self, num_layers: int) -> bool:
-        """Every layer has been measured forward and backward."""
-        return all(layer in self.forward and layer in self.backward for layer in range(num_layers))
-
-    def job_cost(self) -> float | None:
-        """The fixed cost of one job in this step (the median of :attr:`job_seconds`), None if unmeasured:
-        ``Planner.observe(..., job_cost=...)``."""
-        if not self.job_seconds:
-            return None
-        ordered = sorted(self.job_seconds)
-        middle = len(ordered) // 2
-        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _copy_tensors(stage_copy: StageCopy) -> list[torch.Tensor]:
-    """The tensors of a stage's copy on its device, gradients included."""
-    tensors = [tensor for tensors in (*stage_copy.params.values(), *stage_copy.buffers.values()) for tensor in tensors]
-    return tensors + [tensor.grad for tensor in tensors if tensor.grad is not None]
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors of this copy on its device, gradients included."""
+        tensors = [tensor for tensors in (*self.params.values(), *self.buffers.values()) for tensor in tensors]
+        return tensors + [tensor.grad for tensor in tensors if tensor.grad is not None]
 
 
 class StageRunner:
     """Runs stage jobs' device-side steps; shared by the workers of one engine."""
 
     def __init__(self, trunk: Trunk, num_devices: int, recompute: str, timeline: Timeline, base_seed: int,
-                 sources: UploadSources, measure: bool, deferred_batchnorm: bool = False,
-                 measure_times: bool | None = None) -> None:
+                 sources: UploadSources, deferred_batchnorm: bool = False, measure_times: bool = False) -> None:
         self.trunk = trunk
         self.recompute = recompute
         self._deferred_batchnorm = deferred_batchnorm
@@ -176,119 +122,9 @@ class StageRunner:
         self.base_seed = base_seed
         self._sources = sources
         self._bindings: list[dict[int, replicas.Binding]] = [{} for _ in range(num_devices)]  # per device, by layer
-        self._measure = measure  # what layers keep for backward (and, with `_measure_times`, their times)
-        self._measure_times = measure if measure_times is None else measure and measure_times
-        self._measure_lock = threading.Lock()
-        self._step_times: dict[int, StepTimes] = {}     # by optimizer step, until taken
-        self._num_devices = num_devices
-        # per recent job (by index, in the order they finished): the jobs it reads from, whether its first
-        # compute waits for their output (a backward job's recompute ahead does not), its first microbatch's
-        # compute start and end, and its last microbatch's compute end (for StepTimes.job_seconds)
-        self._job_spans: dict[int, tuple[tuple[int, ...], bool, float, float, float]] = {}
-        self._steps_taken = -1                          # the last step taken: later samples of it are dropped
-        # per optimizer step (its window's number), per layer, the most one microbatch kept, until taken
-        self._activation_bytes: dict[int, dict[int, int]] = {}
-        # per (stage, kind, inputs' shapes and dtypes, autocast, training flags): what its compute keeps
-        self._activation_figures: dict[Hashable, _ActivationFigures] = {}
+        self._measure_times = measure_times  # time each layer call (for the planner: Measurements.measure_times)
         self._warned_writes: set[int] = set()  # layers warned about writing state in forward
         self._warn_lock = threading.Lock()
-
-    def take_step_times(self) -> list[StepTimes]:
-        """The times of the steps measured whole (every layer forward and backward) since the last call, in
-        step order, each once. A step that has finished measuring is taken even if a job of it is still to
-        report; what such jobs report later is dropped, and so are older steps never measured whole (a step
-        that ran no backward, say)."""
-        with self._measure_lock:
-            complete = sorted(step for step, times in self._step_times.items() if times.complete(len(self.trunk)))
-            if not complete:
-                return []
-            self._steps_taken = complete[-1]
-            taken = [self._step_times[step] for step in complete]
-            self._step_times = {step: times for step, times in self._step_times.items() if step > self._steps_taken}
-            for times in taken:
-                times.job_seconds = [wait for wait in map(self._job_wait, times.jobs) if wait is not None]
-        return taken
-
-    def _job_wait(self, index: int) -> float | None:
-        """For :attr:`StepTimes.job_seconds`: job ``index``'s wait, None where a job it depends on has not
-        reported (or it reads none: the call's inputs are there before it is dispatched)."""
-        if index not in self._job_spans:
-            return None
-        depends_on, gated, start, _, _ = self._job_spans[index]
-        if not depends_on or any(job not in self._job_spans for job in depends_on):
-            return None
-        # their first microbatch's output computed, unless the job starts with a recompute that needs none
-        ready = max(self._job_spans[job][3] for job in depends_on) if gated else float("-inf")
-        previous = index - self._num_devices  # ring order: job j runs on device j mod N
-        if previous >= 0:
-            if previous not in self._job_spans:
-                return None
-            ready = max(ready, self._job_spans[previous][4])  # the device's previous job computed
-        if ready == float("-inf"):
-            return None  # a device's first job that waits for no output: nothing to measure the start against
-        return max(start - ready, 0.0)
-
-    def take_activation_bytes(self, before: int | None = None) -> dict[int, int]:
-        """Per layer, the most one microbatch's compute kept for backward, measured by the jobs of the
-        optimizer steps numbered below ``before`` (``None``: all) and not taken yet."""
-        taken: dict[int, int] = {}
-        with self._measure_lock:
-            for step in [step for step in self._activation_bytes if before is None or step < before]:
-                for layer, nbytes in self._activation_bytes.pop(step).items():
-                    taken[layer] = max(taken.get(layer, 0), nbytes)
-        return taken
-
-    def pending_activation_bytes(self) -> dict[int, dict[int, int]]:
-        """What :meth:`take_activation_bytes` has not taken yet, by step (plain values, for a checkpoint)."""
-        with self._measure_lock:
-            return {step: dict(per_layer) for step, per_layer in self._activation_bytes.items()}
-
-    def restore_activation_bytes(self, pending: dict[int, dict[int, int]]) -> None:
-        """Take back :meth:`pending_activation_bytes` of an earlier run (a resumed one continues it)."""
-        with self._measure_lock:
-            for step, per_layer in pending.items():
-                merged = self._activation_bytes.setdefault(int(step), {})
-                for layer, nbytes in per_layer.items():
-                    merged[int(layer)] = max(merged.get(int(layer), 0), int(nbytes))
-
-    def activation_meter(self, device: Device, task: Task, stage_copy: StageCopy,
-                         inputs: list[torch.Tensor]) -> ActivationMeter:
-        """The meter of one microbatch of a differentiating job (``inputs``: its device inputs' tensors). It
-        counts what the layers save for backward (saved-tensor hooks) until that has settled for the job's
-        layers, kind, inputs' shapes and dtypes, autocast dtype and training flags: then it charges the known
-        figures and installs no hook (:data:`ACTIVATIONS_SETTLE`), metering again one microbatch in
-        :data:`ACTIVATIONS_REMETER`. Give it back with :meth:`activations_done`."""
-        call, job = task.call, task.job
-        key = (job.layers, job.kind, call.context.autocast_dtype(device.torch_device.type),
-               tuple(call.input_requires_grad), tuple(call.context.training[layer] for layer in job.layers),
-               tuple((tensor.shape, tensor.dtype) for tensor in inputs))
-        with self._measure_lock:
-            known = self._activation_figures.get(key)
-            if known is not None and known.agreeing >= ACTIVATIONS_SETTLE and known.charged < ACTIVATIONS_REMETER - 1:
-                known.charged += 1
-                return ActivationMeter(device.residency, (), figures=known.per_layer, key=key)
-        return ActivationMeter(device.residency, [*_copy_tensors(stage_copy), *inputs], key=key)
-
-    def activations_done(self, meter: ActivationMeter) -> dict[int, int]:
-        """Release what :meth:`activation_meter`'s meter still holds once the microbatch's compute is over;
-        returns what it measured per layer (nothing if it charged known figures)."""
-        meter.release()  # what no backward freed went with the compute's autograd graph
-        if not meter.measured:
-            return {}
-        with self._measure_lock:
-            known = self._activation_figures.get(meter.key)
-            if known is None:
-                self._activation_figures[meter.key] = _ActivationFigures(dict(meter.by_layer))
-                while len(self._activation_figures) > _ACTIVATION_KEYS:
-                    del self._activation_figures[next(iter(self._activation_figures))]
-            elif all(nbytes <= known.per_layer.get(layer, 0) for layer, nbytes in meter.by_layer.items()):
-                known.agreeing += 1
-                known.charged = 0
-            else:  # kept more than before: the larger figures, and settle again
-                for layer, nbytes in meter.by_layer.items():
-                    known.per_layer[layer] = max(known.per_layer.get(layer, 0), nbytes)
-                known.agreeing, known.charged = 1, 0
-        return meter.by_layer
 
     def follow_layers(self, layers: list[int]) -> None:
         """Layers whose state the trunk collected again (:meth:`Trunk.recollect`): their replicas are made
@@ -565,54 +401,3 @@ class StageRunner:
                 grads = [leaf.grad if leaf.requires_grad else None for leaf in recomputed.leaves]
         return grads
 
-    def record_measurements(self, task: Task, stage_copy: StageCopy) -> None:
-        """Resolve a finished job's device-time spans: the device's compute time (pipeline metrics), the
-        timeline's compute events and, unless the plan is frozen, what the layers kept for backward (by the
-        job's optimizer step) and, unless times are not used (deterministic mode), per-layer times per
-        microbatch (compute only, waits excluded), for the planner. A backward or fused
-        job's time beyond its layers' forward calls is split among them by forward time. With the times go the
-        job's compute bounds, from which :meth:`take_step_times` works out its fixed cost (``StepTimes.job_seconds``).
-
-        Called when the job finishes, on its download stream after that stream has synchronized: the stream
-        waited for the job's compute on the GPU, so its CUDA events are complete and resolve at no cost."""
-        job = task.job
-        compute_spans, stage_copy.compute_spans = stage_copy.compute_spans, []
-        layer_spans, stage_copy.layer_spans = stage_copy.layer_spans, []
-        bounds: dict[int, tuple[float, float]] = {}  # per microbatch, its first compute's start, its last's end
-        for microbatch, kind, span in compute_spans:
-            start, end = span.bounds()
-            bounds[microbatch] = (bounds.get(microbatch, (start, end))[0], end)
-            stage_copy.compute_time += end - start
-            self.timeline.add_span(job.device, job.index, job.label, microbatch, kind, start, end)
-        if stage_copy.device is not None:
-            stage_copy.device.counters.compute_seconds += stage_copy.compute_time
-        for layer, span in layer_spans:
-            start, end = span.bounds()
-            stage_copy.forward_time[layer] = stage_copy.forward_time.get(layer, 0.0) + (end - start)
-        if not self._measure:
-            return
-        microbatches = job.num_microbatches
-        forward_total = sum(stage_copy.forward_time.values())
-        beyond_forward = max(stage_copy.compute_time - forward_total, 0.0)
-        with self._measure_lock:
-            if stage_copy.activation_bytes:
-                per_layer = self._activation_bytes.setdefault(task.window.number, {})
-                for layer, nbytes in stage_copy.activation_bytes.items():
-                    per_layer[layer] = max(per_layer.get(layer, 0), nbytes)
-            if not self._measure_times or not bounds:
-                return
-            first, last = bounds[job.microbatches[0]], bounds[job.microbatches[-1]]
-            # a backward job's first compute (its recompute ahead) waits for no other job's output
-            gated = job.kind is not StageKind.BACKWARD
-            self._job_spans[job.index] = (job.depends_on, gated, first[0], first[1], last[1])
-            while len(self._job_spans) > _RECENT_JOBS:
-                del self._job_spans[next(iter(self._job_spans))]
-            if not stage_copy.forward_time or task.call.step <= self._steps_taken:
-                return
-            times = self._step_times.setdefault(task.call.step, StepTimes())
-            times.jobs.append(job.index)
-            for layer, forward in stage_copy.forward_time.items():
-                times.forward.setdefault(layer, []).append(forward / microbatches)
-                if task.kind is not StageKind.FORWARD:
-                    backward = beyond_forward * forward / (forward_total or 1.0)
-                    times.backward.setdefault(layer, []).append(backward / microbatches)

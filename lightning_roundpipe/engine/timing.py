@@ -6,7 +6,7 @@ operations are therefore timed with pairs of CUDA events recorded on that stream
 later, off the critical path: when the job finishes, after its download stream has synchronized, by which
 time the events are complete and ``elapsed_time`` returns at once. On a CPU stand-in the stream *is* its
 host thread, so the host clock read on that thread around the operation is the device's own span, known
-as soon as the operation returns. Both resolve through the same code (``StageRunner.record_measurements``),
+as soon as the operation returns. Both resolve through the same code (``feedback.Measurements.record``),
 so the CPU tests run the path a GPU takes.
 
 Spans are on the host clock (``time.perf_counter()``, the clock of the timeline) so a trace can show them

@@ -86,6 +86,7 @@ from lightning_roundpipe.engine.device import (
     join_until,
     poison,
 )
+from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.stage import Recomputed, StageCopy, StageRunner, Task
 from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tensors_nbytes, tree_nbytes, tree_tensors
 from lightning_roundpipe.engine.transport import GradStaging
@@ -141,8 +142,9 @@ class _Handoff:
 class Worker:
     """One device's host thread: turns jobs into stream operations, in ring order."""
 
-    def __init__(self, runner: StageRunner, device: Device, abort: AbortSignal) -> None:
+    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal) -> None:
         self.runner = runner
+        self.measurements = measurements
         self._abort = abort
         self.device = device
         self._tasks: deque[Task | None] = deque()
@@ -272,10 +274,10 @@ class Worker:
                         host.copy_(copied)
                     if layer in task.buffer_done:
                         task.buffer_done[layer].set()  # [3] of the next job that writes these buffers
-        runner.record_measurements(task, stage_copy)
+        self.measurements.record(task, stage_copy)
         device.residency.release(stage_copy.nbytes, stage=True)
         if device.stress:  # the stage's copy is released: nothing may read it any more
-            poison(_stage_tensors(stage_copy))
+            poison(stage_copy.tensors())
         stage_copy.params.clear()
         stage_copy.buffers.clear()
         if task.needs_grad:
@@ -400,7 +402,7 @@ class Worker:
         def run() -> None:
             inputs, handoff.inputs = handoff.inputs, None
             assert inputs is not None, "the recompute ran before its checkpoints were uploaded"  # [6]
-            stage_copy.activations = runner.activation_meter(device, task, stage_copy,
+            stage_copy.activations = self.measurements.activation_meter(device, task, stage_copy,
                                                              tree_tensors([inputs.checkpoints, inputs.snapshots]))
             timer = device.compute_timer
             started = timer.start()
@@ -429,7 +431,7 @@ class Worker:
                 assert taken is not None, "the compute ran before its inputs were uploaded"  # [6]
                 inputs = taken
                 if task.needs_grad:  # what the layers save for backward is held in the residency until freed
-                    stage_copy.activations = runner.activation_meter(device, task, stage_copy, tree_tensors(
+                    stage_copy.activations = self.measurements.activation_meter(device, task, stage_copy, tree_tensors(
                         [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target]))
             timer = device.compute_timer  # device time, resolved when the job finishes (timing.py)
             started = timer.start()
@@ -451,14 +453,14 @@ class Worker:
             stage_copy.compute_spans.append((microbatch, job.kind.name.lower(), timer.stop(started)))
             meter, stage_copy.activations = stage_copy.activations, None
             if meter is not None:  # what no backward freed went with the compute's autograd graph
-                for layer, nbytes in runner.activations_done(meter).items():
+                for layer, nbytes in self.measurements.activations_done(meter).items():
                     stage_copy.activation_bytes[layer] = max(stage_copy.activation_bytes.get(layer, 0), nbytes)
             device.residency.release(inputs.nbytes)
             if device.stress:  # released: poison what the outputs or the stage do not share
                 _poison_unshared(tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots,
                                                inputs.target]),
                                  [*tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots]),
-                                  *([outputs.loss] if outputs.loss is not None else []), *_stage_tensors(stage_copy)])
+                                  *([outputs.loss] if outputs.loss is not None else []), *stage_copy.tensors()])
             del inputs  # the device inputs may be freed now
             outputs.nbytes = tree_nbytes([outputs.output, outputs.checkpoints, outputs.snapshots])
             device.residency.allocate(outputs.nbytes, f"the outputs of {job.label} microbatch {microbatch}")
@@ -506,16 +508,10 @@ class Worker:
             output_slot.put(output, poison_on_drop=stress, copied=copied)
             device.residency.release(outputs.nbytes)
             if stress:  # downloaded: the device outputs are released (the stage's copy is released later)
-                _poison_unshared(released, _stage_tensors(stage_copy))
+                _poison_unshared(released, stage_copy.tensors())
             runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
 
         device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}", device))
-
-
-def _stage_tensors(stage_copy: StageCopy) -> list[torch.Tensor]:
-    """The tensors of a stage's copy on its device, gradients included."""
-    tensors = [tensor for tensors in (*stage_copy.params.values(), *stage_copy.buffers.values()) for tensor in tensors]
-    return tensors + [tensor.grad for tensor in tensors if tensor.grad is not None]
 
 
 def _poison_unshared(released: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
