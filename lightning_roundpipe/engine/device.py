@@ -15,7 +15,8 @@ missing wait makes a test fail instead of passing by luck.
 * **Poisoned releases.** Tensors the engine frees (a stage's copy after its release, a microbatch's device
   inputs and outputs after their last use, host staging after its last reader) are filled with NaN (a
   sentinel for integers, see :func:`poison`), so a reader that was not ordered before the release sees
-  garbage, as it could on a GPU whose allocator reuses the memory.
+  garbage, as it could on a GPU whose allocator reuses the memory. The engine calls
+  :meth:`Stress.poison_released` (a no-op outside stress mode) at each release.
 
 Every wait takes the engine's :class:`AbortSignal` and a timeout, so an error anywhere wakes every
 waiter and nothing hangs.
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_roundpipe.engine.timing import CudaStreamTimer, HostStreamTimer, StreamTimer
+from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE, Plan
 
 
@@ -129,6 +131,21 @@ def poison(tensors: Iterable[torch.Tensor]) -> None:
             value = torch.iinfo(tensor.dtype).min
         with _writable(tensor):
             tensor.fill_(value)
+
+
+class Stress:
+    """Stress mode's poisoned releases (see the module docstring), one per device; a no-op unless ``enabled``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def poison_released(self, released: object, kept: object = ()) -> None:
+        """Poison the tensors of the tree ``released`` whose memory no tensor of the tree ``kept`` shares (a
+        layer may return its input, or a view of it, and a ``NoGrad`` travels on unchanged)."""
+        if not self.enabled:
+            return
+        shared = {tensor.untyped_storage().data_ptr() for tensor in tree_tensors(kept)}
+        poison([tensor for tensor in tree_tensors(released) if tensor.untyped_storage().data_ptr() not in shared])
 
 
 def _writable(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -426,6 +443,7 @@ class Device:
         self.is_cuda = torch_device.type == "cuda"
         self.pin_downloads = self.is_cuda and pin_memory  # stage boundaries land in pinned host memory
         self.stress = stress and not self.is_cuda  # late copies and poisoned releases (module docstring)
+        self.stress_mode = Stress(self.stress)
         self.residency = Residency(index, budget, advice=memory_advice)
         if self.is_cuda:
             self.residency.allocate(CUDA_WORKSPACE_RESERVE, "kernel workspaces (cuBLAS) and the streams' memory pools")

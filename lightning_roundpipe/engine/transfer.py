@@ -13,13 +13,17 @@ Only one thing is registered with ``_pytree``, globally, at import: the private 
 :class:`_Fields`. Only this module makes instances of it (:func:`tree_flatten`, :func:`tree_unflatten`,
 :func:`tree_map` and :func:`tree_leaves` open dataclasses up into them for the duration of a call), so
 every other tree, in this package or outside it, flattens exactly as it would without the registration.
+
+:func:`upload_to` and :func:`download_to_host` are a stage boundary's copies on a device stream: they own
+what makes such a copy safe without a host sync on a GPU (``record_stream``, a CUDA event after the
+copies) and complete on a CPU stand-in (a synchronize, at which stress mode's late copies land).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -210,3 +214,58 @@ def tree_nbytes(tree: Any) -> int:
 def differentiable_leaves(tree: Any) -> list[torch.Tensor]:
     """The floating-point tensors of ``tree`` outside any :class:`NoGrad`: the ones a gradient can flow through."""
     return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+
+
+class CopyStream(Protocol):
+    """What the stage-boundary copies need of a device stream (``device.Stream``); they run as one of its
+    operations."""
+
+    cuda_stream: torch.cuda.Stream | None
+    stress: bool
+
+    def copy_late(self, sources: Iterable[torch.Tensor], targets: Iterable[torch.Tensor]) -> None: ...
+
+    def mark(self) -> torch.cuda.Event | None: ...
+
+    def synchronize(self) -> None: ...
+
+
+def upload_to(tree: Any, device: torch.device, stream: CopyStream, consumer: CopyStream) -> Any:
+    """Copy ``tree`` to ``device`` on ``stream``, for operations on ``consumer`` to read (which waits for the
+    copies' event).
+
+    On a CPU stand-in the copies are complete (in stress mode: landed) on return, so the host sources may be
+    dropped. On CUDA there is no host sync: a source may be dropped while its copy runs, as torch's caching
+    host allocator keeps a pinned block (every download lands in one) until the copies recorded on it have
+    run, and a pageable source is staged before the copy call returns; the consumer waits for the copies on
+    the GPU. The copies, allocated on ``stream``, are recorded on the consumer's: its thread drops them as
+    soon as it has enqueued its kernels, so the allocator must not reuse them before those kernels have run."""
+    copied = copy_tree(tree, device, non_blocking=device.type == "cuda")
+    if stream.stress:  # they land late, at the synchronize below
+        stream.copy_late(tree_tensors(tree), tree_tensors(copied))
+    if device.type != "cuda":
+        stream.synchronize()
+    if consumer.cuda_stream is not None:
+        for tensor in tree_tensors(copied):
+            tensor.record_stream(consumer.cuda_stream)
+    return copied
+
+
+def download_to_host(tree: Any, stream: CopyStream, *, pin: bool) -> tuple[Any, torch.cuda.Event | None]:
+    """Copy ``tree`` (device tensors) to the host on ``stream``; returns the host copy and, on a GPU, a CUDA
+    event after the copies (None on a CPU stand-in, whose copies are complete on return).
+
+    On a GPU no host sync: a reading stream waits for the event on the GPU and a host reader synchronizes
+    it; the device tensors, recorded on ``stream``, keep their memory until the copies are done even if the
+    caller drops them at once. ``pin``: into pinned host memory (see :func:`copy_tensor`)."""
+    host = copy_tree(tree, HOST, pin=pin)
+    released = tree_tensors(tree)
+    if stream.stress:  # the host copies land late, at the synchronize below
+        stream.copy_late(released, tree_tensors(host))
+    copied = stream.mark()
+    if copied is None or stream.cuda_stream is None:
+        stream.synchronize()
+    else:
+        for tensor in released:
+            tensor.record_stream(stream.cuda_stream)
+    return host, copied
