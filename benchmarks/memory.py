@@ -229,7 +229,7 @@ class HostAccountant(pl.Callback):
                 add("gradients", grad)
         self._windows = [ref for ref in self._windows if ref() is not None]
         for worker in engine._workers:
-            staging = worker._grad_staging
+            staging = worker.operations.grad_staging
             if staging is not None and staging._buffer is not None:
                 add("staging buffers", staging._buffer)
         calls = [c for c in (ref() for ref in self._calls) if c is not None]

@@ -52,7 +52,9 @@ microbatches::
     step's window, its buffers back to the host layers, its memory is released and ``released[k]`` set.
 
 A microbatch's upload, compute and download run on three threads; they pass the device tensors on
-through a :class:`_Handoff`, and each drops them as soon as the next one has them.
+through a :class:`_Handoff`, and each drops them as soon as the next one has them. What each operation
+does is in ``operations.py`` (:class:`~lightning_roundpipe.engine.operations.StageOperations`); this
+module decides only where and after what it runs.
 
 Each microbatch's compute (and, for the planner, each layer call) is a device-time span of the compute
 stream (``timing.py``: CUDA events on a GPU), resolved at [8], when the events are complete; the compute
@@ -71,12 +73,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
 
-import torch
-
-from lightning_roundpipe.engine.call import PipelineError, Slot
+from lightning_roundpipe.engine.call import PipelineError
 from lightning_roundpipe.engine.device import (
     AbortSignal,
     Device,
@@ -84,48 +84,11 @@ from lightning_roundpipe.engine.device import (
     HostEvent,
     error_hint,
     join_until,
-    poison,
 )
 from lightning_roundpipe.engine.feedback import Measurements
-from lightning_roundpipe.engine.stage import Recomputed, StageCopy, StageRunner, Task
-from lightning_roundpipe.engine.transfer import HOST, copy_tensor, copy_tree, tensors_nbytes, tree_nbytes, tree_tensors
-from lightning_roundpipe.engine.transport import GradStaging
+from lightning_roundpipe.engine.operations import DeviceInputs, DeviceOutputs, InputSlots, StageOperations
+from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
 from lightning_roundpipe.planning.schedule import StageKind
-
-
-@dataclass
-class _InputSlots:
-    """The host slots one microbatch of a job reads [4]."""
-
-    layer_input: Slot | None  # the (args, kwargs) of the stage's first layer; backward: output gradients
-    checkpoints: list[tuple[int, Slot]] = field(default_factory=list)  # backward: per recompute start, its input
-    snapshots: list[tuple[int, Slot]] = field(default_factory=list)    # backward: buffers the forward saw
-
-    def all(self) -> list[Slot]:
-        first = [self.layer_input] if self.layer_input is not None else []
-        return [*first, *(slot for _, slot in self.checkpoints), *(slot for _, slot in self.snapshots)]
-
-
-@dataclass
-class _DeviceInputs:
-    """One microbatch's inputs on the device, from their upload until its compute has run."""
-
-    layer_input: Any        # None in a backward job's recompute inputs (its output gradients come separately)
-    checkpoints: dict[int, Any]
-    snapshots: dict[int, Any]
-    target: Any = None      # fused job: the loss target
-    nbytes: int = 0         # accounted on the device until the compute has run
-
-
-@dataclass
-class _DeviceOutputs:
-    """One microbatch's results on the device, from its compute until their download."""
-
-    output: Any             # the next stage's input; for a fused or backward job, the stage input's gradients
-    checkpoints: dict[int, Any] = field(default_factory=dict)              # forward job
-    snapshots: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # forward job
-    loss: torch.Tensor | None = None                                        # fused job
-    nbytes: int = 0         # accounted on the device until the download has run (the loss excepted)
 
 
 @dataclass
@@ -133,10 +96,28 @@ class _Handoff:
     """What one microbatch's upload, compute and download pass on: each field is set by one operation
     and taken by the next, after the event between them ([6], [7])."""
 
-    inputs: _DeviceInputs | None = None      # a backward job's: the checkpoints and snapshots it recomputes from
-    gradients: _DeviceInputs | None = None   # a backward job's output gradients, uploaded after its checkpoints
-    recomputed: tuple[Recomputed, _DeviceInputs] | None = None  # a backward job: from its recompute to its backward
-    outputs: _DeviceOutputs | None = None
+    inputs: DeviceInputs | None = None      # a backward job: the checkpoints and snapshots it recomputes from
+    gradients: DeviceInputs | None = None   # a backward job's output gradients, uploaded after its checkpoints
+    recomputed: DeviceInputs | None = None  # a backward job: from its recompute to its backward
+    outputs: DeviceOutputs | None = None
+
+    def take_inputs(self) -> DeviceInputs:
+        inputs, self.inputs = self.inputs, None
+        assert inputs is not None, "a compute ran before its inputs were uploaded"  # [6]
+        return inputs
+
+    def take_recomputed(self) -> DeviceInputs:
+        """A backward microbatch's recomputed inputs, its output gradients now their layer input."""
+        inputs, self.recomputed = self.recomputed, None
+        gradients, self.gradients = self.gradients, None
+        assert inputs is not None and gradients is not None, "the backward ran before its inputs"  # [6]
+        inputs.layer_input, inputs.nbytes = gradients.layer_input, inputs.nbytes + gradients.nbytes
+        return inputs
+
+    def take_outputs(self) -> DeviceOutputs:
+        outputs, self.outputs = self.outputs, None
+        assert outputs is not None, "the download ran before its compute"  # [7]
+        return outputs
 
 
 class Worker:
@@ -144,19 +125,15 @@ class Worker:
 
     def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal) -> None:
         self.runner = runner
-        self.measurements = measurements
         self._abort = abort
         self.device = device
+        self.operations = StageOperations(runner, measurements, device, abort)
         self._tasks: deque[Task | None] = deque()
         self._ready = threading.Condition()
         # touched by this worker's thread only: uploads enqueued ahead of their job, by job index, and
         # released[k] [1] by this device's job sequence number, the last three
         self._uploads: dict[int, tuple[StageCopy, HostEvent]] = {}
         self._released: dict[int, HostEvent] = {}
-        # gradients download into one reused host buffer: pinned on CUDA, and in stress mode on CPU stand-ins
-        # (which poison it once the window has copied out of it)
-        reuse = device.pin_downloads or device.stress
-        self._grad_staging = GradStaging(pin=device.pin_downloads) if reuse else None
         self._thread = threading.Thread(target=self._run, name=f"roundpipe-worker{device.index}", daemon=True)
         self._thread.start()
 
@@ -182,6 +159,8 @@ class Worker:
             return self._tasks[0] if self._tasks else None
 
     def _run(self) -> None:
+        # the prefetch look-ahead below is the only place the worker side decides order: jobs run as the
+        # engine dispatched them, and only the next job's upload is moved ahead of this job's compute [1]
         sequence = 0
         while True:
             task = self._take()
@@ -204,35 +183,21 @@ class Worker:
     # ------------------------------------------------------------------ parameter stream
     def _enqueue_upload(self, task: Task, sequence: int) -> None:
         """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
-        stream = self.device.param_stream
+        stream, operations = self.device.param_stream, self.operations
         if sequence >= 2:
             stream.wait_event(self._released[sequence - 2])  # [1]
         weights_ready = [event for event in task.weights_ready if not event.is_set()]
         if weights_ready:
-            stream.submit(lambda: self._wait_for_weights(weights_ready))  # [2]
+            stream.submit(partial(operations.wait_for_weights, weights_ready))  # [2]
         for event in task.buffer_waits:
             stream.wait_event(event)  # [3]
         stage_copy = StageCopy(device=self.device)
         job = task.job
-        stream.submit(_named(lambda: self._upload_params(task, stage_copy),
+        stream.submit(_named(partial(operations.upload_params, task, stage_copy),
                              lambda: f"uploading the parameters of stage {job.label} (job {job.index}) to device "
                                      f"{self.device.index}", self.device))
         params_ready = stream.record(f"the parameters of stage {job.label} (job {job.index}) uploaded")
         self._uploads[job.index] = (stage_copy, params_ready)
-
-    def _wait_for_weights(self, weights_ready: list[HostEvent]) -> None:
-        """[2], timed: how much of the host step the devices see."""
-        start = self.runner.timeline.now()
-        for event in weights_ready:
-            event.wait(self._abort)
-        self.device.counters.weight_wait_seconds += self.runner.timeline.now() - start
-
-    def _upload_params(self, task: Task, stage_copy: StageCopy) -> None:
-        start = self.runner.timeline.now()
-        self.runner.upload_stage(self.device, task, stage_copy)
-        task.upload_done.set()
-        task.window.upload_finished()  # an async step may now publish what this upload read
-        self.runner.timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
 
     # ------------------------------------------------------------------ one job
     def _enqueue_job(self, task: Task, sequence: int) -> None:
@@ -242,283 +207,72 @@ class Worker:
         compute, download = device.compute_stream, device.download_stream
         where = f"stage {job.label} (job {job.index}) on device {device.index}"
         compute.wait_event(params_ready)  # [5]
-        compute.submit(_named(lambda: runner.bind(device, task, stage_copy), lambda: f"binding {where}", device))
+        compute.submit(_named(partial(runner.bind, device, task, stage_copy), lambda: f"binding {where}", device))
         for microbatch in job.microbatches:
             self._enqueue_microbatch(task, stage_copy, microbatch)
         # unbind on the compute stream: the next job on this device may reuse the same replicas
-        compute.submit(_named(lambda: runner.unbind(device, task), lambda: f"unbinding {where}", device))
+        compute.submit(_named(partial(runner.unbind, device, task), lambda: f"unbinding {where}", device))
         download.wait_event(compute.record(f"stage {job.label} (job {job.index}) computed"))  # [8]
-        download.submit(_named(lambda: self._finish(task, stage_copy),
+        download.submit(_named(partial(self.operations.finish, task, stage_copy),
                                lambda: f"finishing {where} (its gradients and buffers to the host)", device))
         self._released[sequence] = download.record(f"stage {job.label} (job {job.index}) released")
         self._released.pop(sequence - 3, None)
         download.submit(task.done.set)
 
-    def _finish(self, task: Task, stage_copy: StageCopy) -> None:
-        """[8] on the download stream: gradients into the window, buffers to the host, memory released."""
-        runner, device, job = self.runner, self.device, task.job
-        start = runner.timeline.now()
-        # the stage's compute has run on the GPU (this stream waited for it there) before its memory is
-        # released below, also for a forward stage that downloads nothing that would wait for it
-        device.download_stream.synchronize()
-        if task.needs_grad:
-            self._download_gradients(task, stage_copy)
-        if job.kind is not StageKind.BACKWARD:  # a backward job recomputes on snapshots and writes no buffer
-            with torch.no_grad():
-                for layer in job.layers:
-                    # the module's buffers as collected when the job was dispatched: the engine follows a
-                    # buffer the module was given anew (SWA's BatchNorm reset) only once every job dispatched
-                    # before has finished here, so the new tensor keeps what its owner assigned
-                    host_buffers = runner.trunk.states[layer].buffers
-                    for host, copied in zip(host_buffers, stage_copy.buffers[layer], strict=True):
-                        host.copy_(copied)
-                    if layer in task.buffer_done:
-                        task.buffer_done[layer].set()  # [3] of the next job that writes these buffers
-        self.measurements.record(task, stage_copy)
-        device.residency.release(stage_copy.nbytes, stage=True)
-        if device.stress:  # the stage's copy is released: nothing may read it any more
-            poison(stage_copy.tensors())
-        stage_copy.params.clear()
-        stage_copy.buffers.clear()
-        if task.needs_grad:
-            task.window.job_finished()
-        runner.timeline.add(device.index, job.index, job.label, -1, "release", start)
-
-    def _download_gradients(self, task: Task, stage_copy: StageCopy) -> None:
-        """The job's gradients into the step's window: every copy enqueued at once (into the reused staging
-        buffer where there is one), one synchronize, then the window sums them in the masters' dtype."""
-        device = self.device
-        start = self.runner.timeline.now()
-        # one per slot the window expects of this job, in its order; None where no gradient reached a copy
-        slots = [stage_copy.params[layer][position].grad for layer, position in task.grad_slots]
-        grads = [grad for grad in slots if grad is not None]
-        staging = self._grad_staging
-        if staging is not None:
-            host = staging.views(grads)
-            for target, grad in zip(host, grads, strict=True):
-                target.copy_(grad, non_blocking=True)
-        else:
-            host = [copy_tensor(grad, HOST) for grad in grads]
-        device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
-        device.download_stream.synchronize()
-        downloaded = iter(host)
-        task.window.deliver(task.ticket, [None if grad is None else next(downloaded) for grad in slots],
-                            borrowed=staging is not None)
-        if device.stress and staging is not None:
-            poison(host)  # the window has its copies: the next job may overwrite the staging buffer
-        device.counters.gradient_download_seconds += self.runner.timeline.now() - start
-
     # ------------------------------------------------------------------ one microbatch
     def _enqueue_microbatch(self, task: Task, stage_copy: StageCopy, microbatch: int) -> None:
-        job, device = task.job, self.device
+        job, device, operations = task.job, self.device, self.operations
         where = f"stage {job.label} (job {job.index}) microbatch {microbatch} on device {device.index}"
         handoff = _Handoff()
-        slots = self._input_slots(task, microbatch)
+        slots = operations.input_slots(task, microbatch)
         compute = device.compute_stream
         if job.kind is StageKind.BACKWARD:
             # [4'] the recompute needs only the checkpoints, on the host long before: it runs ahead of the
             # output gradient, so that only the backward proper waits for the previous stage
-            recompute_inputs = _InputSlots(None, slots.checkpoints, slots.snapshots)
+            recompute_inputs = InputSlots(None, slots.checkpoints, slots.snapshots)
             compute.wait_event(self._enqueue_input_upload(task, microbatch, recompute_inputs, handoff, where))  # [6]
-            self._enqueue_recompute(task, stage_copy, microbatch, handoff, where)
-            gradients = _InputSlots(slots.layer_input)
+
+            def recompute() -> None:
+                handoff.recomputed = operations.recompute(task, stage_copy, microbatch, handoff.take_inputs())
+
+            compute.submit(_named(recompute, lambda: f"recomputing {where}", device))
+            gradients = InputSlots(slots.layer_input)
             compute.wait_event(self._enqueue_input_upload(task, microbatch, gradients, handoff, where,
                                                           gradients=True))
+            take = handoff.take_recomputed
         else:
             compute.wait_event(self._enqueue_input_upload(task, microbatch, slots, handoff, where))  # [6]
-        computed = self._enqueue_compute(task, stage_copy, microbatch, handoff, where)
-        device.download_stream.wait_event(computed)  # [7]
-        self._enqueue_download(task, stage_copy, microbatch, handoff, where)
+            take = handoff.take_inputs
 
-    def _input_slots(self, task: Task, microbatch: int) -> _InputSlots:
-        call, job = task.call, task.job
-        slots = _InputSlots(call.input_slot(job, microbatch))
-        if job.kind is StageKind.BACKWARD:
-            starts = [job.layers.start] if self.runner.recompute == "stage" else list(job.layers)
-            slots.checkpoints = [  # layer 0 recomputes from the call's own input
-                (layer, call.checkpoints[(layer, microbatch)] if layer != 0 else call.inputs[microbatch])
-                for layer in starts]
-            slots.snapshots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
-                               if (layer, microbatch) in call.snapshots]
-        return slots
+        def run() -> None:  # the inputs are passed on, not held here: the compute releases them
+            handoff.outputs = operations.compute(task, stage_copy, microbatch, take())
 
-    def _enqueue_input_upload(self, task: Task, microbatch: int, slots: _InputSlots, handoff: _Handoff,
+        compute.submit(_named(run, lambda: f"computing {where}", device))
+        device.download_stream.wait_event(compute.record(f"{where} computed"))  # [7]
+
+        def download() -> None:
+            operations.download(task, stage_copy, microbatch, handoff.take_outputs())
+
+        device.download_stream.submit(_named(download, lambda: f"downloading the outputs of {where}", device))
+
+    def _enqueue_input_upload(self, task: Task, microbatch: int, slots: InputSlots, handoff: _Handoff,
                               where: str, *, gradients: bool = False) -> HostEvent:
         """[4] on the activation stream: ``slots`` to the device, into ``handoff.inputs`` (``gradients``: a
         backward job's output gradients, uploaded after its recompute inputs, into ``handoff.gradients``);
         returns the event after the copies (``inputs_uploaded[m]``)."""
-        runner, device, job, call = self.runner, self.device, task.job, task.call
-        acts, compute = device.act_stream, device.compute_stream
+        acts = self.device.act_stream
         for slot in slots.all():
             acts.wait_event(slot.event)  # [4]
 
         def upload() -> None:
-            start = runner.timeline.now()
-            target_device, asynchronous = device.torch_device, device.is_cuda
-
-            def to_device(tree: Any) -> Any:
-                copied = copy_tree(tree, target_device, asynchronous)
-                if acts.stress:  # lands late, at the synchronize below
-                    acts.copy_late(tree_tensors(tree), tree_tensors(copied))
-                return copied
-
-            inputs = _DeviceInputs(
-                layer_input=to_device(slots.layer_input.value) if slots.layer_input is not None else None,
-                checkpoints={layer: to_device(slot.value) for layer, slot in slots.checkpoints},
-                snapshots={layer: to_device(slot.value) for layer, slot in slots.snapshots},
-                target=to_device(call.fused_loss.targets[microbatch]) if job.kind is StageKind.FUSED else None,
-            )
-            if not device.is_cuda:
-                acts.synchronize()  # stand-ins: the late copies land before the host sources are dropped below
-            # on CUDA no host sync: a source may be dropped while its copy runs, as torch's caching host
-            # allocator keeps a pinned block (every download lands in one) until the copies recorded on it
-            # have run, and a pageable source is staged before the copy call returns; the compute stream
-            # waits for the copies on the GPU ([6])
-            for slot in slots.all():
-                slot.consume()  # copied: the host copy is dropped once its last counted reader has it
-            tensors = tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target])
-            if compute.cuda_stream is not None:
-                # allocated on this stream, used by compute: the compute thread drops them as soon as it has
-                # enqueued its kernels, so the allocator must not reuse them before those kernels have run
-                for tensor in tensors:
-                    tensor.record_stream(compute.cuda_stream)
-            inputs.nbytes = tensors_nbytes(tensors)
-            device.residency.allocate(inputs.nbytes, f"the inputs of {job.label} microbatch {microbatch}")
-            device.counters.uploaded_activation_bytes += inputs.nbytes
+            inputs = self.operations.upload_inputs(task, microbatch, slots)
             if gradients:
                 handoff.gradients = inputs
             else:
                 handoff.inputs = inputs
-            runner.timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
 
-        acts.submit(_named(upload, lambda: f"uploading the inputs of {where}", device))
+        acts.submit(_named(upload, lambda: f"uploading the inputs of {where}", self.device))
         return acts.record(f"the inputs of {where} uploaded")
-
-    def _enqueue_recompute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
-                           where: str) -> None:
-        """A backward job's recompute of one microbatch, ahead of its output gradient ([4'])."""
-        runner, device = self.runner, self.device
-
-        def run() -> None:
-            inputs, handoff.inputs = handoff.inputs, None
-            assert inputs is not None, "the recompute ran before its checkpoints were uploaded"  # [6]
-            stage_copy.activations = self.measurements.activation_meter(device, task, stage_copy,
-                                                             tree_tensors([inputs.checkpoints, inputs.snapshots]))
-            timer = device.compute_timer
-            started = timer.start()
-            recomputed = runner.recompute_microbatch(device, task, stage_copy, microbatch, inputs.checkpoints,
-                                                     inputs.snapshots)
-            stage_copy.compute_spans.append((microbatch, "recompute", timer.stop(started)))
-            handoff.recomputed = (recomputed, inputs)
-
-        device.compute_stream.submit(_named(run, lambda: f"recomputing {where}", device))
-
-    def _enqueue_compute(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
-                         where: str) -> HostEvent:
-        """The microbatch's forward, fused or backward compute; returns ``computed[m]``."""
-        runner, device, job, call = self.runner, self.device, task.job, task.call
-
-        def run() -> None:
-            recomputed = None
-            if job.kind is StageKind.BACKWARD:
-                pending, handoff.recomputed = handoff.recomputed, None
-                gradients, handoff.gradients = handoff.gradients, None
-                assert pending is not None and gradients is not None, "the backward ran before its inputs"  # [6]
-                recomputed, inputs = pending
-                inputs.layer_input, inputs.nbytes = gradients.layer_input, inputs.nbytes + gradients.nbytes
-            else:
-                taken, handoff.inputs = handoff.inputs, None
-                assert taken is not None, "the compute ran before its inputs were uploaded"  # [6]
-                inputs = taken
-                if task.needs_grad:  # what the layers save for backward is held in the residency until freed
-                    stage_copy.activations = self.measurements.activation_meter(device, task, stage_copy, tree_tensors(
-                        [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target]))
-            timer = device.compute_timer  # device time, resolved when the job finishes (timing.py)
-            started = timer.start()
-            if job.kind is StageKind.FORWARD:
-                with call.context.applied(grad=False):
-                    output, checkpoints, snapshots = runner.forward_microbatch(
-                        device, task, stage_copy, microbatch, inputs.layer_input)
-                outputs = _DeviceOutputs(output, checkpoints, snapshots)
-            elif job.kind is StageKind.FUSED:
-                loss, input_grads = runner.fused_microbatch(
-                    device, task, stage_copy, microbatch, inputs.layer_input, inputs.target)
-                outputs = _DeviceOutputs(input_grads, loss=loss)
-            else:
-                assert recomputed is not None
-                outputs = _DeviceOutputs(runner.backward_microbatch(
-                    device, task, stage_copy, microbatch, recomputed, inputs.checkpoints, inputs.snapshots,
-                    inputs.layer_input))
-            del recomputed  # its graph, if no gradient reached it
-            stage_copy.compute_spans.append((microbatch, job.kind.name.lower(), timer.stop(started)))
-            meter, stage_copy.activations = stage_copy.activations, None
-            if meter is not None:  # what no backward freed went with the compute's autograd graph
-                for layer, nbytes in self.measurements.activations_done(meter).items():
-                    stage_copy.activation_bytes[layer] = max(stage_copy.activation_bytes.get(layer, 0), nbytes)
-            device.residency.release(inputs.nbytes)
-            if device.stress:  # released: poison what the outputs or the stage do not share
-                _poison_unshared(tree_tensors([inputs.layer_input, inputs.checkpoints, inputs.snapshots,
-                                               inputs.target]),
-                                 [*tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots]),
-                                  *([outputs.loss] if outputs.loss is not None else []), *stage_copy.tensors()])
-            del inputs  # the device inputs may be freed now
-            outputs.nbytes = tree_nbytes([outputs.output, outputs.checkpoints, outputs.snapshots])
-            device.residency.allocate(outputs.nbytes, f"the outputs of {job.label} microbatch {microbatch}")
-            handoff.outputs = outputs
-
-        device.compute_stream.submit(_named(run, lambda: f"computing {where}", device))
-        return device.compute_stream.record(f"{where} computed")
-
-    def _enqueue_download(self, task: Task, stage_copy: StageCopy, microbatch: int, handoff: _Handoff,
-                          where: str) -> None:
-        """The microbatch's results into their host slots, which set the events other jobs wait for [4]."""
-        runner, device, job, call = self.runner, self.device, task.job, task.call
-        output_slot = call.outputs[job.index][microbatch]
-
-        def store() -> None:
-            start = runner.timeline.now()
-            outputs, handoff.outputs = handoff.outputs, None
-            assert outputs is not None, "the download ran before its compute"  # [7]
-            pin = device.pin_downloads
-            checkpoints = {layer: copy_tree(value, HOST, pin=pin) for layer, value in outputs.checkpoints.items()}
-            snapshots = {layer: [copy_tensor(buffer, HOST, pin=pin) for buffer in buffers]
-                         for layer, buffers in outputs.snapshots.items()}
-            loss = copy_tensor(outputs.loss, HOST, pin=pin) if outputs.loss is not None else None
-            output = copy_tree(outputs.output, HOST, pin=pin)
-            stress = device.stress
-            released = tree_tensors([outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss])
-            if stress:  # the host copies land late, at the synchronize below
-                device.download_stream.copy_late(released, tree_tensors([output, checkpoints, snapshots, loss]))
-            # on a GPU no host sync: the slots carry a CUDA event after the copies, which a reading stream waits
-            # for on the GPU and a host reader synchronizes; the device outputs, dropped below, keep their
-            # memory until the copies are done. A CPU stand-in's copies are complete (landed) at the synchronize.
-            download = device.download_stream
-            copied = download.mark()
-            if copied is None or download.cuda_stream is None:
-                download.synchronize()
-            else:
-                for tensor in released:
-                    tensor.record_stream(download.cuda_stream)
-            for layer, value in checkpoints.items():
-                call.checkpoints[(layer, microbatch)].put(value, poison_on_drop=stress, copied=copied)
-            for layer, value in snapshots.items():
-                call.snapshots[(layer, microbatch)].put(value, poison_on_drop=stress, copied=copied)
-            if loss is not None:
-                call.fused_loss.losses[microbatch].put(loss, copied=copied)
-            output_slot.put(output, poison_on_drop=stress, copied=copied)
-            device.residency.release(outputs.nbytes)
-            if stress:  # downloaded: the device outputs are released (the stage's copy is released later)
-                _poison_unshared(released, stage_copy.tensors())
-            runner.timeline.add(device.index, job.index, job.label, microbatch, "download", start)
-
-        device.download_stream.submit(_named(store, lambda: f"downloading the outputs of {where}", device))
-
-
-def _poison_unshared(released: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
-    """Stress mode: poison the ``released`` tensors whose memory none of ``kept`` shares (a layer may return
-    its input, or a view of it, and a ``NoGrad`` travels on unchanged)."""
-    shared = {tensor.untyped_storage().data_ptr() for tensor in kept}
-    poison([tensor for tensor in released if tensor.untyped_storage().data_ptr() not in shared])
 
 
 def _named(operation: Callable[[], None], what: Callable[[], str], device: Device) -> Callable[[], None]:
