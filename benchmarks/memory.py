@@ -53,7 +53,7 @@ it is given (the engine's stand-ins for the parameters, which only that thread t
 read after the run. There is no
 public API for any of this, so the accountant reaches into engine internals, read-only: it wraps the
 engine instance's ``_new_call`` and ``step`` (to hold weak references to calls and gradient windows)
-and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``_grad_staging`` and the ``Call`` slots; it may need updating
+and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``operations.grad_staging`` and the ``Call`` slots; it may need updating
 when those change.
 
 Also printed: parameter bytes uploaded per parameter per optimizer step (the engine's counters), which the
