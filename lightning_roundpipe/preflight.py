@@ -102,7 +102,6 @@ class DeviceMemoryError(PreflightError):
     """A layer or stage cannot fit in ``device_memory_limit``."""
 
 
-
 # ---------------------------------------------------------------------------------------------- device side
 def _layer_needs(trunk: Trunk, transport: torch.dtype | None) -> list[tuple[int, int]]:
     """Per layer, its bytes on a device: parameters and buffers, and gradients (Linear and Conv weights in
@@ -170,7 +169,6 @@ def _heaviest_window(sizes: Sequence[int], width: int) -> int:
     if not sizes:
         return 0
     return max(sum(sizes[(start + k) % len(sizes)] for k in range(width)) for start in range(len(sizes)))
-
 
 
 def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequence[Any], *,

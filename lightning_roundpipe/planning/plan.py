@@ -97,17 +97,27 @@ def format_layers(layers: range) -> str:
 
 
 def _check_cover(stages: tuple[range, ...], end: int, what: str) -> None:
-    position = 0
-    for stage in stages:
-        if stage.step != 1 or stage.start != position or len(stage) == 0:
-            raise ValueError(
-                f"{what} stages must be non-empty contiguous runs covering layers [0, {end}) in order; "
-                f"stage {stage} starts at {stage.start}, expected {position}"
-            )
-        position = stage.stop
+    position, broken = walk_runs(stages, 0)
+    if broken is not None:
+        stage = stages[broken]
+        raise ValueError(
+            f"{what} stages must be non-empty contiguous runs covering layers [0, {end}) in order; "
+            f"stage {stage} starts at {stage.start}, expected {position}"
+        )
     if position != end:
         raise ValueError(f"{what} stages cover layers [0, {position}), expected [0, {end})")
 
+
+def walk_runs(runs: Sequence[range], start: int, *, downward: bool = False) -> tuple[int, int | None]:
+    """Follow ``runs`` of layers from ``start``, each non-empty and contiguous and starting where the one before
+    stopped (``downward``: stopping where the one before started). Returns the position reached and the index
+    of the first run that breaks the chain (``None``: none does, and the position is where the last one ends)."""
+    position = start
+    for index, run in enumerate(runs):
+        if len(run) == 0 or run.step != 1 or (run.stop if downward else run.start) != position:
+            return position, index
+        position = run.start if downward else run.stop
+    return position, None
 
 
 def costs_from_bytes(

@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_roundpipe.planning.partition import Plan, format_layers
+from lightning_roundpipe.planning.plan import Plan, format_layers, walk_runs
 
 
 class StageKind(str, enum.Enum):
@@ -255,32 +255,27 @@ def validate_rounds(jobs: Sequence[Job], num_layers: int, num_devices: int) -> N
 
 
 def _check_forward(jobs: Sequence[Job], num_layers: int) -> None:
-    pos = 0
-    for job in jobs:
-        r = job.layers
-        if len(r) == 0 or r.step != 1 or r.start != pos:
-            raise ValueError(
-                f"forward job {job.label} holds layers {format_layers(r)}, expected a run starting at layer {pos}: "
-                f"forward stages (and the fused stage) cover the layers shallow to deep from layer 0"
-            )
-        pos = r.stop
+    pos, broken = walk_runs([job.layers for job in jobs], 0)
+    if broken is not None:
+        job = jobs[broken]
+        raise ValueError(
+            f"forward job {job.label} holds layers {format_layers(job.layers)}, expected a run starting at layer "
+            f"{pos}: forward stages (and the fused stage) cover the layers shallow to deep from layer 0"
+        )
     if pos != num_layers:
         raise ValueError(f"forward jobs cover layers [0, {pos}), expected [0, {num_layers})")
 
 
 def _check_backward(jobs: Sequence[Job], top: int) -> None:
-    pos = top
-    for job in jobs:
-        r = job.layers
-        if len(r) == 0 or r.step != 1 or r.stop != pos:
-            raise ValueError(
-                f"backward job {job.label} holds layers {format_layers(r)}, expected a run ending at layer {pos - 1}: "
-                f"backward stages cover the layers deep to shallow from layer {top - 1}"
-            )
-        pos = r.start
+    pos, broken = walk_runs([job.layers for job in jobs], top, downward=True)
+    if broken is not None:
+        job = jobs[broken]
+        raise ValueError(
+            f"backward job {job.label} holds layers {format_layers(job.layers)}, expected a run ending at layer "
+            f"{pos - 1}: backward stages cover the layers deep to shallow from layer {top - 1}"
+        )
     if pos != 0:
         raise ValueError(f"backward jobs cover layers [{pos}, {top}), expected [0, {top})")
-
 
 
 def format_plan(plan: Plan) -> str:

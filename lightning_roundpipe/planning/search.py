@@ -102,7 +102,6 @@ def _split(costs: Sequence[LayerCost]) -> tuple[list[float], list[float], list[i
             [c.param_bytes + c.grad_bytes + c.activation_bytes for c in costs])
 
 
-
 def _check_num_stages(num_stages: object, num_layers: int) -> None:
     most = num_layers - 1 if num_layers > 1 else math.inf  # one layer: fused only, count ignored
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= most:
