@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import logging
 import math
-import textwrap
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -71,6 +69,8 @@ from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
 from lightning_roundpipe.engine.transport import layer_sizes, upload_copy_bytes
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
+from lightning_roundpipe.memory_plan import MemoryPlan, Problem
+from lightning_roundpipe.optimizer_state import optimizer_state_bytes
 from lightning_roundpipe.planning.partition import (
     ACTIVATION_RESERVE,
     Plan,
@@ -79,9 +79,12 @@ from lightning_roundpipe.planning.partition import (
     workspace_reserve,
 )
 
+if TYPE_CHECKING:
+    from lightning_roundpipe.engine.engine import RoundPipeEngine
+
 __all__ = [
     "DeviceMemoryError", "HostMemoryError", "MemoryPlan", "PreflightError", "Problem", "check_layers", "enforce",
-    "enforce_layers", "optimizer_state_bytes", "plan_memory",
+    "enforce_layers", "optimizer_state_bytes", "plan_for", "plan_memory",
 ]
 
 log = logging.getLogger(__name__)
@@ -97,85 +100,6 @@ class HostMemoryError(PreflightError):
 
 class DeviceMemoryError(PreflightError):
     """A layer or stage cannot fit in ``device_memory_limit``."""
-
-
-# ---------------------------------------------------------------------------------------------- optimizers
-def _scalar_bytes() -> int:
-    # torch keeps per-parameter scalars (``step``) as 0-dim tensors of _get_scalar_dtype()
-    return 8 if torch.get_default_dtype() == torch.float64 else 4
-
-
-def _factored_bytes(param: torch.Tensor) -> int:
-    """Adafactor's second moment: a row and a column factor for 2+-dim parameters, else full."""
-    if param.dim() < 2:
-        return nbytes_of(param)
-    shape = list(param.shape)
-    rows = math.prod(shape[:-1])
-    cols = math.prod(shape[:-2] + shape[-1:])
-    return (rows + cols) * param.element_size()
-
-
-# Per torch.optim class: (buffers the size of the parameter, per-parameter scalars, description). The
-# buffer count may depend on the group's hyperparameters.
-def _rule(name: str, group: dict) -> tuple[float, int, str] | None:
-    if name in ("Adam", "AdamW"):
-        if group.get("amsgrad"):
-            return 3, 1, "exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad) + step"
-        return 2, 1, "exp_avg, exp_avg_sq + step"
-    if name == "SGD":
-        return (1, 0, "momentum_buffer") if group.get("momentum", 0) else (0, 0, "none (no momentum)")
-    if name == "RMSprop":
-        count = 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
-        names = ["square_avg"] + ["momentum_buffer"] * bool(group.get("momentum", 0)) + \
-            ["grad_avg"] * bool(group.get("centered"))
-        return count, 1, ", ".join(names) + " + step"
-    simple = {
-        "Adagrad": (1, 1, "sum + step"),
-        "Adamax": (2, 1, "exp_avg, exp_inf + step"),
-        "NAdam": (2, 2, "exp_avg, exp_avg_sq + step, mu_product"),
-        "RAdam": (2, 1, "exp_avg, exp_avg_sq + step"),
-        "Adadelta": (2, 1, "square_avg, acc_delta + step"),
-        "ASGD": (1, 3, "ax + step, eta, mu"),
-        "Rprop": (2, 1, "prev, step_size + step"),
-        "Muon": (1, 0, "momentum_buffer"),
-        "SparseAdam": (2, 1, "exp_avg, exp_avg_sq + step"),
-        "Adafactor": (-1, 1, "row_var and col_var (factored; full variance for 1-dim) + step"),
-    }
-    return simple.get(name)
-
-
-def _known_class(optimizer: Any) -> str | None:
-    for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("torch.optim") and _rule(cls.__name__, {}) is not None:
-            return cls.__name__
-    return None
-
-
-def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
-    """Bytes ``optimizer``'s state will hold once every trainable parameter has stepped, from its class
-    and hyperparameters (no step is taken): ``(bytes, description, known)``. Frozen parameters get no
-    state. A class not derived from a known ``torch.optim`` one is assumed to keep two buffers per
-    parameter (``known=False``)."""
-    name = _known_class(optimizer)
-    label = type(optimizer).__name__
-    scalar = _scalar_bytes()
-    total = 0
-    descriptions: list[str] = []
-    for group in getattr(optimizer, "param_groups", []):
-        rule = _rule(name, group) if name is not None else None
-        buffers, scalars, description = rule if rule is not None else (2, 0, "unknown, assumed 2x")
-        if description not in descriptions:
-            descriptions.append(description)
-        for param in group["params"]:
-            if not param.requires_grad:
-                continue
-            if buffers < 0:
-                total += _factored_bytes(param)
-            else:
-                total += int(buffers * nbytes_of(param))
-            total += scalars * scalar
-    shown = label if name is None or name == label else f"{label} (as {name})"
-    return total, f"{shown}: {'; '.join(descriptions) or 'no parameters'}", name is not None
 
 
 # ---------------------------------------------------------------------------------------------- device side
@@ -247,236 +171,6 @@ def _heaviest_window(sizes: Sequence[int], width: int) -> int:
     return max(sum(sizes[(start + k) % len(sizes)] for k in range(width)) for start in range(len(sizes)))
 
 
-# ---------------------------------------------------------------------------------------------- the plan
-@dataclass(frozen=True)
-class Problem:
-    """Something that does not fit: ``kind`` says where, ``message`` what, by how much, and what to change."""
-
-    kind: Literal["device", "host"]
-    message: str
-
-
-@dataclass
-class MemoryPlan:
-    """The pre-flight figures, in bytes. The host figures are one process's; ``node_new_bytes`` (theirs
-    times ``processes_per_node``) must fit in ``host_available``, the node's."""
-
-    trainer_fn: str
-    num_devices: int
-    device_type: str
-    async_step: bool
-    recompute: str
-    # host: already allocated at setup
-    parameter_bytes: int
-    parameter_bytes_by_dtype: dict[str, int]
-    buffer_bytes: int
-    # host: allocated once training runs
-    gradient_bytes: int
-    next_gradient_bytes: int          # async: the next iteration's gradients while a step reads param.grad
-    optimizer_state_bytes: int
-    optimizer_notes: list[str]
-    optimizer_state_assumed: bool     # some optimizer class is unknown: 2 buffers per parameter assumed
-    upload_copy_bytes: int            # host copies uploads read: async's published copy, low-precision copies
-    device_copy_bytes: int            # CPU devices: their stage copies live in host memory
-    activation_bytes: int | None      # None: not estimated at setup (depends on the batch)
-    activation_layers: list[int]      # layers whose inputs a training batch keeps on the host until backward
-    checkpoint_save_bytes: int        # 0: saves stream into the file
-    # the machine
-    limits: HostLimits
-    pinned_bytes: int                 # CUDA devices with pin_memory: what the engine registers (0 on CPU devices)
-    # device side (per device)
-    device_memory_limit: int | None
-    stage_budget: int | None          # what the planner lets two stages use
-    largest_stages: dict[str, tuple[range, int]]  # stage kind -> (its layers, its bytes), the largest
-    device_stage_bytes: int           # two stages: the running one and the prefetched one (2 x largest)
-    largest_layer: tuple[int, int]    # (layer index, parameters + buffers + gradients)
-    problems: list[Problem] = field(default_factory=list)  # any refuses
-    warnings: list[str] = field(default_factory=list)
-    workspace_bytes: int = 0          # per device, kept for kernel workspaces (GPUs: partition.CUDA_WORKSPACE_RESERVE)
-    host_steps: list[StepFigure] = field(default_factory=list)  # the measured host optimizer step, per optimizer
-    transport: str | None = None      # the dtype Linear and Conv weights travel in; None: as stored
-    async_only_copy_bytes: int = 0    # what of upload_copy_bytes only async mode keeps
-    # data parallel: the host figures above are one process's; the node holds processes_per_node of them
-    processes_per_node: int = 1       # processes on this node each holding this host state (rings_per_node)
-    optimizer_shards: int = 1         # processes the optimizer state is split over (shard_optimizer); 1: whole
-    world_size: int = 1               # processes in the whole run (on every node)
-    unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
-
-    @property
-    def resident_bytes(self) -> int:
-        """Parameters and buffers: allocated before setup, already outside ``host_available``."""
-        return self.parameter_bytes + self.buffer_bytes
-
-    @property
-    def new_bytes(self) -> int:
-        """What training will allocate on the host beyond what it holds at setup (activations excluded
-        unless estimated)."""
-        return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.upload_copy_bytes
-                + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes)
-
-    @property
-    def host_total_bytes(self) -> int:
-        """One process's host bytes: parameters, buffers and what training allocates."""
-        return self.resident_bytes + self.new_bytes
-
-    @property
-    def node_new_bytes(self) -> int:
-        """What the node's processes will allocate together: ``new_bytes`` each."""
-        return self.processes_per_node * self.new_bytes
-
-    @property
-    def node_total_bytes(self) -> int:
-        return self.processes_per_node * self.host_total_bytes
-
-    @property
-    def host_available(self) -> int | None:
-        return self.limits.available
-
-    @property
-    def headroom(self) -> int | None:
-        """What is left on the node, after the plan of all its processes, for activations, batches and
-        everything else."""
-        available = self.host_available
-        return None if available is None else available - self.node_new_bytes
-
-    @property
-    def shortfall(self) -> int:
-        headroom = self.headroom
-        return 0 if headroom is None or headroom >= 0 else -headroom
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-    def new_items(self) -> list[tuple[str, int]]:
-        """The host allocations still to come, largest first."""
-        optimizer = "optimizer state"
-        notes = self._optimizer_notes()
-        if notes:
-            optimizer += f" ({'; '.join(notes)})"
-        items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
-                 (optimizer, self.optimizer_state_bytes), ("upload copies", self.upload_copy_bytes),
-                 ("simulated device copies", self.device_copy_bytes)]
-        return sorted([item for item in items if item[1] > 0], key=lambda item: -item[1])
-
-    def rows(self) -> list[tuple[str, str, str]]:
-        """The table: (item, bytes, note)."""
-        return [*self._host_rows(), *self._device_rows()]
-
-    def _host_rows(self) -> list[tuple[str, str, str]]:
-        dtypes = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
-        training = self.trainer_fn == "fit"
-        processes = self.processes_per_node
-        rows = [
-            (f"host (each of {processes} processes on this node)" if processes > 1 else "host", "", ""),
-            ("parameters", format_bytes(self.parameter_bytes), f"allocated; {dtypes or 'none'}"),
-            ("buffers", format_bytes(self.buffer_bytes), "allocated"),
-            ("gradients", "+" + format_bytes(self.gradient_bytes),
-             "param.grad of trainable parameters, in their dtype" if training else "none: not training"),
-        ]
-        if self.next_gradient_bytes:
-            rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),
-                         "async: gather while the step reads param.grad"))
-        optimizer_notes = self._optimizer_notes()
-        rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
-                     "; ".join(optimizer_notes) if optimizer_notes
-                     else ("no optimizer" if training else "none: not training")))
-        rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
-        rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
-                     f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
-                     if self.device_type == "cpu" else "none: device memory"))
-        rows.append(self._activation_row(training))
-        rows.append(("checkpoint save", "+" + format_bytes(self.checkpoint_save_bytes),
-                     "streamed to the file by torch.save: no in-memory copy"))
-        rows.append(("to allocate", format_bytes(self.new_bytes),
-                     f"host total with parameters and buffers {format_bytes(self.host_total_bytes)}"))
-        if processes > 1:
-            rows.append(("to allocate on this node", format_bytes(self.node_new_bytes),
-                         f"{processes} processes on this node (rings_per_node={processes}), each holding all of the "
-                         f"above: {processes} x {format_bytes(self.new_bytes)}; host total with parameters and "
-                         f"buffers {format_bytes(self.node_total_bytes)}"))
-        available, headroom = self.host_available, self.headroom
-        rows.append(("available", "unknown" if available is None else format_bytes(available),
-                     self.limits.describe()))
-        rows.append(("headroom", "unknown" if headroom is None else
-                     "-" + format_bytes(-headroom) if headroom < 0 else format_bytes(headroom),
-                     "for activations, batches and everything else"
-                     + (f" of the {processes} processes" if processes > 1 else "")))
-        if self.device_type == "cpu":
-            pinned = "not used on CPU devices"
-        else:  # the driver pins the pages itself: RLIMIT_MEMLOCK does not count them
-            pinned = "what uploads read (weights or their copies) and buffers, registered in place; not reclaimable"
-            if processes > 1 and self.pinned_bytes:
-                pinned = f"each process; {format_bytes(processes * self.pinned_bytes)} on this node: " + pinned
-        rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
-        return rows
-
-    @property
-    def _sharded(self) -> bool:
-        return self.optimizer_shards > 1 and self.unsharded_optimizer_state_bytes > 0
-
-    def _optimizer_notes(self) -> list[str]:
-        """What the optimizer state holds, per optimizer, after how it is sharded."""
-        if not self._sharded:
-            return list(self.optimizer_notes)
-        shards = self.optimizer_shards
-        return [f"sharded over {shards} processes (shard_optimizer): about 1/{shards} each of "
-                f"{format_bytes(self.unsharded_optimizer_state_bytes)}, whole parameters per process",
-                *self.optimizer_notes]
-
-    def _upload_copies_note(self) -> str:
-        low = f"Linear/Conv weights in {self.transport}" if self.transport else ""
-        if self.async_step:
-            return "async: the published copy of the trainable trunk weights" + (f" ({low})" if low else "")
-        return f"{low}, cast once per step (transport_dtype)" if low else "none: sync step, weights uploaded as stored"
-
-    def _activation_row(self, training: bool) -> tuple[str, str, str]:
-        if self.activation_bytes is not None:
-            return ("stage-boundary activations", "+" + format_bytes(self.activation_bytes), "estimated")
-        kept = self.activation_layers
-        which = (f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}" if len(kept) <= 8
-                 else f"{len(kept)} layers")
-        if 0 in kept:
-            which += " (layer 0's is the batch itself)"
-        note = (f"not estimated at setup (depends on the batch): a training batch keeps the inputs of "
-                f"{which} on the host until backward" if training
-                else "not estimated at setup (depends on the batch); none kept for backward")
-        return ("stage-boundary activations", "?", note)
-
-    def _device_rows(self) -> list[tuple[str, str, str]]:
-        rows = [(f"device (each of {self.num_devices})", "", "")]
-        for kind, (layers, nbytes) in self.largest_stages.items():
-            rows.append((f"largest {kind} stage" if kind != "fused" else "fused stage", format_bytes(nbytes),
-                         f"layers {format_layers(layers)}"))
-        if self.device_memory_limit is None:
-            limit_note = "device_memory_limit: none, not checked"
-        else:
-            limit_note = (f"device_memory_limit {format_bytes(self.device_memory_limit)}; the planner keeps two "
-                          f"stages within {format_bytes(self.stage_budget)}")
-        rows.append(("running + prefetched stage", format_bytes(self.device_stage_bytes), limit_note))
-        index, nbytes = self.largest_layer
-        rows.append((f"largest layer ({index})", format_bytes(nbytes), "parameters, buffers and gradients"))
-        if self.workspace_bytes:
-            rows.append(("kernel workspaces", format_bytes(self.workspace_bytes),
-                         "cuBLAS workspaces and the streams' memory pools, reserved before any stage"))
-        return rows
-
-    def table(self) -> str:
-        rows = self.rows()
-        width = max(len(item) for item, _, _ in rows)
-        amount = max(len(value) for _, value, _ in rows)
-        lines = [f"RoundPipe memory plan ({self.trainer_fn}; {self.num_devices} {self.device_type} device(s); "
-                 f"{'async' if self.async_step else 'sync'} step; recompute={self.recompute})"]
-        for item, value, note in rows:
-            if not value and not note:
-                lines.append(f"  {item}")
-            else:
-                lines.append(f"    {item:<{width}}  {value:>{amount}}  {note}".rstrip())
-        for figure in self.host_steps:
-            lines.append(textwrap.fill(figure.describe(), width=120, initial_indent="  ", subsequent_indent="    "))
-        return "\n".join(lines)
-
-
 def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequence[Any], *,
                 devices: Sequence[torch.device], async_step: bool = False, recompute: str = "stage",
                 device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
@@ -496,62 +190,31 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     ``shard_optimizer``, else 1); one process's share is estimated as ``1/optimizer_shards`` of the state
     (it keeps whole parameters' state, so its share is about that). ``world_size``: the processes of the whole
     run, for advice (sharding the optimizer state helps once there are several, on any nodes)."""
-    for name, value in (("processes_per_node", processes_per_node), ("optimizer_shards", optimizer_shards),
-                        ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+    _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
+                          world_size=world_size)
     limits = read_host_limits() if limits is None else limits
-    params = list(module.parameters())  # each once, tied weights too
-    by_dtype: dict[str, int] = {}
-    for param in params:
-        name = str(param.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + nbytes_of(param)
-    buffer_bytes = tensors_nbytes(module.buffers())
-    trunk_trainable = trunk.trainable_parameters()
-    trunk_trainable_bytes = tensors_nbytes(trunk_trainable)
-
-    gradient_bytes = next_gradient_bytes = optimizer_bytes = 0
-    notes: list[str] = []
-    assumed = False
-    if training:
-        gradient_bytes = tensors_nbytes(p for p in params if p.requires_grad)
-        if async_step:  # the step reads window k in param.grad while iteration k+1 fills the next window
-            next_gradient_bytes = trunk_trainable_bytes
-        for optimizer in optimizers:
-            nbytes, description, known = optimizer_state_bytes(optimizer)
-            optimizer_bytes += nbytes
-            notes.append(description)
-            assumed = assumed or not known
+    host = _host_figures(module, trunk, optimizers, training, async_step)
     # the host copies uploads read instead of the masters: async's published copy, the low-precision copies
     upload_copies, upload_reads = upload_copy_bytes(trunk, async_step=async_step, transport=transport)
     sync_copies = upload_copy_bytes(trunk, async_step=False, transport=transport)[0]
-
     device_type = devices[0].type if devices else "cpu"
     needs = _layer_needs(trunk, transport)
     stages = _stage_footprint(needs, plan, training, len(devices))
-    resident_copies = stages.resident_copies
-    device_copies = resident_copies if device_type == "cpu" else 0
-    # what the engine's start() registers: what uploads read (copies, masters uploaded as stored, buffers)
-    pinned = upload_reads if device_type == "cuda" and pin_memory else 0
-
-    if not training:
-        activation_layers: list[int] = []
-    elif recompute == "layer":
-        activation_layers = list(range(len(trunk)))
-    else:
-        activation_layers = sorted({stage.start for stage in plan.backward} | {plan.fused.start})
     layer_totals = [sum(need) for need in needs]
     worst_layer = max(range(len(trunk)), key=lambda i: layer_totals[i])
-
     memory_plan = MemoryPlan(
         trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
         device_type=device_type, async_step=async_step, recompute=recompute,
-        parameter_bytes=sum(by_dtype.values()), parameter_bytes_by_dtype=by_dtype, buffer_bytes=buffer_bytes,
-        gradient_bytes=gradient_bytes, next_gradient_bytes=next_gradient_bytes,
-        optimizer_state_bytes=-(-optimizer_bytes // optimizer_shards),  # this process's share, rounded up
-        optimizer_notes=notes, optimizer_state_assumed=assumed, upload_copy_bytes=upload_copies,
-        device_copy_bytes=device_copies, activation_bytes=None, activation_layers=activation_layers,
-        checkpoint_save_bytes=0, limits=limits, pinned_bytes=pinned, device_memory_limit=device_memory_limit,
+        parameter_bytes=sum(host.by_dtype.values()), parameter_bytes_by_dtype=host.by_dtype,
+        buffer_bytes=host.buffer_bytes, gradient_bytes=host.gradient_bytes,
+        next_gradient_bytes=host.next_gradient_bytes,
+        optimizer_state_bytes=-(-host.optimizer_bytes // optimizer_shards),  # this process's share, rounded up
+        optimizer_notes=host.notes, optimizer_state_assumed=host.assumed, upload_copy_bytes=upload_copies,
+        device_copy_bytes=stages.resident_copies if device_type == "cpu" else 0, activation_bytes=None,
+        activation_layers=_activation_layers(plan, len(trunk), training, recompute), checkpoint_save_bytes=0,
+        # what the engine's start() registers: what uploads read (copies, masters uploaded as stored, buffers)
+        limits=limits, pinned_bytes=upload_reads if device_type == "cuda" and pin_memory else 0,
+        device_memory_limit=device_memory_limit,
         stage_budget=stage_memory_budget(device_memory_limit, workspace_reserve(device_type)),
         workspace_bytes=workspace_reserve(device_type), largest_stages=stages.largest,
         device_stage_bytes=2 * max(size for _, size in stages.largest.values()),
@@ -559,7 +222,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         transport=None if transport is None else str(transport).removeprefix("torch."),
         async_only_copy_bytes=upload_copies - sync_copies,
         processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
-        unsharded_optimizer_state_bytes=optimizer_bytes,
+        unsharded_optimizer_state_bytes=host.optimizer_bytes,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
@@ -567,6 +230,77 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         memory_plan.host_steps = _measure_host_steps(
             optimizers, host_optimizer, None if headroom is None else headroom // processes_per_node)
     return memory_plan
+
+
+def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[Any], trainer_fn: str,
+             processes_per_node: int = 1) -> MemoryPlan:
+    """:func:`plan_memory` of ``module`` as ``engine`` (planned, not yet started) runs it: the engine's trunk,
+    plan, devices, options, device budget and data-parallel group (its world size, and whether the optimizer
+    state is sharded over it). ``trainer_fn``: Lightning's ``TrainerFn`` (or its value); ``"fit"`` trains
+    (``optimizers`` are counted and timed), anything else evaluates. ``processes_per_node``: the processes on
+    this node (``rings_per_node``)."""
+    trainer_fn = str(getattr(trainer_fn, "value", trainer_fn))  # "fit", not "TrainerFn.FITTING"
+    options, data_parallel = engine.options, engine.data_parallel
+    world_size = 1 if data_parallel is None else data_parallel.world_size
+    sharded = data_parallel is not None and data_parallel.shard_optimizer
+    training = trainer_fn == "fit"
+    return plan_memory(
+        module, engine.trunk, engine.plan, optimizers if training else [], devices=engine.torch_devices,
+        async_step=options.async_step, recompute=options.recompute, device_memory_limit=engine.device_budget,
+        pin_memory=options.pin_memory, training=training, trainer_fn=trainer_fn,
+        host_optimizer=options.host_optimizer, transport=engine.transport, processes_per_node=processes_per_node,
+        optimizer_shards=world_size if sharded else 1, world_size=world_size)
+
+
+def _check_process_counts(**counts: int) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+
+
+class _HostFigures(NamedTuple):
+    """What one process's host holds of the model and its training state, before upload copies."""
+
+    by_dtype: dict[str, int]  # parameter bytes per dtype name
+    buffer_bytes: int
+    gradient_bytes: int
+    next_gradient_bytes: int  # async: the next iteration's gradients while a step reads param.grad
+    optimizer_bytes: int      # every parameter's optimizer state (unsharded)
+    notes: list[str]          # what each optimizer's state holds
+    assumed: bool             # some optimizer class is unknown: 2 buffers per parameter assumed
+
+
+def _host_figures(module: nn.Module, trunk: Trunk, optimizers: Sequence[Any], training: bool,
+                  async_step: bool) -> _HostFigures:
+    """Parameters by dtype, buffers, and, when ``training``, gradients and optimizer state (no step is taken)."""
+    params = list(module.parameters())  # each once, tied weights too
+    by_dtype: dict[str, int] = {}
+    for param in params:
+        name = str(param.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + nbytes_of(param)
+    gradient_bytes = next_gradient_bytes = optimizer_bytes = 0
+    notes: list[str] = []
+    assumed = False
+    if training:
+        gradient_bytes = tensors_nbytes(p for p in params if p.requires_grad)
+        if async_step:  # the step reads window k in param.grad while iteration k+1 fills the next window
+            next_gradient_bytes = tensors_nbytes(trunk.trainable_parameters())
+        for optimizer in optimizers:
+            nbytes, description, known = optimizer_state_bytes(optimizer)
+            optimizer_bytes += nbytes
+            notes.append(description)
+            assumed = assumed or not known
+    return _HostFigures(by_dtype, tensors_nbytes(module.buffers()), gradient_bytes, next_gradient_bytes,
+                        optimizer_bytes, notes, assumed)
+
+
+def _activation_layers(plan: Plan, num_layers: int, training: bool, recompute: str) -> list[int]:
+    """The layers whose inputs a training batch keeps on the host until backward (none when not training)."""
+    if not training:
+        return []
+    if recompute == "layer":
+        return list(range(num_layers))
+    return sorted({stage.start for stage in plan.backward} | {plan.fused.start})
 
 
 def _measure_host_steps(optimizers: Sequence[Any], host_optimizer: str, headroom: int | None) -> list[StepFigure]:

@@ -453,13 +453,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         if mode != "off":
-            self.memory_plan = preflight.plan_memory(
-                module, trunk, engine.plan, self.optimizers if fitting else [], devices=devices,
-                async_step=options.async_step, recompute=options.recompute,
-                device_memory_limit=engine.device_budget, pin_memory=options.pin_memory, training=fitting,
-                trainer_fn=str(trainer.state.fn.value), host_optimizer=options.host_optimizer, transport=transport,
-                processes_per_node=self.num_processes,
-                optimizer_shards=self.world_size if self.options.shard_optimizer else 1, world_size=self.world_size)
+            self.memory_plan = preflight.plan_for(engine, module, self.optimizers, trainer.state.fn, self.num_processes)
             preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
         if self.options.timeline:

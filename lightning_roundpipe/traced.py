@@ -27,6 +27,9 @@ reads is refused at that point, saying which and what to do.
 The module itself is not changed: the layers are wrappers outside its module tree that hold its own
 modules and parameters, so the optimizer, ``state_dict`` keys and checkpoints stay as they are; while the
 strategy drives it, the module's ``forward`` is an instance attribute (:class:`TracedForward`).
+
+Here: recording and cutting the graphs (:class:`Registry`), the trunk and its forward. Where the blocks are is
+:mod:`~lightning_roundpipe.block_lists`; the layers and the input signatures, :mod:`~lightning_roundpipe.traced_layer`.
 """
 
 from __future__ import annotations
@@ -35,292 +38,29 @@ import linecache
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.block_lists import (
+    HOW_TO_PROCEED,
+    TracedPlan,
+    find_block_lists,
+    find_blocks,
+    has_own_forward,
+    plan_traced,
+)
 from lightning_roundpipe.capture import DATA, VALUE, CaptureError, ConcreteTracer, Recorded, is_random
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.pipelined import PipelinedForward
-from lightning_roundpipe.engine.transfer import NoGrad, tree_flatten
-from lightning_roundpipe.hf.base_model import draws_functional_dropout, prepare_call
-from lightning_roundpipe.uses import first_segments, named_paths
+from lightning_roundpipe.engine.transfer import tree_flatten
+from lightning_roundpipe.hf.base_model import prepare_call
+from lightning_roundpipe.traced_layer import Captured, Modes, Program, TracedLayer, describe_signature, signature
+from lightning_roundpipe.uses import first_segments
 
 log = logging.getLogger(__name__)
-
-HOW_TO_PROCEED = ("Name the trunk with RoundPipeStrategy(pipeline=...): an nn.Sequential of the layers (e.g. "
-                  "self.net = nn.Sequential(embedding, *blocks, head)), or the nn.ModuleList of the blocks")
-
-
-# ---------------------------------------------------------------------------- discovery
-def _is_block_list(module: nn.Module) -> bool:
-    """An ``nn.ModuleList`` or ``nn.Sequential`` of modules of one type that hold parameters: blocks."""
-    children = list(module.children())
-    return (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) > 0
-            and len({type(c) for c in children}) == 1 and _count(module) > 0)
-
-
-def find_block_lists(module: nn.Module) -> list[str]:
-    """The names (within ``module``) of its block lists, in registration order: every ``nn.ModuleList`` or
-    ``nn.Sequential`` of modules of one type, holding parameters, that is not inside another one and that
-    the source of a forward above it names (a ResNet's four stages, an encoder's layers then a decoder's;
-    not a list the forward never runs)."""
-    found: list[str] = []
-    for name, candidate in module.named_modules():
-        if not name or any(name.startswith(f"{outer}.") for outer in found):
-            continue
-        if _is_block_list(candidate) and _named_by_a_forward(module, name):
-            found.append(name)
-    return found
-
-
-def _named_by_a_forward(module: nn.Module, name: str) -> bool:
-    """Whether the forward source of ``name``'s parent, or of a module above it, names it or a module
-    between (``self.layer1``, ``self.transformer`` above ``transformer.encoder.layers``)."""
-    parts = name.split(".")
-    for depth in range(len(parts)):
-        above = module.get_submodule(".".join(parts[:depth])) if depth else module
-        if not has_own_forward(above):
-            continue
-        rest = parts[depth:]
-        if any(".".join(rest[:k]) in named_paths(above) for k in range(1, len(rest) + 1)):
-            return True
-    return False
-
-
-def find_blocks(module: nn.Module) -> str | None:
-    """The name (within ``module``) of its largest ``nn.ModuleList`` of modules of one type, by parameters
-    (the shallowest on a tie), or ``None``."""
-    lists = {name: m for name, m in module.named_modules()
-             if name and isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1}
-    if not lists:
-        return None
-    return max(lists, key=lambda n: (_count(lists[n]), -n.count(".")))
-
-
-def has_own_forward(module: nn.Module) -> bool:
-    """Whether ``module``'s class defines a forward (not nn.Module's missing one, a container's, or the
-    LightningModule base class's)."""
-    forward = getattr(type(module), "forward", None)
-    return (forward is not None and forward is not nn.Module.forward
-            and getattr(forward, "__qualname__", "") != "LightningModule.forward")
-
-
-@dataclass
-class TracedPlan:
-    """Where the traced trunk lies in a module: ``root`` (named ``root_name`` in it; ``""`` is the module
-    itself) is the module whose forward is recorded and taken over; ``lists`` are the names of the block
-    lists within ``root``, in the order the forward runs them (none: one stage); ``containers`` are the
-    modules traced through (``root``, those between it and the lists, and the ``nn.Sequential`` lists,
-    whose own forward calls the blocks)."""
-
-    root_name: str
-    root: nn.Module
-    lists: list[str]
-    containers: list[nn.Module]
-
-    @property
-    def block_modules(self) -> list[nn.Module]:
-        return [block for name in self.lists for block in self.root.get_submodule(name).children()]
-
-    def qualified(self, name: str) -> str:
-        return f"{self.root_name}.{name}" if self.root_name else name
-
-
-def _lists_of(module: nn.Module, name: str | None) -> list[str]:
-    """The block lists of ``module`` (names within it): ``name`` alone when it names an ``nn.ModuleList``,
-    else those of ``name``'s module (:func:`find_block_lists`) when there are several, else its largest
-    ``nn.ModuleList`` (the single-list choice)."""
-    target = module.get_submodule(name) if name else module
-    prefix = f"{name}." if name else ""
-    if name and isinstance(target, nn.ModuleList):
-        return [name]
-    lists = find_block_lists(target)
-    if len(lists) > 1:
-        return [prefix + n for n in lists]
-    found = find_blocks(target)
-    return [prefix + found] if found else []
-
-
-def plan_traced(module: nn.Module, name: str | None = None) -> TracedPlan:
-    """The :class:`TracedPlan` of ``module``: ``name`` (``pipeline=``) is an ``nn.ModuleList`` of blocks or
-    the module to record (its block lists are used); by default the block lists of ``module`` with, as
-    root, the module's child that holds them all (what ``self.model(x)`` calls), or no blocks and
-    ``module`` itself as one stage."""
-    target = module.get_submodule(name) if name else module
-    names = _lists_of(module, name)
-    if not names:
-        root_name = name or ""
-    elif name and not isinstance(target, nn.ModuleList):
-        root_name = name
-    else:
-        firsts = {n.split(".")[0] for n in names}
-        first = next(iter(firsts))
-        child = module.get_submodule(first)
-        root_name = (first if len(firsts) == 1 and first not in names and has_own_forward(child) else "")
-    root = module.get_submodule(root_name) if root_name else module
-    if not has_own_forward(root):
-        shown = f"`{root_name}`" if root_name else type(module).__name__
-        around = ", ".join(f"`{n}`" for n in names)
-        raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential submodule or Hugging Face causal LM to pipeline, and "
-            f"{shown} ({type(root).__name__}) has no forward of its own to record"
-            f"{f' around the blocks {around}' if names else ''}. {HOW_TO_PROCEED}")
-    containers = [root]
-    relatives = [n[len(root_name) + 1:] if root_name else n for n in names]
-    for relative, full in zip(relatives, names, strict=True):
-        parts = relative.split(".")
-        for depth in range(1, len(parts)):
-            container = root.get_submodule(".".join(parts[:depth]))
-            if all(container is not c for c in containers):
-                containers.append(container)
-        blocks = root.get_submodule(relative)
-        if not any(True for _ in blocks.children()):
-            raise ValueError(f"`{full}` is an empty nn.ModuleList: there are no blocks to pipeline")
-        if isinstance(blocks, nn.Sequential):  # `self.layer1(x)`: its forward's loop calls the blocks
-            containers.append(blocks)
-    return TracedPlan(root_name, root, relatives, containers)
-
-
-# ---------------------------------------------------------------------------- the layers
-class Modes:
-    """The ``training`` flags of the traced modules at a call: part of the signature a graph is recorded
-    for (a forward may branch on ``self.training``). Passed to the prologue as its first argument, an
-    opaque value every microbatch gets whole."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: tuple[bool, ...]) -> None:
-        self.key = key
-
-
-@dataclass
-class Program:
-    """One layer's code for one signature: ``fn(layer, *inputs)`` returns the values live after it (or,
-    for the last layer, the output's computed leaves); ``constant_in``/``constant_out`` say which of those
-    travel in the ``NoGrad`` (values that follow from the signature alone)."""
-
-    fn: Callable[..., Any]
-    constant_in: tuple[bool, ...]
-    constant_out: tuple[bool, ...]
-
-
-@dataclass
-class Captured:
-    programs: list[Program]
-    out_spec: pytree.TreeSpec
-    out_leaves: list[Any]  # the output's leaves: None where the last program computes one, else the value
-    computed: list[bool]
-
-
-class TracedLayer(nn.Module):
-    """A layer of a traced trunk: holds (outside the user's module tree) the modules and tensors it owns at
-    their paths within the root, so the recorded code's ``self.path.to.module`` finds them here (or in a
-    device replica of this layer)."""
-
-    def __init__(self, index: int, label: str, registry: Registry) -> None:
-        super().__init__()
-        self.index = index
-        self.label = label
-        self.registry = registry  # plain attribute: shared with the replicas, never part of the state
-
-    def mount(self, path: str, value: nn.Module | torch.Tensor) -> None:
-        owner: nn.Module = self
-        *parents, leaf = path.split(".")
-        for part in parents:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        if isinstance(value, nn.Module):
-            owner.add_module(leaf, value)
-        elif isinstance(value, nn.Parameter):
-            owner.register_parameter(leaf, value)
-        else:
-            owner.register_buffer(leaf, value)
-
-    @property
-    def roundpipe_random(self) -> bool:  # a random op in the recorded code (functional dropout, say)
-        return self.index in self.registry.random_layers or draws_functional_dropout(self)
-
-    def extra_repr(self) -> str:
-        return self.label
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        registry = self.registry
-        inputs: list[Any]
-        if self.index == 0:
-            modes, *given = args
-            leaves, spec = tree_flatten((tuple(given), kwargs))
-            sig = signature(leaves, spec)
-            ident = registry.ids.get((modes.key, sig))
-            if ident is None:
-                raise RuntimeError(f"RoundPipe has recorded no graph for the inputs {describe_signature(sig)} "
-                                   "(TracedForward records one before each call)")
-            captured = registry.captured[ident]
-            inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        else:
-            (carried,) = args
-            ident, data, constants = carried
-            captured = registry.captured[ident]
-            inputs = _merge(data, constants.values, captured.programs[self.index].constant_in)
-        program = captured.programs[self.index]
-        outputs = program.fn(self, *inputs)
-        if self.index < len(captured.programs) - 1:
-            data = tuple(v for v, constant in zip(outputs, program.constant_out, strict=True) if not constant)
-            constants = tuple(v for v, constant in zip(outputs, program.constant_out, strict=True) if constant)
-            return ident, data, NoGrad(values=constants)
-        computed = iter(outputs)
-        leaves = [next(computed) if is_computed else leaf
-                  for leaf, is_computed in zip(captured.out_leaves, captured.computed, strict=True)]
-        return pytree.tree_unflatten(leaves, captured.out_spec)
-
-
-def _merge(data: tuple[Any, ...], constants: tuple[Any, ...], mask: tuple[bool, ...]) -> list[Any]:
-    """The live values in order, from the differentiable ones and the ``NoGrad`` ones. A ``torch.device``
-    recorded earlier (``x.device``) is this layer's device now: the layers run on different devices."""
-    here = next((v.device for v in (*data, *constants) if isinstance(v, torch.Tensor)), None)
-    data_iter, constant_iter = iter(data), iter(constants)
-    values = [next(constant_iter) if constant else next(data_iter) for constant in mask]
-    if here is not None:
-        values = [here if isinstance(v, torch.device) else v for v in values]
-    return values
-
-
-def signature(leaves: list[Any], spec: Any, samples: int | None = None) -> tuple[Any, ...]:
-    """What a recorded graph is specialized to: the structure, each tensor's shape (dim 0 given as
-    ``samples`` when set) and dtype, and the other arguments' values."""
-    parts: list[Any] = [spec]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            shape = tuple(leaf.shape)
-            if samples is not None and shape:
-                shape = (samples, *shape[1:])
-            parts.append(("tensor", shape, leaf.dtype))
-        else:
-            try:
-                hash(leaf)
-                parts.append(("value", type(leaf), leaf))
-            except TypeError:
-                parts.append(("object", id(leaf)))
-    return tuple(parts)
-
-
-def describe_signature(sig: tuple[Any, ...]) -> str:
-    """``(float32[4, 8], int64[4, 8], None)``: the inputs a signature stands for."""
-    shown = []
-    for kind, *rest in sig[1:]:
-        if kind == "tensor":
-            shape, dtype = rest
-            shown.append(f"{str(dtype).removeprefix('torch.')}{list(shape)}")
-        else:
-            shown.append(repr(rest[1]) if kind == "value" else "an object")
-    return f"({', '.join(shown)})"
 
 
 # ---------------------------------------------------------------------------- recording and cutting
@@ -630,8 +370,6 @@ def _holds_only_derived_tables(module: nn.Module) -> bool:
             and all(name in owner._non_persistent_buffers_set for owner, name in buffers))
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-__all__ = ["CaptureError", "TracedForward", "TracedTrunk", "build_traced_trunk", "plan_traced"]
+# find_block_lists, find_blocks and has_own_forward live in block_lists.py: imported from here too
+__all__ = ["CaptureError", "TracedForward", "TracedTrunk", "build_traced_trunk", "find_block_lists", "find_blocks",
+           "has_own_forward", "plan_traced"]

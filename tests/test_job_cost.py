@@ -21,7 +21,7 @@ from lightning_roundpipe.engine.feedback import Measurements, StepTimes
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.timing import HostSpan
-from lightning_roundpipe.planning import partition
+from lightning_roundpipe.planning import search
 from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, plan_auto, predicted_cost
 from tests.test_primitives import Layer, binding_of
 
@@ -80,18 +80,18 @@ def test_job_cost_is_validated():
 
 def _brute_force(costs, num_devices, memory_budget, upper_threshold, job_cost, every_bound):
     """:func:`plan_auto` by packing every candidate bound, ascending, as the reference planner does."""
-    fwd, both, fsize, bsize = partition._split(costs)
-    cap = partition._stage_cap(costs, memory_budget)
+    fwd, both, fsize, bsize = search._split(costs)
+    cap = search._stage_cap(costs, memory_budget)
     wmax = max(max(fwd), max(both))
     hi = math.inf if every_bound else upper_threshold * wmax
     best = (math.inf, 0, 0.0, (0, 0, 0))
-    for w in sorted({wmax} | partition._run_sums(fwd, wmax, hi) | partition._run_sums(both, wmax, hi)):
-        shape = partition._counts_for(fwd, both, fsize, bsize, w, cap)
+    for w in sorted({wmax} | search._run_sums(fwd, wmax, hi) | search._run_sums(both, wmax, hi)):
+        shape = search._counts_for(fwd, both, fsize, bsize, w, cap)
         stages = shape[1] + 1 + shape[2]
         cost = max(stages, num_devices) * w + stages * job_cost
         if (cost, stages) < best[:2]:
             best = (cost, stages, w, shape)
-    return partition._balanced_plan(fwd, both, fsize, bsize, *best[3], cap, best[2])
+    return search._balanced_plan(fwd, both, fsize, bsize, *best[3], cap, best[2])
 
 
 def test_the_bisection_finds_what_packing_every_bound_finds():

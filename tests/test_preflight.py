@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import re
@@ -18,8 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy, hostmem, preflight
+from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.engine import RoundPipeEngine
 from lightning_roundpipe.engine.layers import build_trunk
+from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.hostmem import (
     CgroupMemory,
     HostLimits,
@@ -752,3 +755,22 @@ def test_the_host_step_scratch_is_sized_by_one_process_share_of_the_node_headroo
 def test_invalid_process_counts_are_refused(name, value):
     with pytest.raises(ValueError, match=f"`{name}` must be a positive integer"):
         _adamw_plan(**{name: value})
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_plan_for_reads_what_plan_memory_needs_from_the_engine(monkeypatch, shard):
+    """The strategy's one-line pre-flight: the same plan as plan_memory given every figure by hand, the world size
+    and the optimizer shards read from the engine's data-parallel group."""
+    _fake_host(monkeypatch, 2**40)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    group = DataParallel(world_size=4, rank=1, shard_optimizer=shard)
+    engine = RoundPipeEngine(build_trunk(model), 2, EngineOptions(async_step=True), data_parallel=group)
+    by_hand = plan_memory(model, engine.trunk, engine.plan, [optimizer], devices=engine.torch_devices,
+                          async_step=True, trainer_fn="fit", host_optimizer="exact", processes_per_node=2,
+                          optimizer_shards=4 if shard else 1, world_size=4)
+    one_line = preflight.plan_for(engine, model, [optimizer], "fit", 2)
+    assert len(one_line.host_steps) == len(by_hand.host_steps) == 1  # timed: the figures differ from run to run
+    assert dataclasses.replace(one_line, host_steps=[]) == dataclasses.replace(by_hand, host_steps=[])
+    evaluating = preflight.plan_for(engine, model, [optimizer], "validate")
+    assert evaluating.trainer_fn == "validate" and evaluating.optimizer_state_bytes == 0

@@ -143,6 +143,11 @@ class Trunk:
         return "; ".join(parts) or "no parameters"
 
 
+def parameter_count(module: nn.Module) -> int:
+    """The parameter elements ``module`` holds: each parameter once, a tied one too (how trunks are compared)."""
+    return sum(p.numel() for p in module.parameters())
+
+
 _DATA_PTR = torch.Tensor.data_ptr
 
 

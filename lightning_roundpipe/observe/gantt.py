@@ -29,8 +29,8 @@ from lightning_roundpipe.planning.cli import CALLS, add_cli_arguments, plan_from
 from lightning_roundpipe.planning.partition import LayerCost, Plan
 from lightning_roundpipe.planning.schedule import format_plan, validate
 from lightning_roundpipe.planning.simulate import (
-    Event,
     SimResult,
+    SimulatedEvent,
     simulate_jobs,
     simulate_paper_roundpipe,
     simulate_roundpipe,
@@ -152,7 +152,7 @@ def draw_timeline(events: Iterable[TimelineEvent], path: str | os.PathLike[str],
     _render(rows, bars, path, title=title, xlabel="time (ms)")
 
 
-def _schedule_kind(event: Event) -> str:
+def _schedule_kind(event: SimulatedEvent) -> str:
     if event.label.startswith("L"):
         return "fused"
     if event.phase == "recompute":
@@ -160,8 +160,8 @@ def _schedule_kind(event: Event) -> str:
     return "backward" if event.phase == "bwd" else "forward"
 
 
-def draw_schedule(result: SimResult | Sequence[Event], path: str | os.PathLike[str], *, title: str | None = None,
-                  unit: str = "cost units", num_devices: int | None = None) -> None:
+def draw_schedule(result: SimResult | Sequence[SimulatedEvent], path: str | os.PathLike[str], *,
+                  title: str | None = None, unit: str = "cost units", num_devices: int | None = None) -> None:
     """Draw a simulated schedule (a :class:`~lightning_roundpipe.planning.simulate.SimResult`, or its events) as
     a PNG at ``path``: one row per device, a bar per phase of each job's microbatch (forward, fused,
     recompute, backward), in the costs' ``unit``. Iteration ends of a multi-iteration result are dashed

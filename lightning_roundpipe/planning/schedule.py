@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_roundpipe.planning.partition import Plan, format_layers
+from lightning_roundpipe.planning.plan import Plan, format_layers, walk_runs
 
 
 class StageKind(str, enum.Enum):
@@ -154,6 +154,29 @@ def validate(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if not jobs:
         raise ValueError("a schedule needs at least one job, got none")
+    _check_ring_and_flow(jobs, num_devices)
+    kinds = "".join(j.kind.value for j in jobs)
+    if not re.fullmatch(r"F*L?B*", kinds) or ("F" in kinds and "B" in kinds and "L" not in kinds):
+        raise ValueError(
+            f"jobs run {' '.join(j.label for j in jobs)}; a call is forward stages, then the fused "
+            f"stage, then backward stages (training), forward stages only, or backward stages only"
+        )
+    fwd = [j for j in jobs if j.kind is StageKind.FORWARD]
+    fused = [j for j in jobs if j.kind is StageKind.FUSED]
+    bwd = [j for j in jobs if j.kind is StageKind.BACKWARD]
+    for group in (fwd, fused, bwd):
+        for s, job in enumerate(group):
+            if job.stage != s:
+                raise ValueError(f"job at index {job.index} is {job.label}, expected stage {s} of its kind")
+    if fwd or fused:
+        _check_forward([*fwd, *fused], num_layers)
+    if fused or bwd:
+        _check_backward(bwd, fused[0].layers.start if fused else num_layers)
+
+
+def _check_ring_and_flow(jobs: Sequence[Job], num_devices: int) -> None:
+    """:func:`validate`'s checks of each job against the call: consecutive ring positions on the ring's devices,
+    the same microbatches, and a dependency on the previous job only."""
     first = jobs[0]
     for k, job in enumerate(jobs):
         if job.index != first.index + k:
@@ -190,23 +213,6 @@ def validate(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
                 f"job {job.label} (index {job.index}) depends on {tuple(job.depends_on)}, expected "
                 f"{expected}: each job consumes the previous job in the data flow"
             )
-    kinds = "".join(j.kind.value for j in jobs)
-    if not re.fullmatch(r"F*L?B*", kinds) or ("F" in kinds and "B" in kinds and "L" not in kinds):
-        raise ValueError(
-            f"jobs run {' '.join(j.label for j in jobs)}; a call is forward stages, then the fused "
-            f"stage, then backward stages (training), forward stages only, or backward stages only"
-        )
-    fwd = [j for j in jobs if j.kind is StageKind.FORWARD]
-    fused = [j for j in jobs if j.kind is StageKind.FUSED]
-    bwd = [j for j in jobs if j.kind is StageKind.BACKWARD]
-    for group in (fwd, fused, bwd):
-        for s, job in enumerate(group):
-            if job.stage != s:
-                raise ValueError(f"job at index {job.index} is {job.label}, expected stage {s} of its kind")
-    if fwd or fused:
-        _check_forward([*fwd, *fused], num_layers)
-    if fused or bwd:
-        _check_backward(bwd, fused[0].layers.start if fused else num_layers)
 
 
 def validate_rounds(jobs: Sequence[Job], num_layers: int, num_devices: int) -> None:
@@ -249,32 +255,27 @@ def validate_rounds(jobs: Sequence[Job], num_layers: int, num_devices: int) -> N
 
 
 def _check_forward(jobs: Sequence[Job], num_layers: int) -> None:
-    pos = 0
-    for job in jobs:
-        r = job.layers
-        if len(r) == 0 or r.step != 1 or r.start != pos:
-            raise ValueError(
-                f"forward job {job.label} holds layers {format_layers(r)}, expected a run starting at layer {pos}: "
-                f"forward stages (and the fused stage) cover the layers shallow to deep from layer 0"
-            )
-        pos = r.stop
+    pos, broken = walk_runs([job.layers for job in jobs], 0)
+    if broken is not None:
+        job = jobs[broken]
+        raise ValueError(
+            f"forward job {job.label} holds layers {format_layers(job.layers)}, expected a run starting at layer "
+            f"{pos}: forward stages (and the fused stage) cover the layers shallow to deep from layer 0"
+        )
     if pos != num_layers:
         raise ValueError(f"forward jobs cover layers [0, {pos}), expected [0, {num_layers})")
 
 
 def _check_backward(jobs: Sequence[Job], top: int) -> None:
-    pos = top
-    for job in jobs:
-        r = job.layers
-        if len(r) == 0 or r.step != 1 or r.stop != pos:
-            raise ValueError(
-                f"backward job {job.label} holds layers {format_layers(r)}, expected a run ending at layer {pos - 1}: "
-                f"backward stages cover the layers deep to shallow from layer {top - 1}"
-            )
-        pos = r.start
+    pos, broken = walk_runs([job.layers for job in jobs], top, downward=True)
+    if broken is not None:
+        job = jobs[broken]
+        raise ValueError(
+            f"backward job {job.label} holds layers {format_layers(job.layers)}, expected a run ending at layer "
+            f"{pos - 1}: backward stages cover the layers deep to shallow from layer {top - 1}"
+        )
     if pos != 0:
         raise ValueError(f"backward jobs cover layers [{pos}, {top}), expected [0, {top})")
-
 
 
 def format_plan(plan: Plan) -> str:

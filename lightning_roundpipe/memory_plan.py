@@ -1,0 +1,242 @@
+"""The pre-flight memory plan's figures (:class:`MemoryPlan`) and the table it logs; the pre-flight
+(:mod:`~lightning_roundpipe.preflight`) fills them in and judges them.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_roundpipe.engine.host_step import StepFigure
+from lightning_roundpipe.hostmem import HostLimits, format_bytes
+from lightning_roundpipe.planning.partition import format_layers
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that does not fit: ``kind`` says where, ``message`` what, by how much, and what to change."""
+
+    kind: Literal["device", "host"]
+    message: str
+
+
+@dataclass
+class MemoryPlan:
+    """The pre-flight figures, in bytes. The host figures are one process's; ``node_new_bytes`` (theirs
+    times ``processes_per_node``) must fit in ``host_available``, the node's."""
+
+    trainer_fn: str
+    num_devices: int
+    device_type: str
+    async_step: bool
+    recompute: str
+    # host: already allocated at setup
+    parameter_bytes: int
+    parameter_bytes_by_dtype: dict[str, int]
+    buffer_bytes: int
+    # host: allocated once training runs
+    gradient_bytes: int
+    next_gradient_bytes: int          # async: the next iteration's gradients while a step reads param.grad
+    optimizer_state_bytes: int
+    optimizer_notes: list[str]
+    optimizer_state_assumed: bool     # some optimizer class is unknown: 2 buffers per parameter assumed
+    upload_copy_bytes: int            # host copies uploads read: async's published copy, low-precision copies
+    device_copy_bytes: int            # CPU devices: their stage copies live in host memory
+    activation_bytes: int | None      # None: not estimated at setup (depends on the batch)
+    activation_layers: list[int]      # layers whose inputs a training batch keeps on the host until backward
+    checkpoint_save_bytes: int        # 0: saves stream into the file
+    # the machine
+    limits: HostLimits
+    pinned_bytes: int                 # CUDA devices with pin_memory: what the engine registers (0 on CPU devices)
+    # device side (per device)
+    device_memory_limit: int | None
+    stage_budget: int | None          # what the planner lets two stages use
+    largest_stages: dict[str, tuple[range, int]]  # stage kind -> (its layers, its bytes), the largest
+    device_stage_bytes: int           # two stages: the running one and the prefetched one (2 x largest)
+    largest_layer: tuple[int, int]    # (layer index, parameters + buffers + gradients)
+    problems: list[Problem] = field(default_factory=list)  # any refuses
+    warnings: list[str] = field(default_factory=list)
+    workspace_bytes: int = 0          # per device, kept for kernel workspaces (GPUs: partition.CUDA_WORKSPACE_RESERVE)
+    host_steps: list[StepFigure] = field(default_factory=list)  # the measured host optimizer step, per optimizer
+    transport: str | None = None      # the dtype Linear and Conv weights travel in; None: as stored
+    async_only_copy_bytes: int = 0    # what of upload_copy_bytes only async mode keeps
+    # data parallel: the host figures above are one process's; the node holds processes_per_node of them
+    processes_per_node: int = 1       # processes on this node each holding this host state (rings_per_node)
+    optimizer_shards: int = 1         # processes the optimizer state is split over (shard_optimizer); 1: whole
+    world_size: int = 1               # processes in the whole run (on every node)
+    unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
+
+    @property
+    def resident_bytes(self) -> int:
+        """Parameters and buffers: allocated before setup, already outside ``host_available``."""
+        return self.parameter_bytes + self.buffer_bytes
+
+    @property
+    def new_bytes(self) -> int:
+        """What training will allocate on the host beyond what it holds at setup (activations excluded
+        unless estimated)."""
+        return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.upload_copy_bytes
+                + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes)
+
+    @property
+    def host_total_bytes(self) -> int:
+        """One process's host bytes: parameters, buffers and what training allocates."""
+        return self.resident_bytes + self.new_bytes
+
+    @property
+    def node_new_bytes(self) -> int:
+        """What the node's processes will allocate together: ``new_bytes`` each."""
+        return self.processes_per_node * self.new_bytes
+
+    @property
+    def node_total_bytes(self) -> int:
+        return self.processes_per_node * self.host_total_bytes
+
+    @property
+    def host_available(self) -> int | None:
+        return self.limits.available
+
+    @property
+    def headroom(self) -> int | None:
+        """What is left on the node, after the plan of all its processes, for activations, batches and
+        everything else."""
+        available = self.host_available
+        return None if available is None else available - self.node_new_bytes
+
+    @property
+    def shortfall(self) -> int:
+        headroom = self.headroom
+        return 0 if headroom is None or headroom >= 0 else -headroom
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def new_items(self) -> list[tuple[str, int]]:
+        """The host allocations still to come, largest first."""
+        optimizer = "optimizer state"
+        notes = self._optimizer_notes()
+        if notes:
+            optimizer += f" ({'; '.join(notes)})"
+        items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
+                 (optimizer, self.optimizer_state_bytes), ("upload copies", self.upload_copy_bytes),
+                 ("simulated device copies", self.device_copy_bytes)]
+        return sorted([item for item in items if item[1] > 0], key=lambda item: -item[1])
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """The table: (item, bytes, note)."""
+        return [*self._host_rows(), *self._device_rows()]
+
+    def _host_rows(self) -> list[tuple[str, str, str]]:
+        dtypes = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
+        training = self.trainer_fn == "fit"
+        processes = self.processes_per_node
+        rows = [
+            (f"host (each of {processes} processes on this node)" if processes > 1 else "host", "", ""),
+            ("parameters", format_bytes(self.parameter_bytes), f"allocated; {dtypes or 'none'}"),
+            ("buffers", format_bytes(self.buffer_bytes), "allocated"),
+            ("gradients", "+" + format_bytes(self.gradient_bytes),
+             "param.grad of trainable parameters, in their dtype" if training else "none: not training"),
+        ]
+        if self.next_gradient_bytes:
+            rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),
+                         "async: gather while the step reads param.grad"))
+        optimizer_notes = self._optimizer_notes()
+        rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
+                     "; ".join(optimizer_notes) if optimizer_notes
+                     else ("no optimizer" if training else "none: not training")))
+        rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
+        rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
+                     f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
+                     if self.device_type == "cpu" else "none: device memory"))
+        rows.append(self._activation_row(training))
+        rows.append(("checkpoint save", "+" + format_bytes(self.checkpoint_save_bytes),
+                     "streamed to the file by torch.save: no in-memory copy"))
+        rows.append(("to allocate", format_bytes(self.new_bytes),
+                     f"host total with parameters and buffers {format_bytes(self.host_total_bytes)}"))
+        if processes > 1:
+            rows.append(("to allocate on this node", format_bytes(self.node_new_bytes),
+                         f"{processes} processes on this node (rings_per_node={processes}), each holding all of the "
+                         f"above: {processes} x {format_bytes(self.new_bytes)}; host total with parameters and "
+                         f"buffers {format_bytes(self.node_total_bytes)}"))
+        available, headroom = self.host_available, self.headroom
+        rows.append(("available", "unknown" if available is None else format_bytes(available),
+                     self.limits.describe()))
+        rows.append(("headroom", "unknown" if headroom is None else
+                     "-" + format_bytes(-headroom) if headroom < 0 else format_bytes(headroom),
+                     "for activations, batches and everything else"
+                     + (f" of the {processes} processes" if processes > 1 else "")))
+        if self.device_type == "cpu":
+            pinned = "not used on CPU devices"
+        else:  # the driver pins the pages itself: RLIMIT_MEMLOCK does not count them
+            pinned = "what uploads read (weights or their copies) and buffers, registered in place; not reclaimable"
+            if processes > 1 and self.pinned_bytes:
+                pinned = f"each process; {format_bytes(processes * self.pinned_bytes)} on this node: " + pinned
+        rows.append(("pinned memory", format_bytes(self.pinned_bytes), pinned))
+        return rows
+
+    @property
+    def _sharded(self) -> bool:
+        return self.optimizer_shards > 1 and self.unsharded_optimizer_state_bytes > 0
+
+    def _optimizer_notes(self) -> list[str]:
+        """What the optimizer state holds, per optimizer, after how it is sharded."""
+        if not self._sharded:
+            return list(self.optimizer_notes)
+        shards = self.optimizer_shards
+        return [f"sharded over {shards} processes (shard_optimizer): about 1/{shards} each of "
+                f"{format_bytes(self.unsharded_optimizer_state_bytes)}, whole parameters per process",
+                *self.optimizer_notes]
+
+    def _upload_copies_note(self) -> str:
+        low = f"Linear/Conv weights in {self.transport}" if self.transport else ""
+        if self.async_step:
+            return "async: the published copy of the trainable trunk weights" + (f" ({low})" if low else "")
+        return f"{low}, cast once per step (transport_dtype)" if low else "none: sync step, weights uploaded as stored"
+
+    def _activation_row(self, training: bool) -> tuple[str, str, str]:
+        if self.activation_bytes is not None:
+            return ("stage-boundary activations", "+" + format_bytes(self.activation_bytes), "estimated")
+        kept = self.activation_layers
+        which = (f"layer{'s' * (len(kept) > 1)} {', '.join(map(str, kept))}" if len(kept) <= 8
+                 else f"{len(kept)} layers")
+        if 0 in kept:
+            which += " (layer 0's is the batch itself)"
+        note = (f"not estimated at setup (depends on the batch): a training batch keeps the inputs of "
+                f"{which} on the host until backward" if training
+                else "not estimated at setup (depends on the batch); none kept for backward")
+        return ("stage-boundary activations", "?", note)
+
+    def _device_rows(self) -> list[tuple[str, str, str]]:
+        rows = [(f"device (each of {self.num_devices})", "", "")]
+        for kind, (layers, nbytes) in self.largest_stages.items():
+            rows.append((f"largest {kind} stage" if kind != "fused" else "fused stage", format_bytes(nbytes),
+                         f"layers {format_layers(layers)}"))
+        if self.device_memory_limit is None:
+            limit_note = "device_memory_limit: none, not checked"
+        else:
+            limit_note = (f"device_memory_limit {format_bytes(self.device_memory_limit)}; the planner keeps two "
+                          f"stages within {format_bytes(self.stage_budget)}")
+        rows.append(("running + prefetched stage", format_bytes(self.device_stage_bytes), limit_note))
+        index, nbytes = self.largest_layer
+        rows.append((f"largest layer ({index})", format_bytes(nbytes), "parameters, buffers and gradients"))
+        if self.workspace_bytes:
+            rows.append(("kernel workspaces", format_bytes(self.workspace_bytes),
+                         "cuBLAS workspaces and the streams' memory pools, reserved before any stage"))
+        return rows
+
+    def table(self) -> str:
+        rows = self.rows()
+        width = max(len(item) for item, _, _ in rows)
+        amount = max(len(value) for _, value, _ in rows)
+        lines = [f"RoundPipe memory plan ({self.trainer_fn}; {self.num_devices} {self.device_type} device(s); "
+                 f"{'async' if self.async_step else 'sync'} step; recompute={self.recompute})"]
+        for item, value, note in rows:
+            if not value and not note:
+                lines.append(f"  {item}")
+            else:
+                lines.append(f"    {item:<{width}}  {value:>{amount}}  {note}".rstrip())
+        for figure in self.host_steps:
+            lines.append(textwrap.fill(figure.describe(), width=120, initial_indent="  ", subsequent_indent="    "))
+        return "\n".join(lines)
