@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -49,6 +48,7 @@ from lightning_roundpipe.engine.device import (
     cuda_memory_budget,
     memory_advice,
 )
+from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
 from lightning_roundpipe.engine.optim import (
@@ -57,7 +57,6 @@ from lightning_roundpipe.engine.optim import (
     snapshot_param_groups,
 )
 from lightning_roundpipe.engine.options import EngineOptions
-from lightning_roundpipe.engine.pinned import PinnedStorages
 from lightning_roundpipe.engine.queued_step import QueuedStep
 from lightning_roundpipe.engine.stage import StageRunner, Task
 from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
@@ -143,11 +142,7 @@ class RoundPipeEngine:
         self.devices: list[Device] = []
         self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
         self._sources: UploadSources | None = None  # what devices upload: published and low-precision copies
-        self._pinned = PinnedStorages()
-        self._pinning = False                    # start: pin_memory with a CUDA device in the ring
-        # parameters the trunk held until a callback replaced them (see _follow_module_state): still in the
-        # user's optimizer, never read by the pipeline again, so not "outside the trunk"
-        self._retired: dict[int, weakref.ref[nn.Parameter]] = {}
+        self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
         self._runner: StageRunner | None = None
         self._workers: list[Worker] = []
         self._optimizer: HostOptimizer | None = None
@@ -196,9 +191,8 @@ class RoundPipeEngine:
             "base_seed", torch.initial_seed())
         sources = self._sources = UploadSources(self.trunk, async_step=self.options.async_step,
                                                 transport=self.transport)
-        self._pinning = self.options.pin_memory and any(device.is_cuda for device in self.devices)
-        if self._pinning:
-            self._pinned.pin(self._pin_targets(sources))
+        if self.options.pin_memory and any(device.is_cuda for device in self.devices):
+            self.follower.start_pinning(sources)
         self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
                                    self.base_seed, sources, measure=not self.options.freeze_plan,
                                    measure_times=not self.deterministic,
@@ -255,7 +249,7 @@ class RoundPipeEngine:
             stuck += device.join(deadline)
         still_running = [name for name in stuck if name is not None]
         if not still_running:
-            self._pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
+            self.follower.pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
         else:
             warnings.warn(
                 f"RoundPipe closed its engine but {len(still_running)} thread(s) are still inside an operation that "
@@ -273,13 +267,6 @@ class RoundPipeEngine:
         for event in self._last_done:
             if event is not None and event.wait_until(deadline) and event.cuda_event is not None:
                 event.cuda_event.synchronize()
-
-    def _pin_targets(self, sources: UploadSources) -> list[torch.Tensor]:
-        """What uploads read (the masters, async's published copy, the low-precision copies) and the buffers:
-        what is pinned in place for CUDA devices."""
-        uploaded = [sources.source(param, layer, low_precision=True)
-                    for layer, state in enumerate(self.trunk.states) for param in state.params]
-        return [*uploaded, *(buffer for state in self.trunk.states for buffer in state.buffers)]
 
     def _cuda_budget(self) -> int:
         """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
@@ -642,7 +629,7 @@ class RoundPipeEngine:
         """Refuse or warn about an optimizer that steps parameters outside the trunk or misses trunk ones;
         returns the trainable parameters it steps outside the trunk, and the trainable trunk parameters it
         does not step."""
-        trunk_ids = {id(p) for p in self.trunk.parameters()} | self._retired_ids()
+        trunk_ids = {id(p) for p in self.trunk.parameters()} | self.follower.retired_ids()
         outside = [p for p in params if p.requires_grad and id(p) not in trunk_ids]
         if outside and self.options.async_step:
             raise ValueError(
@@ -675,7 +662,7 @@ class RoundPipeEngine:
                      "by stage, overlapping the backward and the next iteration" if refusal is None
                      else f"whole after the backward: {refusal}", across)
         groups = stage_groups(self.trunk, self.planner.plan, whole=refusal is not None)
-        trunk_ids = {id(param) for param in self.trunk.parameters()} | self._retired_ids()
+        trunk_ids = {id(param) for param in self.trunk.parameters()} | self.follower.retired_ids()
         outside = [param for param in params if param.requires_grad and id(param) not in trunk_ids]
         if outside and refusal is not None:
             groups[0].params += outside  # one step call, as built
@@ -767,57 +754,14 @@ class RoundPipeEngine:
     # ------------------------------------------------------------------ the module's state between calls
     def _follow_module_state(self) -> None:
         """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds
-        now. Code between calls may give a layer new tensors (Lightning's ``StochasticWeightAveraging`` assigns
-        new BatchNorm statistics; ``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``,
-        ``param.data = ...``, ``module.to(torch.float64)``); without this the pipeline would keep uploading, and
-        copying buffers back into, the tensors collected at setup. One pass of identity checks
-        (:meth:`Trunk.changed_layers`); only when a layer changed does the engine wait and follow it."""
-        changed = self.trunk.changed_layers()
+        now (``follow.py``). Only when a layer changed does the engine wait (every dispatched job and queued
+        step) and follow it."""
+        changed = self.follower.changed_layers()
         if changed:
-            self._follow_layers(changed)
-
-    def _follow_layers(self, changed: list[int]) -> None:
-        """Follow the layers ``changed`` named, once every job dispatched so far and every queued step have
-        finished: so no upload reads the old tensors or their copies meanwhile, and every buffer copy-back of
-        the earlier calls has landed in the tensors it was dispatched with (the tensors the layer held then;
-        a tensor the module has replaced since keeps what the caller assigned, as in plain training, where
-        the earlier calls had finished before the caller's code ran). Then: the layers' states are collected
-        again, the upload copies (low-precision, and async's published copies) of the parameters that are new
-        or have new memory (or dtype) are made again from their current values, so the next upload reads what
-        the module holds now in both modes; the other parameters' copies are kept (async: still the published
-        weights). The layers' device replicas are made again at their next job, deferred
-        BatchNorms found again, gradient sums held for the step cast to changed dtypes, and for CUDA devices
-        the new memory pinned and what was dropped unregistered. Parameters the layers no longer hold stay in
-        the user's optimizer (as in plain training) but no longer count as outside the trunk."""
-        self.synchronize()
-        runner, sources = self._started_part(self._runner), self._started_part(self._sources)
-        before = {id(param): param for param in self.trunk.parameters()}
-        renewed: set[int] = set()
-        for layer in changed:
-            renewed |= self.trunk.recollect(layer)[1]
-        if self.options.deferred_batchnorm:
-            check_batchnorms(self.trunk)
-        runner.follow_layers(changed)
-        sources.follow(self.trunk, changed, renewed)
-        self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
-        after = {id(param) for param in self.trunk.parameters()}
-        for key, param in before.items():
-            if key not in after:
-                self._retired[key] = weakref.ref(param)
-        for key in after:
-            self._retired.pop(key, None)
-        self._window.follow_dtypes()
-        if self._pinning:
-            targets = self._pin_targets(sources)
-            self._pinned.keep_only(targets)
-            if self._pinned.refused is None:  # refused once (and said so): uploads stay pageable
-                self._pinned.pin(targets)
-
-    def _retired_ids(self) -> set[int]:
-        """Ids of the parameters the trunk held until they were replaced, while they live."""
-        for key in [key for key, ref in self._retired.items() if ref() is None]:
-            del self._retired[key]
-        return set(self._retired)
+            self.synchronize()
+            self.follower.follow_layers(changed, self._started_part(self._runner), self._started_part(self._sources),
+                                        self._window)
+            self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
 
     # ------------------------------------------------------------------ planning
     def state_dict(self) -> dict[str, Any]:
