@@ -149,7 +149,7 @@ class HostAccountant(pl.Callback):
             return call
 
         def tracked_step(optimizer, **kwargs):
-            self._windows.append(weakref.ref(engine._window))  # the window this step closes
+            self._windows.append(weakref.ref(engine.dispatcher.window))  # the window this step closes
             return step(optimizer, **kwargs)
 
         engine._new_call, engine.step = tracked_new_call, tracked_step  # instance attributes, removed at the end
@@ -223,7 +223,7 @@ class HostAccountant(pl.Callback):
             grads_of = [param for group in grads_of.param_groups for param in group["params"]]
         for param in grads_of or ():  # never param.grad off the main thread: a concurrent read can crash torch
             add("gradients", param.grad)
-        windows = [engine._window] + [w for w in (ref() for ref in self._windows) if w is not None]
+        windows = [engine.dispatcher.window] + [w for w in (ref() for ref in self._windows) if w is not None]
         for window in windows:
             for grad in list(window._grads.values()):
                 add("gradients", grad)

@@ -48,9 +48,10 @@ from lightning_roundpipe.engine.device import (
     cuda_memory_budget,
     memory_advice,
 )
+from lightning_roundpipe.engine.dispatch import Dispatcher
 from lightning_roundpipe.engine.follow import ModuleFollower
-from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
-from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
+from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
+from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, sample_count, split
 from lightning_roundpipe.engine.optim import (
     GradWindow,
     HostOptimizer,
@@ -58,7 +59,7 @@ from lightning_roundpipe.engine.optim import (
 )
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.queued_step import QueuedStep
-from lightning_roundpipe.engine.stage import StageRunner, Task
+from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.transport import (
@@ -77,8 +78,6 @@ from lightning_roundpipe.planning.partition import (
     stage_memory_budget,
     workspace_reserve,
 )
-from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_rounds
-from lightning_roundpipe.planning.simulate import Streaming, choose_round_size
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
 
@@ -146,32 +145,16 @@ class RoundPipeEngine:
         self._runner: StageRunner | None = None
         self._workers: list[Worker] = []
         self._optimizer: HostOptimizer | None = None
-        # dispatch and step state
-        self._next_job = 0                       # ring position of the next job: job j runs on device j mod N
-        self._step = 0                           # optimizer steps queued so far
-        self._calls_in_step = 0
-        self._window = GradWindow(self._abort)   # the gradients of the step being accumulated
+        self.dispatcher = Dispatcher(self.trunk, self.options, self.planner, self.num_devices, self.num_microbatches,
+                                     self._abort, self._failures_surfaced)
         self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
-        # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
-        self._upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(self.trunk))]
         self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
         self._torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
-        self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
-        # round_size="auto": for what (plan, microbatches, planner settled) the dispatch was chosen, and the choice
-        self._rounds_for: tuple[tuple[Plan, int, bool] | None, int | None] = (None, None)
-        # the dispatch last logged at INFO, once the planner settled: (round size or None,), or None before
-        self._dispatch_logged: tuple[int | None] | None = None
-        # what the choice weighs of the host step: the order the last step's parts ran in (the simulator's
-        # name for it) and, per layer, the seconds the last whole step spent on its parameters (optimizer thread)
-        self._step_order: Streaming = "off"
-        self._layer_step_seconds: list[float] | None = None
-        self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
         self._last_step_done: HostEvent | None = None
         self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
         # the last step made with keep_gradients in sync mode, and what it was lent: restore_gradients' input
         self._kept: tuple[QueuedStep, list[nn.Parameter], dict[int, torch.Tensor]] | None = None
-        self._warned_short_batch = False
         self._warned_unstepped = False
         self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
 
@@ -198,7 +181,7 @@ class RoundPipeEngine:
                                    measure_times=not self.deterministic,
                                    deferred_batchnorm=self.options.deferred_batchnorm)
         self._runner.restore_activation_bytes(self._restored.get("activation_bytes", {}))
-        self._workers = [Worker(self._runner, device, self._abort) for device in self.devices]
+        self._workers = self.dispatcher.workers = [Worker(self._runner, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, timeline)
         self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
                                                             0.0))
@@ -232,7 +215,7 @@ class RoundPipeEngine:
             self._abort.abort()
         timeout = self.options.wait_timeout
         if (finish_steps if finish_jobs is None else finish_jobs) and self._abort.error is None:
-            self._finish_dispatched_jobs(time.monotonic() + timeout)
+            self.dispatcher.finish_dispatched_jobs(time.monotonic() + timeout)
         optimizer = self._started_part(self._optimizer)
         stuck = [optimizer.close(timeout)]
         if stuck[0] is not None:  # the module's weights may be mid-update: never a silent success
@@ -258,15 +241,6 @@ class RoundPipeEngine:
                 "keeps its thread for good).",
                 RuntimeWarning, stacklevel=2,
             )
-
-    def _finish_dispatched_jobs(self, deadline: float) -> None:
-        """On a healthy engine, let the jobs already dispatched end before the devices stop: a call returns
-        once its outputs have arrived, while its jobs may still be copying buffers back into the module (a
-        no-grad call's BatchNorm statistics), which stopping the devices would drop. Bounded by ``deadline``:
-        a job that does not end by then is dropped with the rest of the device work."""
-        for event in self._last_done:
-            if event is not None and event.wait_until(deadline) and event.cuda_event is not None:
-                event.cuda_event.synchronize()
 
     def _cuda_budget(self) -> int:
         """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
@@ -354,14 +328,6 @@ class RoundPipeEngine:
                 self._raise_failure()
             raise
 
-    def _wait(self, event: HostEvent) -> None:
-        """Wait on this thread until what ``event`` guards may be read here (a downloaded slot: also until its
-        copies have run on the GPU)."""
-        with self._failures_surfaced():
-            event.wait(self._abort)
-        if event.cuda_event is not None:
-            event.cuda_event.synchronize()
-
     def _publish_gradients(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
         """On this thread: wait for the window's jobs, then add the window's gradients into ``param.grad``
         (a gradient a queued step still reads is replaced by the sum, never changed in place)."""
@@ -388,7 +354,7 @@ class RoundPipeEngine:
             window.wait_complete()
         window.publish(lent)  # trainable trunk parameters the optimizer does not step
         averaging.finish()
-        self.timeline.add(-1, -1, f"average step {self._step}", 0, "allreduce",
+        self.timeline.add(-1, -1, f"average step {self.dispatcher.step}", 0, "allreduce",
                           self.timeline.now() if started is None else started)
 
     def _lent_now(self) -> frozenset[int]:
@@ -499,14 +465,14 @@ class RoundPipeEngine:
         wants_backward = context.grad_enabled and not context.inference
         if not wants_backward:
             call = self._new_call(inputs, context, checkpoints=False)
-            output = merge(self._run_forward(call))
+            output = merge(self.dispatcher.run_forward(call))
             return output
         call = self._new_call(inputs, context, checkpoints=True)
         # autograd records the function (and so runs its backward, which computes the trunk's parameter
         # gradients) only if an input requires grad; the inputs may not (token ids, a frozen embedding),
         # so this scalar always does. Its own gradient is None.
         anchor = torch.zeros((), requires_grad=True)
-        result = _PipelineFunction.apply(self, call, anchor, *differentiable)
+        result = _PipelineFunction.apply(self.dispatcher, call, anchor, *differentiable)
         # the function can return only tensors: the rest of the output (its structure, and the leaves that
         # are not floating-point tensors) comes back through `call.merged`. Taken at once: the call lives as
         # long as the autograd graph, which must not keep the output's other leaves alive too.
@@ -551,14 +517,10 @@ class RoundPipeEngine:
         fused = call.fused = FusedLoss(
             loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
             losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
-        round_size = self._round_size(call.plan, call.num_microbatches)
-        jobs = training_rounds(call.plan, self.num_devices, call.num_microbatches,
-                               round_size or call.num_microbatches, self._next_job)
-        self._next_job += len(jobs)
-        self._dispatch(call, jobs, first_output_grads=None)
+        self.dispatcher.run_training(call)
         losses = []
         for slot, weight in zip(fused.losses, fused.scales, strict=True):
-            self._wait(slot.event)
+            self.dispatcher.wait(slot.event)
             if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
                 losses.append(slot.value * weight)
         return torch.stack(losses).sum()
@@ -591,16 +553,14 @@ class RoundPipeEngine:
                 raise ValueError(f"shard_optimizer=True steps each parameter on the process owning it alone, but "
                                  f"{coupled}: set shard_optimizer=False")
         groups = self._step_groups(optimizer, params)
-        window, self._window = self._window, GradWindow(self._abort, self._step + 1)
+        window = self.dispatcher.next_window()
         window.close([group.params for group in groups])
-        self._step += 1
-        self._calls_in_step = 0
         proceed: bool | None = True
         # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
         # parameters this optimizer does not step stay in param.grad, which only this thread may write
         averaging = self.data_parallel is not None and self.data_parallel.world_size > 1
         gradients_final = before_step is not None or bool(unstepped)
-        self._step_order = ("off" if sum(1 for group in groups if group.layers) < 2
+        self.dispatcher.step_order = ("off" if sum(1 for group in groups if group.layers) < 2
                             else "forward" if gradients_final else "backward" if averaging else "latest")
         if averaging and gradients_final:  # what the hook and clipping see is the mean over the processes
             self._average_gradients(window, groups, [*params, *unstepped])
@@ -617,7 +577,7 @@ class RoundPipeEngine:
             for param in params:
                 param.grad = None
         if outside:  # main-thread code reads those parameters next: wait for the update
-            self._wait(finished)
+            self.dispatcher.wait(finished)
         self._last_step_done = finished
         self._replan(window)
         if averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
@@ -649,7 +609,7 @@ class RoundPipeEngine:
         return outside, unstepped
 
     def _step_groups(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[StepGroup]:
-        """How step ``self._step`` of ``optimizer`` is cut (``step_groups.py``): by backward stage, shallowest
+        """How step ``self.dispatcher.step`` of ``optimizer`` is cut (``step_groups.py``): by backward stage, shallowest
         first, or whole; the optimizer's parameters outside the trunk step first, in a group of their own."""
         refusal = streaming_refusal(optimizer, self.options.streaming_step)
         if refusal != self._streaming_said:
@@ -668,7 +628,7 @@ class RoundPipeEngine:
             groups[0].params += outside  # one step call, as built
         elif outside:
             groups.insert(0, StepGroup(range(0), outside, frozenset()))
-        number = self._step + 1  # called before step() counts it
+        number = self.dispatcher.step + 1  # called before step() counts it
         for group in groups:
             group.ready.name = (f"the weights of layers {group.label} "
                                 f"{'published' if self.options.async_step else 'updated'} by optimizer step {number}")
@@ -677,7 +637,7 @@ class RoundPipeEngine:
     def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
                     groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None,
                     keep: bool = False) -> HostEvent:
-        """Queue step ``self._step`` on the optimizer thread, cut into ``groups`` (:class:`QueuedStep` says how it
+        """Queue step ``dispatcher.step`` on the optimizer thread, cut into ``groups`` (:class:`QueuedStep` says how it
         runs, and what ``proceed`` and ``averaging`` do), and make each later upload wait for the groups of the
         layers it uploads; returns the event of the step's end.
 
@@ -686,7 +646,7 @@ class RoundPipeEngine:
         hyperparameters = snapshot_param_groups(optimizer)  # as they are now
         # an LR scheduler checks that a step preceded its own
         optimizer._opt_called = True  # type: ignore[attr-defined]
-        number = self._step
+        number = self.dispatcher.step
         sources = self._started_part(self._sources)
         host = self._started_part(self._optimizer)
         finished = HostEvent(f"optimizer step {number}")
@@ -702,12 +662,12 @@ class RoundPipeEngine:
                           on_whole=self._record_step_seconds, on_torn=self._record_torn_step, keep_gradients=keep)
         self._kept = (step, params, lent) if keep else None
         host.submit(step.run, finished, f"step {number}")
-        self._upload_waits = upload_waits(groups, len(self.trunk))
+        self.dispatcher.upload_waits = upload_waits(groups, len(self.trunk))
         return finished
 
     def _record_step_seconds(self, seconds: list[float]) -> None:
         """On the optimizer thread: per layer, the seconds a step that ran whole spent on its parameters."""
-        self._layer_step_seconds = seconds  # one assignment: the main thread reads it whole
+        self.dispatcher.layer_step_seconds = seconds  # one assignment: the main thread reads it whole
 
     def _record_torn_step(self, number: int, applied: list[str]) -> None:
         """On the optimizer thread: step ``number`` stopped part-way, after stepping the groups ``applied``."""
@@ -718,7 +678,7 @@ class RoundPipeEngine:
         thread, rather than letting :meth:`step` hand them to the optimizer thread unseen (for code that reads
         gradients between backward and step, or after the step). Does not wait for a step in flight."""
         self._check_running()
-        self._publish_gradients(self._window.wait_idle, self._window)
+        self._publish_gradients(self.dispatcher.window.wait_idle, self.dispatcher.window)
 
     def restore_gradients(self) -> None:
         """Wait for the last step and, if it was made with ``keep_gradients=True`` in sync mode, put into
@@ -741,14 +701,12 @@ class RoundPipeEngine:
         handed)."""
         self._check_running()
         if self._last_step_done is not None:
-            self._wait(self._last_step_done)
+            self.dispatcher.wait(self._last_step_done)
 
     def synchronize(self) -> None:
         """Wait for every dispatched job and queued step; afterwards the module's weights are current."""
         self._check_running()
-        for event in self._last_done:
-            if event is not None:
-                self._wait(event)
+        self.dispatcher.wait_for_jobs()
         self.wait_for_steps()
 
     # ------------------------------------------------------------------ the module's state between calls
@@ -760,7 +718,7 @@ class RoundPipeEngine:
         if changed:
             self.synchronize()
             self.follower.follow_layers(changed, self._started_part(self._runner), self._started_part(self._sources),
-                                        self._window)
+                                        self.dispatcher.window)
             self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
 
     # ------------------------------------------------------------------ planning
@@ -773,10 +731,10 @@ class RoundPipeEngine:
         runner = self._runner
         return {
             "version": 1,
-            "step": self._step,
+            "step": self.dispatcher.step,
             "base_seed": self.base_seed,
             "num_devices": self.num_devices,
-            "ring_position": self._next_job % self.num_devices,
+            "ring_position": self.dispatcher.next_job % self.num_devices,
             "planner": self.planner.state_dict(),
             "activation_bytes": runner.pending_activation_bytes() if runner is not None else {},
         }
@@ -790,15 +748,15 @@ class RoundPipeEngine:
         version = state.get("version")
         if version != 1:
             raise ValueError(f"cannot continue from an engine state of version {version!r}; this release writes 1")
-        self._step = int(state["step"])
-        self._window = GradWindow(self._abort, self._step)
         restored: dict[str, Any] = {}
+        ring_position = None
         if state.get("base_seed") is not None:
             restored["base_seed"] = int(state["base_seed"])
         if self.planner.load_state_dict(state["planner"]):
             restored["activation_bytes"] = state.get("activation_bytes", {})
             if state.get("num_devices") == self.num_devices:
-                self._next_job = int(state["ring_position"])
+                ring_position = int(state["ring_position"])
+        self.dispatcher.restore(int(state["step"]), ring_position)
         self._restored = restored
 
     def _replan(self, closed: GradWindow) -> None:
@@ -847,174 +805,23 @@ class RoundPipeEngine:
                 estimate[index] = autocast_copy_bytes(cast, autocast_itemsize=dtype.itemsize)
         self.planner.observe_activations(estimate, measured=False)
 
-    # ------------------------------------------------------------------ dispatch
-    def _round_size(self, plan: Plan, num_microbatches: int) -> int | None:
-        """Microbatches per round of a training call, or None for whole jobs (``EngineOptions.round_size``).
-        ``"auto"``: whole jobs until layer times and the cost of a job are measured (a round costs every stage's
-        fixed cost once more, which the first estimates do not know; under deterministic algorithms nothing is
-        measured, so always), then the dispatch :func:`~lightning_roundpipe.planning.simulate.choose_round_size`
-        predicts fastest for a sync iteration from those costs and the last step's time per layer, in the order
-        its parts ran. Decided again only when the plan, the batch split or the settled state of the
-        measurements changes, so the dispatch (and the order gradients are summed in) does not flap."""
-        option = self.options.round_size
-        if option == "whole" or num_microbatches == 1:
-            return None
-        if option != "auto":
-            return option if option < num_microbatches else None
-        costs = self.planner.estimate
-        if self.options.async_step or self.options.deferred_batchnorm or costs is None:
-            return None
-        key = (plan, num_microbatches, self.planner.settled)
-        if self._rounds_for[0] != key:
-            host_step = self._layer_step_seconds  # None until a step has run whole
-            chosen = choose_round_size(plan, costs, self.num_devices, num_microbatches, host_step=host_step,
-                                       streaming=self._step_order if host_step is not None else "off",
-                                       recompute_ahead=True, job_cost=self.planner.job_cost)
-            self._log_dispatch(chosen)
-            self._rounds_for = (key, chosen)
-        return self._rounds_for[1]
-
-    def _log_dispatch(self, chosen: int | None) -> None:
-        """Say the dispatch ``round_size="auto"`` chose: at INFO once the planner has settled, and again only
-        if a settled choice changes; before that at DEBUG, as provisional (early measurements are noisy, and
-        the choice can go back and forth between whole jobs and rounds until they settle)."""
-        how = "in whole jobs" if chosen is None else f"in rounds of {chosen} microbatches"
-        if not self.planner.settled:
-            log.debug("RoundPipe dispatches each training batch %s for now (provisional: the measured costs "
-                      "have not settled)", how)
-        elif self._dispatch_logged != (chosen,):
-            log.info("RoundPipe dispatches each training batch %s (predicted fastest from the settled measured "
-                     "costs)", how)
-            self._dispatch_logged = (chosen,)
-
     def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
-        size = batch_size(inputs)
-        if size is None:
-            sizes = [1] if self.num_microbatches == 1 else None
-            if sizes is None:
-                raise ValueError(
-                    "no input tensor has a batch dimension (dim 0) to split into microbatches; pass batched "
-                    "tensors or set `num_microbatches=1`"
-                )
-            chunks = [inputs]
-        else:
-            sizes = microbatch_sizes(size, self.num_microbatches)
-            if len(sizes) < self.num_microbatches and not self._warned_short_batch:
-                self._warned_short_batch = True
-                warnings.warn(
-                    f"a batch of {size} samples is smaller than `num_microbatches={self.num_microbatches}`; it "
-                    f"runs as {len(sizes)} microbatches of one sample (this warning is shown once)",
-                    stacklevel=3,
-                )
-            chunks = split(inputs, sizes)
         if checkpoints and not self.planner.activations_observed and not self.options.freeze_plan:
             self._estimate_autocast_copies(context)
-        plan = self.planner.plan
-        layers: set[int] = set()
-        if checkpoints:
-            if self.options.recompute == "layer":
-                layers = set(range(len(self.trunk)))
-            else:
-                layers = {stage.start for stage in plan.backward} | {plan.fused.start}
-        call = Call(
-            step=self._step, index=self._calls_in_step, plan=plan, context=context, sizes=sizes,
-            inputs=[Slot.ready(chunk) for chunk in chunks],
-            input_requires_grad=[leaf.requires_grad for leaf in differentiable_leaves(inputs)],
-            checkpoint_layers=frozenset(layers),
-        )
-        self._calls_in_step += 1
-        return call
-
-    def _run_forward(self, call: Call) -> list[Any]:
-        jobs = forward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
-        self._next_job += len(jobs)
-        self._dispatch(call, jobs, first_output_grads=None)
-        outputs = []
-        for slot in call.job_outputs(jobs[-1]):
-            self._wait(slot.event)
-            outputs.append(single_argument(slot.value))  # a stage's output slot holds the next layer's input
-        return outputs
-
-    def _run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[Slot]:
-        jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
-        self._next_job += len(jobs)
-        self._dispatch(call, jobs, first_output_grads=output_grads)
-        return call.job_outputs(jobs[-1])
-
-    def _dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
-        for job in jobs:
-            call.outputs[job.index] = {m: Slot(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
-                                       for m in job.microbatches}
-        if first_output_grads is not None:
-            call.first_grads = [Slot.ready(g) for g in first_output_grads]
-        for job in jobs:
-            for microbatch in job.microbatches:
-                call.input_slot(job, microbatch).expect_reader()
-            if job.kind is StageKind.FORWARD and call.checkpoint_layers:
-                self._make_checkpoint_slots(call, job)
-        for job in jobs:
-            differentiates = job.kind is not StageKind.FORWARD
-            writes_buffers = job.kind is not StageKind.BACKWARD
-            buffer_waits, buffer_done = [], {}
-            if writes_buffers:
-                for layer in job.layers:
-                    if self.trunk.states[layer].buffers:
-                        previous = self._buffer_ready.get(layer)
-                        if previous is not None:
-                            buffer_waits.append(previous)
-                        buffer_done[layer] = self._buffer_ready[layer] = HostEvent(
-                            f"the buffers of layer {layer} from stage {job.label} (job {job.index})")
-            upload_done = HostEvent(f"the parameter upload of stage {job.label} (job {job.index})")
-            grad_slots: list[tuple[int, int]] = []
-            ticket = -1
-            if differentiates:
-                # the window sums each parameter's gradients in this order (deepest layer first), whatever
-                # order the jobs finish in: see GradWindow
-                grad_slots = [(layer, position) for layer in reversed(job.layers)
-                              for position, param in enumerate(self.trunk.states[layer].params) if param.requires_grad]
-                ticket = self._window.job_started(upload_done, [self.trunk.states[layer].params[position]
-                                                                for layer, position in grad_slots], job.layers)
-            else:
-                self._window.job_read_only(upload_done, job.layers)
-            weights_ready = tuple({id(event): event for layer in job.layers
-                                   for event in self._upload_waits[layer] if not event.is_set()}.values())
-            task = Task(
-                job=job, call=call, window=self._window, weights_ready=weights_ready,
-                buffer_waits=buffer_waits, buffer_done=buffer_done, upload_done=upload_done,
-                done=HostEvent(f"stage {job.label} (job {job.index})"),
-                needs_grad=differentiates, grad_slots=grad_slots, ticket=ticket,
-            )
-            self._workers[job.device].put(task)
-            self._last_done[job.device] = task.done  # after the put: never wait for a job that was not queued
-
-    def _make_checkpoint_slots(self, call: Call, job: Job) -> None:
-        """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
-        order, because the backward job that reads them may be enqueued first by another worker."""
-        for microbatch in job.microbatches:
-            source = call.input_slot(job, microbatch)
-            for layer in job.layers:
-                if layer in call.checkpoint_layers:
-                    checkpoint = call.checkpoints[(layer, microbatch)] = (
-                        source if layer == job.layers.start
-                        else Slot(f"the checkpoint of layer {layer} microbatch {microbatch}"))
-                    checkpoint.expect_reader()  # the backward stage that recomputes from it
-                if self.trunk.states[layer].buffers:
-                    snapshot = call.snapshots[(layer, microbatch)] = Slot(
-                        f"the buffer snapshot of layer {layer} microbatch {microbatch}")
-                    snapshot.expect_reader()
+        return self.dispatcher.new_call(inputs, context, checkpoints)
 
 
 class _PipelineFunction(torch.autograd.Function):
     """Wires a pipelined forward into autograd; its backward dispatches the backward stages."""
 
     @staticmethod
-    def forward(ctx, engine: RoundPipeEngine, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor):
-        outputs = engine._run_forward(call)
+    def forward(ctx, dispatcher: Dispatcher, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor):
+        outputs = dispatcher.run_forward(call)
         merged = merge(outputs)
         leaves, spec = pytree.tree_flatten(merged)
         call.merged = (leaves, spec)  # for RoundPipeEngine.__call__, which rebuilds the whole output
         per_microbatch = [differentiable_leaves(output) for output in outputs]
-        ctx.engine, ctx.call = engine, call
+        ctx.dispatcher, ctx.call = dispatcher, call
         # merge() checked that every microbatch's output has the same structure
         ctx.split_sizes = [[leaf.shape[0] for leaf in column] for column in zip(*per_microbatch, strict=True)]
         ctx.num_inputs = len(inputs)
@@ -1033,18 +840,18 @@ class _PipelineFunction(torch.autograd.Function):
                 "double backward (create_graph=True) through the pipelined trunk is not supported: backward "
                 "stages recompute and back-propagate on other threads and devices"
             )
-        engine, call = ctx.engine, ctx.call
+        dispatcher, call = ctx.dispatcher, ctx.call
         per_leaf = [
             torch.split(grad, sizes) if grad is not None else [None] * len(sizes)
             for grad, sizes in zip(grad_outputs, ctx.split_sizes, strict=True)
         ]
         output_grads = [[column[m] for column in per_leaf] for m in range(call.num_microbatches)]
-        slots = engine._run_backward(call, output_grads)
+        slots = dispatcher.run_backward(call, output_grads)
         if not any(call.input_requires_grad):
             return (None, None, None) + (None,) * ctx.num_inputs
         grads_per_microbatch = []
         for slot in slots:
-            engine._wait(slot.event)
+            dispatcher.wait(slot.event)
             grads_per_microbatch.append(slot.value)
         input_grads: list[torch.Tensor | None] = []
         for position in range(ctx.num_inputs):
