@@ -112,8 +112,7 @@ def call_values(call: object) -> tuple[list[object], list[object]]:
     others = list(call.inputs) + (list(fused.losses) if fused else []) + list(call.first_grads or [])
     for column in list(call.outputs.values()):  # job index -> microbatch -> its output slot
         others.extend(list(column.values()))
-    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [
-        fused.targets if fused else None, call.merged]
+    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [fused.targets if fused else None]
 
 
 class HostAccountant(pl.Callback):

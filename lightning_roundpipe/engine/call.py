@@ -137,7 +137,7 @@ class Call:
     """Everything one trunk call keeps on the host between its forward and backward jobs.
 
     A fused-path call (``forward_backward``) also has :attr:`fused`; a transparent call (the engine
-    called like a module, backward through autograd) uses :attr:`first_grads` and :attr:`merged`.
+    called like a module, backward through autograd) uses :attr:`first_grads`.
     """
 
     step: int
@@ -153,7 +153,6 @@ class Call:
     outputs: dict[int, dict[int, Slot]] = field(default_factory=dict)  # job index -> microbatch -> its output
     fused: FusedLoss | None = None                            # fused path: set before its jobs are dispatched
     first_grads: list[Slot] | None = None                     # transparent backward: from autograd
-    merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
 
     @property
     def fused_loss(self) -> FusedLoss:

@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.engine.autograd import differentiable_call
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
 from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
@@ -61,7 +61,6 @@ from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.queued_step import QueuedStep
 from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
-from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.transport import (
     UploadSources,
     layer_sizes,
@@ -461,28 +460,12 @@ class RoundPipeEngine:
         self._follow_module_state()
         context = CallContext.capture(self.trunk)
         inputs = (args, kwargs)
-        differentiable = differentiable_leaves(inputs)
         wants_backward = context.grad_enabled and not context.inference
         if not wants_backward:
             call = self._new_call(inputs, context, checkpoints=False)
             output = merge(self.dispatcher.run_forward(call))
             return output
-        call = self._new_call(inputs, context, checkpoints=True)
-        # autograd records the function (and so runs its backward, which computes the trunk's parameter
-        # gradients) only if an input requires grad; the inputs may not (token ids, a frozen embedding),
-        # so this scalar always does. Its own gradient is None.
-        anchor = torch.zeros((), requires_grad=True)
-        result = _PipelineFunction.apply(self.dispatcher, call, anchor, *differentiable)
-        # the function can return only tensors: the rest of the output (its structure, and the leaves that
-        # are not floating-point tensors) comes back through `call.merged`. Taken at once: the call lives as
-        # long as the autograd graph, which must not keep the output's other leaves alive too.
-        merged, call.merged = call.merged, None
-        assert merged is not None, "_PipelineFunction.forward sets call.merged"
-        flat_out, out_spec = merged
-        differentiable_out = iter(result)
-        rebuilt = [next(differentiable_out) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf
-                   for leaf in flat_out]
-        return pytree.tree_unflatten(rebuilt, out_spec)
+        return differentiable_call(self.dispatcher, self._new_call(inputs, context, checkpoints=True), inputs)
 
     def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          loss_weight: LossWeight = sample_count, scale: float = 1.0) -> torch.Tensor:
@@ -809,68 +792,3 @@ class RoundPipeEngine:
         if checkpoints and not self.planner.activations_observed and not self.options.freeze_plan:
             self._estimate_autocast_copies(context)
         return self.dispatcher.new_call(inputs, context, checkpoints)
-
-
-class _PipelineFunction(torch.autograd.Function):
-    """Wires a pipelined forward into autograd; its backward dispatches the backward stages."""
-
-    @staticmethod
-    def forward(ctx, dispatcher: Dispatcher, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor):
-        outputs = dispatcher.run_forward(call)
-        merged = merge(outputs)
-        leaves, spec = pytree.tree_flatten(merged)
-        call.merged = (leaves, spec)  # for RoundPipeEngine.__call__, which rebuilds the whole output
-        per_microbatch = [differentiable_leaves(output) for output in outputs]
-        ctx.dispatcher, ctx.call = dispatcher, call
-        # merge() checked that every microbatch's output has the same structure
-        ctx.split_sizes = [[leaf.shape[0] for leaf in column] for column in zip(*per_microbatch, strict=True)]
-        ctx.num_inputs = len(inputs)
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
-
-    @staticmethod
-    def backward(ctx, *grad_outputs: torch.Tensor):
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(
-                "the pipelined trunk supports only `.backward()`: torch.autograd.grad and backward(inputs=...) "
-                "would need gradients the pipeline adds into the optimizer's window instead. Call "
-                "loss.backward() and read param.grad after engine.step(..., before_step=...)."
-            )
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "double backward (create_graph=True) through the pipelined trunk is not supported: backward "
-                "stages recompute and back-propagate on other threads and devices"
-            )
-        dispatcher, call = ctx.dispatcher, ctx.call
-        per_leaf = [
-            torch.split(grad, sizes) if grad is not None else [None] * len(sizes)
-            for grad, sizes in zip(grad_outputs, ctx.split_sizes, strict=True)
-        ]
-        output_grads = [[column[m] for column in per_leaf] for m in range(call.num_microbatches)]
-        slots = dispatcher.run_backward(call, output_grads)
-        if not any(call.input_requires_grad):
-            return (None, None, None) + (None,) * ctx.num_inputs
-        grads_per_microbatch = []
-        for slot in slots:
-            dispatcher.wait(slot.event)
-            grads_per_microbatch.append(slot.value)
-        input_grads: list[torch.Tensor | None] = []
-        for position in range(ctx.num_inputs):
-            pieces = [g[position] for g in grads_per_microbatch if g is not None and g[position] is not None]
-            if len(pieces) < len(grads_per_microbatch) or not call.input_requires_grad[position]:
-                input_grads.append(None)
-            else:
-                input_grads.append(_whole_batch_grad(pieces, sum(call.sizes)))
-        return (None, None, None) + tuple(input_grads)
-
-
-def _whole_batch_grad(pieces: list[torch.Tensor], samples: int) -> torch.Tensor:
-    """The gradient of one call input from its microbatches' gradients of it.
-
-    The split rule (``microbatch.py``) decides: a tensor with a dim 0 was split into the microbatches,
-    so its gradient is theirs concatenated; any other input (a 0-dim tensor) was replicated whole into
-    every microbatch, and each used it, so its gradient is their sum."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if pieces[0].dim() > 0 and sum(piece.shape[0] for piece in pieces) == samples:
-        return torch.cat(pieces)
-    return torch.stack(pieces).sum(0)
