@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -39,12 +38,11 @@ from torch import nn
 from lightning_roundpipe.engine.autograd import differentiable_call
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
-from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
+from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.device import (
     AbortSignal,
     Device,
     EngineAborted,
-    HostEvent,
     cuda_memory_budget,
     memory_advice,
 )
@@ -55,12 +53,10 @@ from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge,
 from lightning_roundpipe.engine.optim import (
     GradWindow,
     HostOptimizer,
-    snapshot_param_groups,
 )
 from lightning_roundpipe.engine.options import EngineOptions
-from lightning_roundpipe.engine.queued_step import QueuedStep
 from lightning_roundpipe.engine.stage import StageRunner
-from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
+from lightning_roundpipe.engine.stepping import StepQueue
 from lightning_roundpipe.engine.transport import (
     UploadSources,
     layer_sizes,
@@ -97,7 +93,8 @@ class RoundPipeEngine:
 
     def __init__(self, module: nn.Module | Trunk, devices: int | Sequence[torch.device | str] = 1,
                  options: EngineOptions | None = None, *, data_parallel: DataParallel | None = None) -> None:
-        self.data_parallel = data_parallel  # other processes training the same model on their own rings
+        # other processes training the same model on their own rings; one process alone by default
+        self.data_parallel = data_parallel if data_parallel is not None else DataParallel(1, 0)
         self.trunk = module if isinstance(module, Trunk) else build_trunk(module)
         if isinstance(devices, int):
             if devices < 1:
@@ -148,13 +145,8 @@ class RoundPipeEngine:
                                      self._abort, self._failures_surfaced)
         self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
-        self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
-        self._torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
-        self._last_step_done: HostEvent | None = None
-        self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
-        # the last step made with keep_gradients in sync mode, and what it was lent: restore_gradients' input
-        self._kept: tuple[QueuedStep, list[nn.Parameter], dict[int, torch.Tensor]] | None = None
-        self._warned_unstepped = False
+        self.stepping = StepQueue(self.trunk, self.options, self.data_parallel, self.dispatcher,
+                                  self.follower.retired_ids, self._failures_surfaced)
         self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
 
     # ------------------------------------------------------------------ lifecycle
@@ -182,6 +174,7 @@ class RoundPipeEngine:
         self._runner.restore_activation_bytes(self._restored.get("activation_bytes", {}))
         self._workers = self.dispatcher.workers = [Worker(self._runner, device, self._abort) for device in self.devices]
         self._optimizer = HostOptimizer(self._abort, timeline)
+        self.stepping.attach(sources, self._optimizer, timeline)
         self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
                                                             0.0))
         self._started = True
@@ -309,9 +302,9 @@ class RoundPipeEngine:
         """Set when the pipeline stopped while a step cut by stage (``streaming_step``) waited for the rest of its
         gradients: which layers that step had updated. The module's weights then mix two steps; ``None``
         otherwise (every step applied whole or not at all)."""
-        if self._torn is None:
+        if self.stepping.torn is None:
             return None
-        number, labels = self._torn
+        number, labels = self.stepping.torn
         return (f"Optimizer step {number} had updated the parameters of layers {', '.join(labels)} when the pipeline "
                 f"stopped; the other layers keep step {number - 1}'s weights, so the module's weights mix two steps. "
                 "Resume from a checkpoint written before the failure (or set streaming_step='off' to apply every "
@@ -326,43 +319,6 @@ class RoundPipeEngine:
             if self._abort.error is not None:
                 self._raise_failure()
             raise
-
-    def _publish_gradients(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
-        """On this thread: wait for the window's jobs, then add the window's gradients into ``param.grad``
-        (a gradient a queued step still reads is replaced by the sum, never changed in place)."""
-        with self._failures_surfaced():
-            wait_for_jobs()
-        window.publish(self._lent_now())
-
-    def _average_gradients(self, window: GradWindow, groups: list[StepGroup], params: list[nn.Parameter]) -> None:
-        """Data parallel: the step's gradients, averaged over the processes, into ``param.grad`` on this thread.
-        Each step group's gradients are sent as soon as they are final, deepest first (the order they become
-        final in, and the same on every process), so the communication runs while the shallower backward
-        stages still compute; on the timeline as ``allreduce`` (host track ``communication``), from the first
-        send to the last mean in place."""
-        assert self.data_parallel is not None
-        averaging = self.data_parallel.start(params)
-        lent = self._lent_now()
-        started: float | None = None
-        with self._failures_surfaced():
-            for index in reversed(range(len(groups))):
-                window.wait_final(index)
-                window.publish(lent, groups[index].params)
-                started = self.timeline.now() if started is None else started
-                averaging.send(groups[index].params)
-            window.wait_complete()
-        window.publish(lent)  # trainable trunk parameters the optimizer does not step
-        averaging.finish()
-        self.timeline.add(-1, -1, f"average step {self.dispatcher.step}", 0, "allreduce",
-                          self.timeline.now() if started is None else started)
-
-    def _lent_now(self) -> frozenset[int]:
-        """Ids of the gradient tensors queued steps may still read: those the caller's thread handed over
-        (they may stay in ``param.grad``), of the steps that have not ended (steps end in order). An id of a
-        tensor that died meanwhile only makes one addition out of place."""
-        while self._lent and self._lent[0][0].is_set():
-            self._lent.popleft()
-        return frozenset().union(*(ids for _, ids in self._lent))
 
     # ------------------------------------------------------------------ observability
     @property
@@ -528,140 +484,18 @@ class RoundPipeEngine:
         :meth:`restore_gradients` afterwards puts the gradients the step applied into ``param.grad``.
         """
         self._check_running()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        outside, unstepped = self._check_optimizer_params(params)
-        if self.data_parallel is not None and self.data_parallel.sharded:
-            coupled = coupling(optimizer, "on" if self.options.streaming_step == "on" else "auto")
-            if coupled is not None:
-                raise ValueError(f"shard_optimizer=True steps each parameter on the process owning it alone, but "
-                                 f"{coupled}: set shard_optimizer=False")
-        groups = self._step_groups(optimizer, params)
-        window = self.dispatcher.next_window()
-        window.close([group.params for group in groups])
-        proceed: bool | None = True
-        # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
-        # parameters this optimizer does not step stay in param.grad, which only this thread may write
-        averaging = self.data_parallel is not None and self.data_parallel.world_size > 1
-        gradients_final = before_step is not None or bool(unstepped)
-        self.dispatcher.step_order = ("off" if sum(1 for group in groups if group.layers) < 2
-                            else "forward" if gradients_final else "backward" if averaging else "latest")
-        if averaging and gradients_final:  # what the hook and clipping see is the mean over the processes
-            self._average_gradients(window, groups, [*params, *unstepped])
-        elif gradients_final:
-            self._publish_gradients(window.wait_complete, window)
-        # without a hook the optimizer thread averages each part before stepping it, deepest first
-        on_thread = (self.data_parallel.start(params)
-                     if self.data_parallel is not None and averaging and not gradients_final else None)
-        if before_step is not None:
-            proceed = before_step()
-        finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False,
-                                    averaging=on_thread, keep=keep_gradients and not self.options.async_step)
-        if not keep_gradients:
-            for param in params:
-                param.grad = None
-        if outside:  # main-thread code reads those parameters next: wait for the update
-            self.dispatcher.wait(finished)
-        self._last_step_done = finished
+        window = self.stepping.step(optimizer, before_step, keep_gradients)
         self._replan(window)
-        if averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
-            assert self.data_parallel is not None
+        if self.data_parallel.averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
             self.planner.adopt(self.data_parallel.agree(self.planner.plan))
         self.timeline.mark_step()  # a bounded timeline keeps the last steps; one branch when recording is off
-
-    def _check_optimizer_params(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """Refuse or warn about an optimizer that steps parameters outside the trunk or misses trunk ones;
-        returns the trainable parameters it steps outside the trunk, and the trainable trunk parameters it
-        does not step."""
-        trunk_ids = {id(p) for p in self.trunk.parameters()} | self.follower.retired_ids()
-        outside = [p for p in params if p.requires_grad and id(p) not in trunk_ids]
-        if outside and self.options.async_step:
-            raise ValueError(
-                f"async_step=True needs every trainable parameter inside the pipelined trunk, but the optimizer "
-                f"has {len(outside)} outside it (main-thread code would read them while the step writes them). "
-                "Set async_step=False or move those parameters into the trunk."
-            )
-        stepped = {id(p) for p in params}
-        unstepped = [p for p in self.trunk.trainable_parameters() if id(p) not in stepped]
-        if unstepped and not self._warned_unstepped:
-            self._warned_unstepped = True
-            warnings.warn(
-                f"{len(unstepped)} trainable trunk parameters are not in the optimizer: their gradients keep "
-                "accumulating in param.grad. Freeze them (requires_grad_(False)) or add them to the optimizer.",
-                stacklevel=3,
-            )
-        return outside, unstepped
-
-    def _step_groups(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[StepGroup]:
-        """How step ``self.dispatcher.step`` of ``optimizer`` is cut (``step_groups.py``): by backward stage, shallowest
-        first, or whole; the optimizer's parameters outside the trunk step first, in a group of their own."""
-        refusal = streaming_refusal(optimizer, self.options.streaming_step)
-        if refusal != self._streaming_said:
-            self._streaming_said = refusal
-            data_parallel = self.data_parallel
-            across = ("" if data_parallel is None or data_parallel.world_size == 1
-                      else f"; each part's gradients averaged over {data_parallel.world_size} processes first"
-                      + (", and each process steps the parameters it owns (sharded)" if data_parallel.sharded else ""))
-            log.info("RoundPipe steps %s %s%s", type(optimizer).__name__,
-                     "by stage, overlapping the backward and the next iteration" if refusal is None
-                     else f"whole after the backward: {refusal}", across)
-        groups = stage_groups(self.trunk, self.planner.plan, whole=refusal is not None)
-        trunk_ids = {id(param) for param in self.trunk.parameters()} | self.follower.retired_ids()
-        outside = [param for param in params if param.requires_grad and id(param) not in trunk_ids]
-        if outside and refusal is not None:
-            groups[0].params += outside  # one step call, as built
-        elif outside:
-            groups.insert(0, StepGroup(range(0), outside, frozenset()))
-        number = self.dispatcher.step + 1  # called before step() counts it
-        for group in groups:
-            group.ready.name = (f"the weights of layers {group.label} "
-                                f"{'published' if self.options.async_step else 'updated'} by optimizer step {number}")
-        return groups
-
-    def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
-                    groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None,
-                    keep: bool = False) -> HostEvent:
-        """Queue step ``dispatcher.step`` on the optimizer thread, cut into ``groups`` (:class:`QueuedStep` says how it
-        runs, and what ``proceed`` and ``averaging`` do), and make each later upload wait for the groups of the
-        layers it uploads; returns the event of the step's end.
-
-        The step's gradients: the tensors in ``param.grad`` now (read here, on the caller's thread, and lent to
-        the step), plus what ``window`` holds once each group's are final (taken on the optimizer thread)."""
-        hyperparameters = snapshot_param_groups(optimizer)  # as they are now
-        # an LR scheduler checks that a step preceded its own
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        number = self.dispatcher.step
-        sources = self._started_part(self._sources)
-        host = self._started_part(self._optimizer)
-        finished = HostEvent(f"optimizer step {number}")
-        lent = {id(param): param.grad for param in params if param.grad is not None}
-        self._lent_now()  # forgets the steps that have ended
-        if lent:
-            self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
-        sharding = self.data_parallel if self.data_parallel is not None and self.data_parallel.sharded else None
-        step = QueuedStep(optimizer, number, params, groups, window, lent=lent, hyperparameters=hyperparameters,
-                          host_kernels=self.options.host_optimizer, sources=sources, host=host,
-                          timeline=self.timeline, trunk=self.trunk, async_step=self.options.async_step,
-                          proceed=proceed, averaging=averaging, sharding=sharding,
-                          on_whole=self._record_step_seconds, on_torn=self._record_torn_step, keep_gradients=keep)
-        self._kept = (step, params, lent) if keep else None
-        host.submit(step.run, finished, f"step {number}")
-        self.dispatcher.upload_waits = upload_waits(groups, len(self.trunk))
-        return finished
-
-    def _record_step_seconds(self, seconds: list[float]) -> None:
-        """On the optimizer thread: per layer, the seconds a step that ran whole spent on its parameters."""
-        self.dispatcher.layer_step_seconds = seconds  # one assignment: the main thread reads it whole
-
-    def _record_torn_step(self, number: int, applied: list[str]) -> None:
-        """On the optimizer thread: step ``number`` stopped part-way, after stepping the groups ``applied``."""
-        self._torn = (number, applied)
 
     def collect_gradients(self) -> None:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, on this
         thread, rather than letting :meth:`step` hand them to the optimizer thread unseen (for code that reads
         gradients between backward and step, or after the step). Does not wait for a step in flight."""
         self._check_running()
-        self._publish_gradients(self.dispatcher.window.wait_idle, self.dispatcher.window)
+        self.stepping.publish(self.dispatcher.window.wait_idle, self.dispatcher.window)
 
     def restore_gradients(self) -> None:
         """Wait for the last step and, if it was made with ``keep_gradients=True`` in sync mode, put into
@@ -670,21 +504,13 @@ class RoundPipeEngine:
         backward (Lightning's ``_skip_backward``, a manual step without ``manual_backward``) then applies what
         it would apply under plain training: these gradients again, unless they were cleared."""
         self.wait_for_steps()
-        kept, self._kept = self._kept, None
-        if kept is None:
-            return
-        step, params, lent = kept
-        for param in params:
-            grad = step.stepped_with.get(id(param))
-            if grad is not None and (param.grad is None or param.grad is lent.get(id(param))):
-                param.grad = grad
+        self.stepping.restore_gradients()
 
     def wait_for_steps(self) -> None:
         """Wait until every queued optimizer step has finished (and no longer reads the gradients it was
         handed)."""
         self._check_running()
-        if self._last_step_done is not None:
-            self.dispatcher.wait(self._last_step_done)
+        self.stepping.wait_for_steps()
 
     def synchronize(self) -> None:
         """Wait for every dispatched job and queued step; afterwards the module's weights are current."""
