@@ -17,15 +17,12 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.engine.device import HostEvent, poison
+from lightning_roundpipe.engine.errors import PipelineError as PipelineError  # re-exported: its home before errors.py
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.recompute import draws_random_numbers
 from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.planning.schedule import Job, StageKind
-
-
-class PipelineError(RuntimeError):
-    """A layer, the loss or a transfer failed inside the pipeline; ``__cause__`` is the original error."""
 
 
 @dataclass(frozen=True)

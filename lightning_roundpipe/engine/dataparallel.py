@@ -43,13 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_roundpipe.engine.errors import DataParallelError
+
 BUCKET_BYTES = 64 * 2**20
 """Largest flat buffer one ``all_reduce`` sums: gloo reaches its bandwidth from about 16 MiB and holds a
 copy of the bucket while it works (``benchmarks/scaleout.py`` measures it)."""
-
-
-class DataParallelError(RuntimeError):
-    """A collective across the data-parallel processes failed or timed out (a process was lost or stopped)."""
 
 
 @dataclass

@@ -37,16 +37,16 @@ from torch import nn
 
 from lightning_roundpipe.engine.autograd import differentiable_call
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
-from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
+from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, Slot
 from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.device import (
     AbortSignal,
     Device,
-    EngineAborted,
     cuda_memory_budget,
     memory_advice,
 )
 from lightning_roundpipe.engine.dispatch import Dispatcher
+from lightning_roundpipe.engine.errors import EngineAborted, PipelineError
 from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, sample_count, split

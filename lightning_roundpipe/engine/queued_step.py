@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_roundpipe.engine.call import PipelineError
 from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataParallel
+from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, step_with_groups
 from lightning_roundpipe.engine.step_groups import StepGroup
