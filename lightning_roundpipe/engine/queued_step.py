@@ -194,11 +194,11 @@ class QueuedStep:
         return True
 
     def _send_final(self, pending: list[int], final: list[int]) -> None:
-        """Averaging: start the all-reduce of pending groups whose gradients are final and whose deeper groups
-        were sent, deepest first (the order every process sends in, whatever the timing), without waiting, so
-        that the next group's communication runs while this thread steps the current one. At most
-        :data:`SENT_AHEAD` groups beyond the one stepped next are in flight: each holds a flat copy of its
-        gradients until received."""
+        """Averaging, the optimizer-thread driver (the caller's-thread one is ``StepQueue.average``): start the
+        all-reduce of pending groups whose gradients are final and whose deeper groups were sent, deepest first
+        (the order every process sends in, whatever the timing), without waiting, so that the next group's
+        communication runs while this thread steps the current one. At most :data:`SENT_AHEAD` groups beyond
+        the one stepped next are in flight: each holds a flat copy of its gradients until received."""
         ready = set(final)
         in_flight = sum(1 for index in pending if index in self._sent_at)
         for index in sorted(pending, reverse=True):
