@@ -227,7 +227,7 @@ class HostAccountant(pl.Callback):
             for grad in list(window._grads.values()):
                 add("gradients", grad)
         self._windows = [ref for ref in self._windows if ref() is not None]
-        for worker in engine._workers:
+        for worker in engine.dispatcher.workers:
             staging = worker._grad_staging
             if staging is not None and staging._buffer is not None:
                 add("staging buffers", staging._buffer)

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.engine.call import Call, CallContext, Slot
+from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, Slot
 from lightning_roundpipe.engine.device import AbortSignal, HostEvent
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, single_argument
-from lightning_roundpipe.engine.microbatch import batch_size, microbatch_sizes, split
+from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import Task
@@ -166,14 +166,42 @@ class Dispatcher:
         self.dispatch(call, jobs, first_output_grads=output_grads)
         return call.job_outputs(jobs[-1])
 
-    def run_training(self, call: Call) -> None:
-        """Dispatch the forward, fused loss and backward of ``call`` (its :attr:`Call.fused` set), in rounds of
-        :meth:`round_size` microbatches; the losses arrive in ``call.fused.losses``."""
+    @staticmethod
+    def check_target(args: tuple[Any, ...], target: Any) -> None:
+        """A training call's ``target`` must have as many samples as its inputs: they are split together."""
+        target_size, input_size = batch_size(target, "target"), batch_size(args)
+        if target_size is not None and target_size != input_size:
+            raise ValueError(
+                f"the target has {target_size} samples on dim 0 but the inputs have {input_size}; they are "
+                "split into microbatches together and must agree"
+            )
+
+    def run_training(self, call: Call, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                     loss_weight: LossWeight, scale: float) -> torch.Tensor:
+        """Dispatch the forward, the fused loss and the backward of ``call`` in rounds of :meth:`round_size`
+        microbatches, and return the batch loss (``RoundPipeEngine.forward_backward`` says what the arguments
+        mean)."""
+        targets = (split(target, call.sizes) if batch_size(target, "target") is not None
+                   else [target] * call.num_microbatches)
+        weights = [float(loss_weight(t)) for t in targets]
+        total = sum(weights)
+        if total <= 0:
+            raise ValueError(f"the loss weights of the batch sum to {total}; nothing to learn from "
+                             "(every target ignored?)")
+        fused = call.fused = FusedLoss(
+            loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
+            losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
         round_size = self.round_size(call.plan, call.num_microbatches)
         jobs = training_rounds(call.plan, self.num_devices, call.num_microbatches,
                                round_size or call.num_microbatches, self.next_job)
         self.next_job += len(jobs)
         self.dispatch(call, jobs, first_output_grads=None)
+        losses = []
+        for slot, weight in zip(fused.losses, fused.scales, strict=True):
+            self.wait(slot.event)
+            if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
+                losses.append(slot.value * weight)
+        return torch.stack(losses).sum()
 
     # ------------------------------------------------------------------ rounds
     def round_size(self, plan: Plan, num_microbatches: int) -> int | None:

@@ -1,35 +1,16 @@
-"""The RoundPipe engine: runs stage jobs on a ring of stateless devices.
+"""The RoundPipe engine's facade: :class:`RoundPipeEngine`, whose public methods delegate to its parts.
 
-The main thread plans a call, splits it into microbatches and hands stage jobs to devices in ring
-order (job j to device j mod N, the counter continuing across calls and iterations). Each device
-has a worker thread that turns a job into stream operations: upload the stage's parameters
-(prefetched while the previous job computes), then for every microbatch upload its input, compute,
-download the output. Data moves between devices only through the host. A device holds at most two
-stages' parameters: the upload of its k-th job waits until its (k-2)-th job has released its own.
-
-Job kinds (see ``planning/schedule.py``)::
-
-    forward   run layers without autograd; keep the inputs backward stages will need (checkpoints)
-    fused     run the deepest layers, the loss and the backward per microbatch; never recomputed
-    backward  recompute the stage's layers from their checkpoint (ahead of the output gradient), then
-              back-propagate
-
-A training call (``forward_backward``) may dispatch its microbatches in rounds (``round_size``): each
-round is the whole chain of jobs over its share of the batch, so backward starts before the last
-microbatch has run forward.
-
-Gradients of parameters accumulate on the device over the job's microbatches, then are added on
-the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`, in an order
-fixed at dispatch, so that results do not depend on which job finishes first.
+The parts (the package docstring says how they work together): ``ring.py``, the threads start makes and close
+stops; ``lifecycle.py``, started, failed, closed; ``dispatch.py``, calls into jobs on the ring; ``autograd.py``,
+a call in the caller's autograd graph; ``stepping.py`` and ``queued_step.py``, an optimizer step on the caller's
+and on the optimizer's thread; ``follow.py``, state the module is given between calls; ``figures.py``, what it
+reports. The planner's feedback (``_replan``) stays here.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -37,46 +18,26 @@ from torch import nn
 
 from lightning_roundpipe.engine.autograd import differentiable_call
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
-from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, Slot
+from lightning_roundpipe.engine.call import Call, CallContext
 from lightning_roundpipe.engine.dataparallel import DataParallel
-from lightning_roundpipe.engine.device import (
-    AbortSignal,
-    Device,
-    cuda_memory_budget,
-    memory_advice,
-)
+from lightning_roundpipe.engine.device import AbortSignal, Device
 from lightning_roundpipe.engine.dispatch import Dispatcher
-from lightning_roundpipe.engine.errors import EngineAborted, PipelineError
+from lightning_roundpipe.engine.errors import PipelineError
+from lightning_roundpipe.engine.figures import cuda_memory_figures
 from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
-from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, sample_count, split
-from lightning_roundpipe.engine.optim import (
-    GradWindow,
-    HostOptimizer,
-)
+from lightning_roundpipe.engine.lifecycle import Lifecycle
+from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
+from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
 from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.stepping import StepQueue
-from lightning_roundpipe.engine.transport import (
-    UploadSources,
-    layer_sizes,
-    transport_torch_dtype,
-)
-from lightning_roundpipe.engine.worker import Worker
+from lightning_roundpipe.engine.transport import UploadSources, layer_sizes, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
-from lightning_roundpipe.planning.partition import (
-    LayerCost,
-    Plan,
-    Planner,
-    autocast_copy_bytes,
-    costs_from_bytes,
-    stage_memory_budget,
-    workspace_reserve,
-)
+from lightning_roundpipe.planning.partition import LayerCost, Plan, autocast_copy_bytes
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
-
-log = logging.getLogger(__name__)
 
 _Part = TypeVar("_Part")
 
@@ -93,16 +54,10 @@ class RoundPipeEngine:
 
     def __init__(self, module: nn.Module | Trunk, devices: int | Sequence[torch.device | str] = 1,
                  options: EngineOptions | None = None, *, data_parallel: DataParallel | None = None) -> None:
-        # other processes training the same model on their own rings; one process alone by default
+        # other processes training the same model on their own rings (by default none: one process alone)
         self.data_parallel = data_parallel if data_parallel is not None else DataParallel(1, 0)
         self.trunk = module if isinstance(module, Trunk) else build_trunk(module)
-        if isinstance(devices, int):
-            if devices < 1:
-                raise ValueError(f"`devices` must be at least 1, got {devices}")
-            devices = [torch.device("cpu")] * devices
-        self.torch_devices = [torch.device(device) for device in devices]
-        if not self.torch_devices:
-            raise ValueError("`devices` is empty; give at least one device")
+        self.torch_devices = ring_devices(devices)
         self.options = options or EngineOptions()
         if self.options.deferred_batchnorm:
             check_batchnorms(self.trunk)  # a module whose update cannot be deferred: refused before any thread
@@ -111,73 +66,43 @@ class RoundPipeEngine:
         # the dtype autocast-only weights travel in (``transport.py``), and the bytes a layer takes on a device
         self.transport = transport_torch_dtype(self.options.transport_dtype)
         self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
-        initial = costs_from_bytes([params for params, _ in self.layer_device_bytes],
-                                   [grads for _, grads in self.layer_device_bytes])
-        limit = self.options.device_memory_limit_bytes
-        if limit is None and any(device.type == "cuda" for device in self.torch_devices):
-            limit = self._cuda_budget()
-        self.device_budget = limit
-        # stages get what remains after a reserve for the microbatch activations in flight
-        on_gpu = any(device.type == "cuda" for device in self.torch_devices)
-        stage_budget = stage_memory_budget(limit, workspace_reserve("cuda" if on_gpu else "cpu"))
-        self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
-                               memory_budget=stage_budget,
-                               hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)
-        self.planner.initial(initial)
+        self.device_budget, self.planner = initial_plan(self.trunk, self.torch_devices, self.options,
+                                                        self.layer_device_bytes)
         # under torch.use_deterministic_algorithms (Trainer(deterministic=True)) the plan never follows measured
         # times: they differ from run to run, and a stage boundary may change which kernels run (a layer's
         # forward without autograd, then recomputed with it), so results would depend on timing
         self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self._started = False
-        self._closed = False
-        self._failure_reported = False
         self._abort = AbortSignal(self.options.wait_timeout)  # starts no thread: every state has one
-        # made by start(), as they start threads or must see the weights and seed of that moment
-        self._timeline: Timeline | None = None
-        self.devices: list[Device] = []
-        self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
-        self._sources: UploadSources | None = None  # what devices upload: published and low-precision copies
-        self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
+        self._life = Lifecycle(self._abort, lambda: self.close(finish_steps=False), lambda: self.torn_step)
+        self._failures_surfaced = self._life.surfaced  # waits woken by a failure raise it
+        self._ring: Ring | None = None           # made by start(): the threads and what they share
+        self._sources: UploadSources | None = None  # the ring's, for the planner's feedback
         self._runner: StageRunner | None = None
-        self._workers: list[Worker] = []
-        self._optimizer: HostOptimizer | None = None
+        self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
+        self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
+        self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
+        self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
         self.dispatcher = Dispatcher(self.trunk, self.options, self.planner, self.num_devices, self.num_microbatches,
                                      self._abort, self._failures_surfaced)
-        self._previous_window: GradWindow | None = None  # the last closed one: its measurements go to the planner
-        self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
         self.stepping = StepQueue(self.trunk, self.options, self.data_parallel, self.dispatcher,
                                   self.follower.retired_ids, self._failures_surfaced)
-        self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> RoundPipeEngine:
-        if self._started:
+        if self._life.started:
             raise RuntimeError("the engine is already started")
-        timeline = self._timeline = Timeline(self.options.record_timeline)
-        advice = memory_advice(recompute=self.options.recompute, num_stages=self.options.num_stages,
-                               num_layers=len(self.trunk), num_microbatches=self.num_microbatches)
-        self.devices = [
-            Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter,
-                   pin_memory=self.options.pin_memory, stress=self.options.stress, memory_advice=advice)
-            for index, device in enumerate(self.torch_devices)
-        ]
         self.base_seed = self.options.seed if self.options.seed is not None else self._restored.get(
             "base_seed", torch.initial_seed())
-        sources = self._sources = UploadSources(self.trunk, async_step=self.options.async_step,
-                                                transport=self.transport)
-        if self.options.pin_memory and any(device.is_cuda for device in self.devices):
-            self.follower.start_pinning(sources)
-        self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
-                                   self.base_seed, sources, measure=not self.options.freeze_plan,
-                                   measure_times=not self.deterministic,
-                                   deferred_batchnorm=self.options.deferred_batchnorm)
-        self._runner.restore_activation_bytes(self._restored.get("activation_bytes", {}))
-        self._workers = self.dispatcher.workers = [Worker(self._runner, device, self._abort) for device in self.devices]
-        self._optimizer = HostOptimizer(self._abort, timeline)
-        self.stepping.attach(sources, self._optimizer, timeline)
-        self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
-                                                            0.0))
-        self._started = True
+        ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
+                                       budget=self.device_budget, base_seed=self.base_seed, transport=self.transport,
+                                       num_microbatches=self.num_microbatches, measure_times=not self.deterministic)
+        self._sources, self._runner = ring.sources, ring.runner
+        if self.options.pin_memory and ring.has_cuda:
+            self.follower.start_pinning(ring.sources)
+        ring.runner.restore_activation_bytes(self._restored.get("activation_bytes", {}))
+        self.dispatcher.workers = ring.workers
+        self.stepping.attach(ring.sources, ring.optimizer, ring.timeline)
+        self._life.started = True
         return self
 
     def close(self, *, finish_steps: bool = True, finish_jobs: bool | None = None) -> None:
@@ -193,69 +118,31 @@ class RoundPipeEngine:
         after its outputs arrive); pass ``False`` when a call in flight is abandoned (an exception
         propagating). Otherwise device work still queued is dropped.
 
-        Nothing here waits without a bound: the optimizer thread is given ``wait_timeout`` per step, the
-        other threads ``wait_timeout`` in all to finish the operation they are running. A thread still
-        running then (inside a layer that does not return, say) is named in a ``RuntimeWarning`` and left
-        to end by itself once that operation returns; it runs nothing else. An optimizer step still
-        running is also the engine's failure (the weights may be mid-update): see
-        :meth:`raise_unreported_failure`.
+        Nothing here waits without a bound (:meth:`~lightning_roundpipe.engine.ring.Ring.stop`): a thread still
+        running then is named in a ``RuntimeWarning`` and left to end by itself once its operation returns.
         """
-        if not self._started or self._closed:
+        if not self._life.started or self._life.closed:
             return
-        self._closed = True
+        self._life.closed = True
         if not finish_steps:
             self._abort.abort()
         timeout = self.options.wait_timeout
         if (finish_steps if finish_jobs is None else finish_jobs) and self._abort.error is None:
             self.dispatcher.finish_dispatched_jobs(time.monotonic() + timeout)
-        optimizer = self._started_part(self._optimizer)
-        stuck = [optimizer.close(timeout)]
-        if stuck[0] is not None:  # the module's weights may be mid-update: never a silent success
-            self._abort.fail(TimeoutError(
-                f"{stuck[0]} has not finished {optimizer.running or 'its task'} within "
-                f"`wait_timeout={timeout:g}` s while the engine closed; the module's weights may be mid-update. "
-                "Raise `wait_timeout` if a single optimizer step really takes that long."))
-        self._abort.abort()
-        deadline = time.monotonic() + timeout
-        for device in self.devices:
-            device.stop()  # every stream at once: a stuck one must not hold up the others' ends
-        stuck += [worker.close(deadline) for worker in self._workers]
-        for device in self.devices:
-            stuck += device.join(deadline)
-        still_running = [name for name in stuck if name is not None]
-        if not still_running:
+        if self._started_part(self._ring).stop(self._abort, timeout):
             self.follower.pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
-        else:
-            warnings.warn(
-                f"RoundPipe closed its engine but {len(still_running)} thread(s) are still inside an operation that "
-                f"has not returned within `wait_timeout={timeout:g}` s: {', '.join(still_running)}. They run nothing "
-                "else and end by themselves once it returns (a layer, loss or optimizer step that never returns "
-                "keeps its thread for good).",
-                RuntimeWarning, stacklevel=2,
-            )
-
-    def _cuda_budget(self) -> int:
-        """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
-        budgets = []
-        for device in self.torch_devices:
-            if device.type == "cuda":
-                sharing = sum(other == device for other in self.torch_devices)
-                budgets.append(cuda_memory_budget(device, sharing))
-        return min(budgets)
 
     @property
     def unreported_failure(self) -> BaseException | None:
         """The error that stopped the pipeline if no call has raised it yet (a step that failed after the
         last call, say)."""
-        if not self._started or self._failure_reported:
-            return None
-        return self._abort.error
+        return self._life.unreported_failure
 
     def raise_unreported_failure(self) -> None:
         """Raise :attr:`unreported_failure` as a :class:`PipelineError`, if any (and close the engine). Call
         it after :meth:`close` when no exception is pending, so that no failure goes unnoticed."""
         if self.unreported_failure is not None:
-            self._raise_failure()
+            self._life.raise_failure()
 
     def __enter__(self) -> RoundPipeEngine:
         return self.start()
@@ -265,70 +152,25 @@ class RoundPipeEngine:
         if exc_type is None:
             self.raise_unreported_failure()
 
-    def _check_started(self, what: str) -> None:
-        if not self._started:
-            raise RuntimeError(f"the engine is not started, so it has no {what} yet: use `with RoundPipeEngine(...) "
-                               "as engine:` or call start() first")
-
     def _started_part(self, part: _Part | None, what: str = "threads") -> _Part:
-        """``part``, one of the things :meth:`start` makes; before that, a clear error."""
-        self._check_started(what)
-        if part is None:  # started, yet not made: a bug in start()
-            raise RuntimeError(f"the engine is started but has no {what}")
-        return part
-
-    def _check_running(self) -> None:
-        if not self._started:
-            raise RuntimeError("the engine is not started: use `with RoundPipeEngine(...) as engine:` or call start()")
-        if self._closed:
-            error = self._abort.error
-            reason = f" after an error ({type(error).__name__}: {error})" if error is not None else ""
-            raise RuntimeError(f"the engine is closed{reason}; create a new engine to continue")
-        if self._abort.error is not None:
-            self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        error = self._abort.error
-        self._failure_reported = True
-        self.close(finish_steps=False)
-        torn = self.torn_step
-        suffix = (" " if str(error).endswith(".") else ". ") + torn if torn else ""  # one full stop between them
-        if isinstance(error, PipelineError):
-            raise PipelineError(f"{error}{suffix}") from error.__cause__
-        raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}{suffix}") from error
+        return self._life.started_part(part, what)
 
     @property
     def torn_step(self) -> str | None:
         """Set when the pipeline stopped while a step cut by stage (``streaming_step``) waited for the rest of its
         gradients: which layers that step had updated. The module's weights then mix two steps; ``None``
         otherwise (every step applied whole or not at all)."""
-        if self.stepping.torn is None:
-            return None
-        number, labels = self.stepping.torn
-        return (f"Optimizer step {number} had updated the parameters of layers {', '.join(labels)} when the pipeline "
-                f"stopped; the other layers keep step {number - 1}'s weights, so the module's weights mix two steps. "
-                "Resume from a checkpoint written before the failure (or set streaming_step='off' to apply every "
-                "step whole or not at all)")
-
-    @contextmanager
-    def _failures_surfaced(self) -> Iterator[None]:
-        """A wait woken by the abort flag raises the pipeline's own error (and closes the engine)."""
-        try:
-            yield
-        except (EngineAborted, TimeoutError):
-            if self._abort.error is not None:
-                self._raise_failure()
-            raise
+        return self.stepping.torn_message()
 
     # ------------------------------------------------------------------ observability
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._life.closed
 
     @property
     def failed(self) -> bool:
         """An error stopped the pipeline; the next call raises it and closes the engine."""
-        return self._started and self._abort.error is not None
+        return self._life.failed
 
     @property
     def plan(self) -> Plan:
@@ -337,90 +179,49 @@ class RoundPipeEngine:
     @property
     def timeline(self) -> Timeline:
         """What ran where and when since :meth:`start` (recorded with ``record_timeline``)."""
-        return self._started_part(self._timeline, "timeline")
+        return self._started_part(self._ring, "timeline").timeline
 
     def events(self) -> list[TimelineEvent]:
         return self.timeline.events()
 
+    @property
+    def devices(self) -> list[Device]:
+        """The ring's devices (empty before :meth:`start`)."""
+        return self._ring.devices if self._ring is not None else []
+
     def pipeline_metrics(self) -> dict[str, float]:
-        """Figures since the previous call (the first call counts from :meth:`start`):
-
-        ``bubble_ratio``: share of device time not spent computing over that wall time; ``uploaded_bytes``:
-        host-to-device traffic; ``optimizer_seconds``: host step time; ``optimizer_exposed_seconds``: device
-        time spent waiting for a step's weights (the part of the step the pipeline did not hide);
-        ``gradient_download_seconds``: download-thread time bringing jobs' gradients to the host and summing
-        them (all devices; off the compute stream, but it delays the release of a stage's memory);
-        ``peak_device_bytes``: the largest resident bytes on any device so far (accounted: stages, stage-boundary
-        activations, what the compute keeps for backward and, on GPUs, the workspace reserve).
-
-        Compute time is device time (``timing.py``), counted when a job finishes: a job still running is counted
-        in a later call. On CUDA devices the allocator's own figures per GPU come next to the accounted peak
-        (see :meth:`cuda_memory_figures`).
-        """
-        optimizer = self._started_part(self._optimizer, "pipeline metrics")
-        now = self.timeline.now()
-        totals = {
-            "compute": sum(d.counters.compute_seconds for d in self.devices),
-            "uploaded": float(sum(d.counters.uploaded_bytes for d in self.devices)),
-            "optimizer": optimizer.busy_seconds,
-            "exposed": sum(d.counters.weight_wait_seconds for d in self.devices),
-            "download": sum(d.counters.gradient_download_seconds for d in self.devices),
-        }
-        last_time, last = self._metrics_mark
-        self._metrics_mark = (now, totals)
-        span = (now - last_time) * self.num_devices
-        busy = totals["compute"] - last["compute"]
-        return {
-            "bubble_ratio": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
-            "uploaded_bytes": totals["uploaded"] - last["uploaded"],
-            "optimizer_seconds": totals["optimizer"] - last["optimizer"],
-            "optimizer_exposed_seconds": (totals["exposed"] - last["exposed"]) / self.num_devices,
-            "gradient_download_seconds": totals["download"] - last["download"],
-            "peak_device_bytes": float(max(self.peak_resident_bytes())),
-            **self.cuda_memory_figures(),
-        }
+        """Figures since the previous call (the first call counts from :meth:`start`): ``bubble_ratio``,
+        ``uploaded_bytes``, ``optimizer_seconds``, ``optimizer_exposed_seconds``, ``gradient_download_seconds``,
+        ``peak_device_bytes`` and, on CUDA devices, :meth:`cuda_memory_figures` (each is defined at
+        :meth:`~lightning_roundpipe.engine.figures.PipelineFigures.report`)."""
+        return self._started_part(self._ring, "pipeline metrics").figures.report()
 
     def cuda_memory_figures(self) -> dict[str, float]:
         """Per GPU of the ring (``cuda<i>_...``), the caching allocator's peaks next to what the engine accounted
-        there: ``max_reserved_bytes``, what the allocator held from the driver (the figure an out-of-memory error
-        is about); ``max_allocated_bytes``, what tensors used; ``accounted_peak_bytes``, the sum of the accounted
-        peaks of the ring members on that GPU (:meth:`peak_resident_bytes`; they need not peak at once, so it
-        bounds their joint peak); and ``alloc_retries``, how often the allocator freed its cache and retried an
-        allocation (a device-wide synchronization: a silent slowdown near the limit). Peaks count from the
-        process's start or the last ``torch.cuda.reset_peak_memory_stats``. Empty without CUDA devices."""
-        self._check_started("memory figures")
-        figures: dict[str, float] = {}
-        for index in sorted({device.torch_device.index for device in self.devices if device.is_cuda}):
-            members = [device for device in self.devices if device.is_cuda and device.torch_device.index == index]
-            figures[f"cuda{index}_max_reserved_bytes"] = float(torch.cuda.max_memory_reserved(index))
-            figures[f"cuda{index}_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(index))
-            figures[f"cuda{index}_accounted_peak_bytes"] = float(sum(member.residency.peak for member in members))
-            figures[f"cuda{index}_alloc_retries"] = float(torch.cuda.memory_stats(index).get("num_alloc_retries", 0))
-        return figures
+        there (:func:`~lightning_roundpipe.engine.figures.cuda_memory_figures`); empty without CUDA devices."""
+        self._life.check_started("memory figures")
+        return cuda_memory_figures(self.devices)
 
     def peak_resident_bytes(self) -> list[int]:
         """Per device, the most bytes it held at once so far."""
-        self._check_started("resident bytes")
+        self._life.check_started("resident bytes")
         return [device.residency.peak for device in self.devices]
 
     def peak_resident_stages(self) -> list[int]:
         """Per device, the most stages it held at once so far (at most two: see ``worker.py``)."""
-        self._check_started("resident stages")
+        self._life.check_started("resident stages")
         return [device.residency.peak_stages for device in self.devices]
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the trunk. With grad enabled the result is wired into autograd: ``.backward()`` on
         anything computed from it runs the pipelined backward."""
-        self._check_running()
+        self._life.check_running()
         self._follow_module_state()
         context = CallContext.capture(self.trunk)
         inputs = (args, kwargs)
-        wants_backward = context.grad_enabled and not context.inference
-        if not wants_backward:
-            call = self._new_call(inputs, context, checkpoints=False)
-            output = merge(self.dispatcher.run_forward(call))
-            return output
+        if not context.grad_enabled or context.inference:
+            return merge(self.dispatcher.run_forward(self._new_call(inputs, context, checkpoints=False)))
         return differentiable_call(self.dispatcher, self._new_call(inputs, context, checkpoints=True), inputs)
 
     def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -434,35 +235,15 @@ class RoundPipeEngine:
         before backward only (gradient accumulation, loss scaling). Returns the batch loss, detached.
         Parameter gradients are added into the current step's window; :meth:`step` applies them.
         """
-        self._check_running()
+        self._life.check_running()
         self._follow_module_state()
         context = CallContext.capture(self.trunk)
         if not context.grad_enabled or context.inference:
             raise RuntimeError("forward_backward needs grad mode: it was called under no_grad or inference_mode")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        target_size, input_size = batch_size(target, "target"), batch_size(args)
-        if target_size is not None and target_size != input_size:
-            raise ValueError(
-                f"the target has {target_size} samples on dim 0 but the inputs have {input_size}; they are "
-                "split into microbatches together and must agree"
-            )
+        self.dispatcher.check_target(args, target)
         call = self._new_call((args, {}), context, checkpoints=True)
-        targets = split(target, call.sizes) if target_size is not None else [target] * call.num_microbatches
-        weights = [float(loss_weight(t)) for t in targets]
-        total = sum(weights)
-        if total <= 0:
-            raise ValueError(f"the loss weights of the batch sum to {total}; nothing to learn from "
-                             "(every target ignored?)")
-        fused = call.fused = FusedLoss(
-            loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
-            losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
-        self.dispatcher.run_training(call)
-        losses = []
-        for slot, weight in zip(fused.losses, fused.scales, strict=True):
-            self.dispatcher.wait(slot.event)
-            if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
-                losses.append(slot.value * weight)
-        return torch.stack(losses).sum()
+        return self.dispatcher.run_training(call, target, loss_fn, loss_weight=loss_weight, scale=scale)
 
     def step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], bool | None] | None = None,
              keep_gradients: bool = False) -> None:
@@ -483,7 +264,7 @@ class RoundPipeEngine:
         on this thread as soon as this returns. With ``keep_gradients=True`` in sync mode,
         :meth:`restore_gradients` afterwards puts the gradients the step applied into ``param.grad``.
         """
-        self._check_running()
+        self._life.check_running()
         window = self.stepping.step(optimizer, before_step, keep_gradients)
         self._replan(window)
         if self.data_parallel.averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
@@ -494,7 +275,7 @@ class RoundPipeEngine:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, on this
         thread, rather than letting :meth:`step` hand them to the optimizer thread unseen (for code that reads
         gradients between backward and step, or after the step). Does not wait for a step in flight."""
-        self._check_running()
+        self._life.check_running()
         self.stepping.publish(self.dispatcher.window.wait_idle, self.dispatcher.window)
 
     def restore_gradients(self) -> None:
@@ -507,22 +288,20 @@ class RoundPipeEngine:
         self.stepping.restore_gradients()
 
     def wait_for_steps(self) -> None:
-        """Wait until every queued optimizer step has finished (and no longer reads the gradients it was
-        handed)."""
-        self._check_running()
+        """Wait until every queued optimizer step has finished (and no longer reads the gradients it was lent)."""
+        self._life.check_running()
         self.stepping.wait_for_steps()
 
     def synchronize(self) -> None:
         """Wait for every dispatched job and queued step; afterwards the module's weights are current."""
-        self._check_running()
+        self._life.check_running()
         self.dispatcher.wait_for_jobs()
         self.wait_for_steps()
 
     # ------------------------------------------------------------------ the module's state between calls
     def _follow_module_state(self) -> None:
-        """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds
-        now (``follow.py``). Only when a layer changed does the engine wait (every dispatched job and queued
-        step) and follow it."""
+        """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds now
+        (``follow.py``); only when a layer changed does it wait for every job and step, then follow it."""
         changed = self.follower.changed_layers()
         if changed:
             self.synchronize()
@@ -552,7 +331,7 @@ class RoundPipeEngine:
         """Continue from :meth:`state_dict` (before :meth:`start`): the step count, the base seed unless the
         ``seed`` option sets one, and, on as many devices and with the same ``num_stages``, the ring position,
         the plan and what the planner had learned (otherwise the planner starts afresh)."""
-        if self._started:
+        if self._life.started:
             raise RuntimeError("load_state_dict must come before start(): the step count seeds every call")
         version = state.get("version")
         if version != 1:
@@ -618,3 +397,4 @@ class RoundPipeEngine:
         if checkpoints and not self.planner.activations_observed and not self.options.freeze_plan:
             self._estimate_autocast_copies(context)
         return self.dispatcher.new_call(inputs, context, checkpoints)
+

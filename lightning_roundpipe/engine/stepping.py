@@ -192,6 +192,16 @@ class StepQueue:
         """On the optimizer thread: step ``number`` stopped part-way, after stepping the groups ``applied``."""
         self.torn = (number, applied)
 
+    def torn_message(self) -> str | None:
+        """``RoundPipeEngine.torn_step``: which layers a step stopped part-way had updated, or ``None``."""
+        if self.torn is None:
+            return None
+        number, labels = self.torn
+        return (f"Optimizer step {number} had updated the parameters of layers {', '.join(labels)} when the pipeline "
+                f"stopped; the other layers keep step {number - 1}'s weights, so the module's weights mix two steps. "
+                "Resume from a checkpoint written before the failure (or set streaming_step='off' to apply every "
+                "step whole or not at all)")
+
     # ------------------------------------------------------------------ gradients in param.grad
     def publish(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
         """On this thread: wait for the window's jobs, then add the window's gradients into ``param.grad``
