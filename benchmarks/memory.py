@@ -112,8 +112,7 @@ def call_values(call: object) -> tuple[list[object], list[object]]:
     others = list(call.inputs) + (list(fused.losses) if fused else []) + list(call.first_grads or [])
     for column in list(call.outputs.values()):  # job index -> microbatch -> its output slot
         others.extend(list(column.values()))
-    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [
-        fused.targets if fused else None, call.merged]
+    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [fused.targets if fused else None]
 
 
 class HostAccountant(pl.Callback):
@@ -149,7 +148,7 @@ class HostAccountant(pl.Callback):
             return call
 
         def tracked_step(optimizer, **kwargs):
-            self._windows.append(weakref.ref(engine._window))  # the window this step closes
+            self._windows.append(weakref.ref(engine.dispatcher.window))  # the window this step closes
             return step(optimizer, **kwargs)
 
         engine._new_call, engine.step = tracked_new_call, tracked_step  # instance attributes, removed at the end
@@ -223,12 +222,12 @@ class HostAccountant(pl.Callback):
             grads_of = [param for group in grads_of.param_groups for param in group["params"]]
         for param in grads_of or ():  # never param.grad off the main thread: a concurrent read can crash torch
             add("gradients", param.grad)
-        windows = [engine._window] + [w for w in (ref() for ref in self._windows) if w is not None]
+        windows = [engine.dispatcher.window] + [w for w in (ref() for ref in self._windows) if w is not None]
         for window in windows:
             for grad in list(window._grads.values()):
                 add("gradients", grad)
         self._windows = [ref for ref in self._windows if ref() is not None]
-        for worker in engine._workers:
+        for worker in engine.dispatcher.workers:
             staging = worker.operations.grad_staging
             if staging is not None and staging._buffer is not None:
                 add("staging buffers", staging._buffer)

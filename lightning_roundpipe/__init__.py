@@ -33,7 +33,7 @@ _EXPORTS = {
     "EngineOptions": "engine.options",
     "LayerCost": "planning.partition",
     "NoGrad": "engine.transfer",
-    "PipelineError": "engine.call",
+    "PipelineError": "engine.errors",
     "Plan": "planning.partition",
     "RoundPipeEngine": "engine.engine",
     "RoundPipeStrategy": "strategy",

@@ -304,6 +304,13 @@ def test_a_lost_process_makes_the_others_fail_with_an_error_naming_it(tmp_path):
     assert "process 1 stopped or was lost" in lost["error"]
 
 
+def _average_gradients(data_parallel: DataParallel, params: list[nn.Parameter]) -> None:
+    """Test helper: replace each ``param.grad`` by its mean over the processes, all at once, the way the engine's
+    caller-thread driver does (``StepQueue.average``) without step groups."""
+    if data_parallel.averaging:
+        data_parallel.start(params).finish()
+
+
 def _average_known(rank: int, store: str, out: str, reduce_dtype: str | None) -> None:
     """Average two float32 gradients whose values each process draws from its own seed."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -314,7 +321,7 @@ def _average_known(rank: int, store: str, out: str, reduce_dtype: str | None) ->
             param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * rank + index))
         data_parallel = DataParallel(WORLD, rank, timeout=TIMEOUT,
                                      reduce_dtype=None if reduce_dtype is None else getattr(torch, reduce_dtype))
-        data_parallel.average_gradients(params)
+        _average_gradients(data_parallel, params)
         if rank == 0:
             torch.save({"grads": [param.grad for param in params], "sent": data_parallel.sent_bytes}, out)
     finally:
@@ -360,8 +367,11 @@ def test_one_process_averages_nothing():
     param = nn.Parameter(torch.zeros(2))
     param.grad = torch.ones(2)
     grad = param.grad
-    DataParallel(1, 0).average_gradients([param])
-    assert param.grad is grad
+    alone = DataParallel(1, 0)
+    assert not alone.averaging and not DataParallel(1, 0, shard_optimizer=True).sharded
+    alone.start([param]).finish()
+    assert torch.equal(param.grad, grad)
+    assert alone.agree("plan") == "plan"
     with pytest.raises(ValueError, match="need 0 <= rank < world_size"):
         DataParallel(2, 2)
     assert issubclass(DataParallelError, RuntimeError)

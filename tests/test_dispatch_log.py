@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import torch
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
-from lightning_roundpipe.engine import engine as engine_module
+from lightning_roundpipe.engine import dispatch as dispatch_module
 from tests.models import bn_model
 
-INFO = "lightning_roundpipe.engine.engine"
+INFO = "lightning_roundpipe.engine.dispatch"
 
 
 def test_the_dispatch_is_logged_once_when_it_settles(caplog, monkeypatch):
@@ -21,18 +21,19 @@ def test_the_dispatch_is_logged_once_when_it_settles(caplog, monkeypatch):
              (True, 3, 2), (True, 4, 2), (True, 3, 2),       # settled: said once
              (True, 4, None)]                                  # a settled choice that changes: said again
     choices = iter(choice for _, _, choice in calls)
-    monkeypatch.setattr(engine_module, "choose_round_size", lambda *args, **kwargs: next(choices))
+    monkeypatch.setattr(dispatch_module, "choose_round_size", lambda *args, **kwargs: next(choices))
     with RoundPipeEngine(bn_model(), [torch.device("cpu")] * 2, EngineOptions(round_size="auto")) as engine:
-        planner = engine.planner
+        dispatcher = engine.dispatcher
+        planner = dispatcher.planner
         stub = SimpleNamespace(estimate=[], settled=False, job_cost=0.0)
-        engine.planner = stub  # type: ignore[assignment]
+        dispatcher.planner = stub  # type: ignore[assignment]
         try:
             with caplog.at_level(logging.DEBUG, logger=INFO):
                 for settled, microbatches, choice in calls:
                     stub.settled = settled
-                    assert engine._round_size(planner.plan, microbatches) == choice
+                    assert dispatcher.round_size(planner.plan, microbatches) == choice
         finally:
-            engine.planner = planner
+            dispatcher.planner = planner
     said = [(record.levelname, record.getMessage()) for record in caplog.records if "dispatches" in record.getMessage()]
     assert [level for level, _ in said] == ["DEBUG"] * 3 + ["INFO"] * 2
     assert [message for level, message in said if level == "INFO"] == [

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine, RoundPipeStrategy, is_recomputing
 from lightning_roundpipe.engine import stage as stage_module
 from lightning_roundpipe.engine.device import AbortSignal
+from lightning_roundpipe.engine.dispatch import Dispatcher
 from lightning_roundpipe.planning.partition import Plan
 from tests.models import Classifier
 from tests.models import classifier_data as _data
@@ -378,8 +379,9 @@ def test_ctrl_c_during_fit_exits_like_lightning_with_consistent_weights(where, t
     assert caught.value.code == 1
     interrupt = caught.value.__context__
     assert isinstance(interrupt, KeyboardInterrupt)
-    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(interrupt.__traceback__)]
-    assert ("_dispatch" in frames) == (where == "while dispatching")
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(interrupt.__traceback__)]
+    frames = [code.co_name for code in codes]
+    assert (Dispatcher.dispatch.__code__ in codes) == (where == "while dispatching")
     if where.startswith("inside"):
         # it landed in the engine's wait for the devices, and the shutdown (checkpoint included) did not
         # wait for the rest of the interrupted batch, only for the call running when the engine stopped. A
@@ -387,7 +389,7 @@ def test_ctrl_c_during_fit_exits_like_lightning_with_consistent_weights(where, t
         # 8 SLOW; the bound, 4 SLOW, is half that, and leaves 3 SLOW (3 s) beyond the running call for handling
         # the interrupt (Lightning's hooks, the checkpoint, the engine's stop), over 100x what that takes on a
         # two-core machine, also with both cores saturated (at most 0.02 s measured).
-        assert "_wait" in frames and ("forward_backward" in frames) == (where == "inside pipeline_loss")
+        assert Dispatcher.wait.__code__ in codes and ("forward_backward" in frames) == (where == "inside pipeline_loss")
         elapsed = time.monotonic() - module.signalled_at
         assert elapsed < 4 * module.SLOW, f"the shutdown took {elapsed:.2f} s"
     assert roundpipe_threads() == []

@@ -221,7 +221,7 @@ class _KeepsGradients(Classifier):
             engine = getattr(self.trainer.strategy, "engine", None)
             if engine is not None:  # zeroing in place waited for the step that reads these tensors
                 self.zeroed_after_steps = getattr(self, "zeroed_after_steps", 0) + 1
-                assert engine._last_step_done is None or engine._last_step_done.is_set()
+                assert engine.stepping.last_step_done is None or engine.stepping.last_step_done.is_set()
 
 
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])

@@ -121,3 +121,14 @@ def test_importing_the_strategy_module_first_registers_the_names():
             "from lightning.pytorch.strategies import StrategyRegistry; "
             "assert {'roundpipe', 'roundpipe_async'} <= set(StrategyRegistry), 'not registered'")
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
+
+
+def test_the_engine_exceptions_live_in_errors_and_keep_their_old_import_paths():
+    import lightning_roundpipe
+    from lightning_roundpipe.engine import call, dataparallel, device, engine, errors
+
+    assert lightning_roundpipe.PipelineError is errors.PipelineError
+    assert call.PipelineError is engine.PipelineError is errors.PipelineError
+    assert device.EngineAborted is errors.EngineAborted and device.OutOfDeviceMemory is errors.OutOfDeviceMemory
+    assert dataparallel.DataParallelError is errors.DataParallelError
+    assert all(issubclass(getattr(errors, name), RuntimeError) for name in errors.__all__)

@@ -4,7 +4,7 @@ Code between steps may give a trunk layer new tensors instead of writing into th
 ``StochasticWeightAveraging`` assigns new BatchNorm running statistics, ``load_state_dict(assign=True)`` and
 ``module.bias = nn.Parameter(...)`` new parameters, ``param.data = ...`` and ``module.to(torch.float64)``
 new memory to the same parameter. Before each call the engine checks the trunk's registered tensors
-against what it collected and follows a change (``Trunk.changed_layers``, ``RoundPipeEngine._follow_layers``).
+against what it collected and follows a change (``Trunk.changed_layers``, ``ModuleFollower.follow_layers``).
 
 References: Lightning's default strategy on the same seeded module and data, in float64 with one microbatch
 per batch, so RoundPipe runs the same kernels on the same data in the same order: bitwise equal
@@ -353,16 +353,16 @@ def test_pinned_memory_follows_replaced_tensors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     model = _blocks().eval()
     with torch.no_grad(), RoundPipeEngine(model, 2, EngineOptions(num_microbatches=1, num_stages=3)) as engine:
-        engine._pinning = True  # as with a CUDA device in the ring; the CPU stand-ins read the same memory
-        engine._pinned.pin(engine._pin_targets(engine._sources))
+        # as with a CUDA device in the ring; the CPU stand-ins read the same memory
+        engine.follower.start_pinning(engine._sources)
         old = model[0][1].running_mean.untyped_storage().data_ptr()
         assert ("register", old) in fake.calls
         model[0][1].running_mean = torch.randn(16)  # the module drops the old tensor
-        assert ("unregister", old) not in fake.calls and old in engine._pinned._registered
+        assert ("unregister", old) not in fake.calls and old in engine.follower.pinned._registered
         engine(torch.randn(8, 6))
         new = model[0][1].running_mean.untyped_storage().data_ptr()
         assert fake.calls[-2:] == [("unregister", old), ("register", new)]
-        assert old not in engine._pinned._registered
+        assert old not in engine.follower.pinned._registered
     assert ("unregister", new) in fake.calls  # released at close
 
 

@@ -17,15 +17,12 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.engine.device import HostEvent, poison
+from lightning_roundpipe.engine.errors import PipelineError as PipelineError  # re-exported: its home before errors.py
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.recompute import draws_random_numbers
 from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.planning.schedule import Job, StageKind
-
-
-class PipelineError(RuntimeError):
-    """A layer, the loss or a transfer failed inside the pipeline; ``__cause__`` is the original error."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +134,7 @@ class Call:
     """Everything one trunk call keeps on the host between its forward and backward jobs.
 
     A fused-path call (``forward_backward``) also has :attr:`fused`; a transparent call (the engine
-    called like a module, backward through autograd) uses :attr:`first_grads` and :attr:`merged`.
+    called like a module, backward through autograd) uses :attr:`first_grads`.
     """
 
     step: int
@@ -153,7 +150,6 @@ class Call:
     outputs: dict[int, dict[int, Slot]] = field(default_factory=dict)  # job index -> microbatch -> its output
     fused: FusedLoss | None = None                            # fused path: set before its jobs are dispatched
     first_grads: list[Slot] | None = None                     # transparent backward: from autograd
-    merged: tuple[list[Any], Any] | None = None                # transparent forward: leaves and spec
 
     @property
     def fused_loss(self) -> FusedLoss:

@@ -12,7 +12,10 @@ them:
   order the caller reaches them, which is the same on every process.
 
 Averaging (:class:`Averaging`): the engine sends each step group's gradients as soon as they are final,
-deepest first, so the communication overlaps the backward stages still running; the parameters of a part are
+deepest first, so the communication overlaps the backward stages still running. It has two drivers, one per
+thread a step's gradients can be final on: ``StepQueue.average`` (``stepping.py``) on the caller's thread, when
+a hook must see the averaged gradients in ``param.grad`` before the step, and ``QueuedStep`` (``queued_step.py``)
+on the optimizer thread otherwise, each group averaged just before it steps. The parameters of a part are
 packed into flat buckets of at most ``bucket_bytes`` per dtype, summed with ``all_reduce`` and divided by the
 world size. A parameter no process has a gradient for keeps ``grad=None`` (so weight decay and momentum leave
 it alone, as in plain training); one that only some processes have a gradient for counts zero on the others.
@@ -40,13 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_roundpipe.engine.errors import DataParallelError
+
 BUCKET_BYTES = 64 * 2**20
 """Largest flat buffer one ``all_reduce`` sums: gloo reaches its bandwidth from about 16 MiB and holds a
 copy of the bucket while it works (``benchmarks/scaleout.py`` measures it)."""
-
-
-class DataParallelError(RuntimeError):
-    """A collective across the data-parallel processes failed or timed out (a process was lost or stopped)."""
 
 
 @dataclass
@@ -96,12 +97,6 @@ class DataParallel:
     def _all_reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         self._wait(dist.all_reduce(tensor, op=op, group=self.gradients, async_op=True), what)
 
-    def average_gradients(self, params: Sequence[nn.Parameter]) -> None:
-        """Replace each ``param.grad`` by the mean over the processes (see the module docstring), all at once.
-        Every process must call it with the same parameters in the same order, for every optimizer step."""
-        if self.world_size > 1:
-            self.start(params).finish()
-
     def start(self, params: Sequence[nn.Parameter]) -> Averaging:
         """Begin averaging the gradients of ``params`` (those that require gradients, in this order; the same
         on every process): :meth:`Averaging.send` parts whose gradients are final while the rest of the
@@ -109,9 +104,15 @@ class DataParallel:
         return Averaging(self, [param for param in params if param.requires_grad])
 
     @property
+    def averaging(self) -> bool:
+        """Whether a step's gradients are averaged over several processes (``DataParallel(1, 0)``, one process
+        alone, is the identity: the engine's default)."""
+        return self.world_size > 1
+
+    @property
     def sharded(self) -> bool:
         """Whether the optimizer state is split over several processes."""
-        return self.shard_optimizer and self.world_size > 1
+        return self.shard_optimizer and self.averaging
 
     def owners(self, params: Sequence[nn.Parameter]) -> dict[int, int]:
         """The process owning each of ``params`` (an optimizer's, in its order), by parameter id: the largest
@@ -210,7 +211,7 @@ class DataParallel:
     def agree(self, value: Any) -> Any:
         """Process 0's ``value`` on every process (a plan, say): call it on the caller's thread, at the same
         point on every process."""
-        if self.world_size == 1:
+        if not self.averaging:
             return value
         holder = [value]
         try:
@@ -280,7 +281,7 @@ class Averaging:
             flags = torch.tensor([grad is not None for grad in held], dtype=dtype)
             flat = torch.cat([*pieces, flags])
             work = None
-            if data_parallel.world_size > 1:
+            if data_parallel.averaging:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=data_parallel.gradients, async_op=True)
                 data_parallel.sent_bytes += flat.numel() * flat.element_size()
             for param in bucket:
@@ -299,7 +300,7 @@ class Averaging:
             if work is not None:
                 data_parallel._wait(work, f"averaging a gradient bucket of {flat.numel() - len(bucket):,} elements")
             values = flat[:-len(bucket)].to(bucket[0].dtype)  # a bucket's parameters share a dtype
-            if data_parallel.world_size > 1:
+            if data_parallel.averaging:
                 values = values.div_(data_parallel.world_size)
             offset = 0
             for member, flag in zip(bucket, flat[-len(bucket):].tolist(), strict=True):

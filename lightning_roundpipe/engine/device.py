@@ -41,13 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_roundpipe.engine.errors import EngineAborted, OutOfDeviceMemory
 from lightning_roundpipe.engine.timing import CudaStreamTimer, HostStreamTimer, StreamTimer
 from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE, Plan
-
-
-class EngineAborted(RuntimeError):
-    """Raised in waits once the engine has failed or is shutting down."""
 
 
 class AbortSignal:
@@ -284,10 +281,6 @@ class Stream:
                 except BaseException as error:  # noqa: BLE001 - reported to the caller through the abort signal
                     self._abort.fail(error)
                 operation = None  # its closure may hold a call's host activations alive while idle
-
-
-class OutOfDeviceMemory(RuntimeError):
-    """A device's accounted bytes would exceed its budget."""
 
 
 _DEVICE_MISMATCH = ("on the same device", "on different devices")

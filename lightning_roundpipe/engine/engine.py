@@ -1,88 +1,44 @@
-"""The RoundPipe engine: runs stage jobs on a ring of stateless devices.
+"""The RoundPipe engine's facade: :class:`RoundPipeEngine`, whose public methods delegate to its parts.
 
-The main thread plans a call, splits it into microbatches and hands stage jobs to devices in ring
-order (job j to device j mod N, the counter continuing across calls and iterations). Each device
-has a worker thread that turns a job into stream operations: upload the stage's parameters
-(prefetched while the previous job computes), then for every microbatch upload its input, compute,
-download the output. Data moves between devices only through the host. A device holds at most two
-stages' parameters: the upload of its k-th job waits until its (k-2)-th job has released its own.
-
-Job kinds (see ``planning/schedule.py``)::
-
-    forward   run layers without autograd; keep the inputs backward stages will need (checkpoints)
-    fused     run the deepest layers, the loss and the backward per microbatch; never recomputed
-    backward  recompute the stage's layers from their checkpoint (ahead of the output gradient), then
-              back-propagate
-
-A training call (``forward_backward``) may dispatch its microbatches in rounds (``round_size``): each
-round is the whole chain of jobs over its share of the batch, so backward starts before the last
-microbatch has run forward.
-
-Gradients of parameters accumulate on the device over the job's microbatches, then are added on
-the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`, in an order
-fixed at dispatch, so that results do not depend on which job finishes first.
+The parts (the package docstring says how they work together): ``ring.py``, the threads start makes and close
+stops; ``lifecycle.py``, started, failed, closed; ``dispatch.py``, calls into jobs on the ring; ``autograd.py``,
+a call in the caller's autograd graph; ``stepping.py`` and ``queued_step.py``, an optimizer step on the caller's
+and on the optimizer's thread; ``follow.py``, state the module is given between calls; ``figures.py``, what it
+reports. The planner's feedback (``_replan``) stays here.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-import warnings
-import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.engine.autograd import differentiable_call
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
-from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, PipelineError, Slot
-from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
-from lightning_roundpipe.engine.device import (
-    AbortSignal,
-    Device,
-    EngineAborted,
-    HostEvent,
-    cuda_memory_budget,
-    memory_advice,
-)
+from lightning_roundpipe.engine.call import Call, CallContext
+from lightning_roundpipe.engine.dataparallel import DataParallel
+from lightning_roundpipe.engine.device import AbortSignal, Device
+from lightning_roundpipe.engine.dispatch import Dispatcher
+from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.feedback import Measurements, estimate_autocast_copies
-from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk, single_argument
-from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, merge, microbatch_sizes, sample_count, split
-from lightning_roundpipe.engine.optim import (
-    GradWindow,
-    HostOptimizer,
-    snapshot_param_groups,
-)
+from lightning_roundpipe.engine.figures import cuda_memory_figures
+from lightning_roundpipe.engine.follow import ModuleFollower
+from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
+from lightning_roundpipe.engine.lifecycle import Lifecycle
+from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
+from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.options import EngineOptions
-from lightning_roundpipe.engine.pinned import PinnedStorages
-from lightning_roundpipe.engine.queued_step import QueuedStep
-from lightning_roundpipe.engine.stage import StageRunner, Task
-from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
-from lightning_roundpipe.engine.transfer import differentiable_leaves
-from lightning_roundpipe.engine.transport import (
-    UploadSources,
-    layer_sizes,
-    transport_torch_dtype,
-)
-from lightning_roundpipe.engine.worker import Worker
+from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
+from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.stepping import StepQueue
+from lightning_roundpipe.engine.transport import UploadSources, layer_sizes, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
-from lightning_roundpipe.planning.partition import (
-    Plan,
-    Planner,
-    costs_from_bytes,
-    stage_memory_budget,
-    workspace_reserve,
-)
-from lightning_roundpipe.planning.schedule import Job, StageKind, backward_jobs, forward_jobs, training_rounds
-from lightning_roundpipe.planning.simulate import Streaming, choose_round_size
+from lightning_roundpipe.planning.partition import Plan
 
 __all__ = ["PipelineError", "RoundPipeEngine"]
-
-log = logging.getLogger(__name__)
 
 _Part = TypeVar("_Part")
 
@@ -99,15 +55,10 @@ class RoundPipeEngine:
 
     def __init__(self, module: nn.Module | Trunk, devices: int | Sequence[torch.device | str] = 1,
                  options: EngineOptions | None = None, *, data_parallel: DataParallel | None = None) -> None:
-        self.data_parallel = data_parallel  # other processes training the same model on their own rings
+        # other processes training the same model on their own rings (by default none: one process alone)
+        self.data_parallel = data_parallel if data_parallel is not None else DataParallel(1, 0)
         self.trunk = module if isinstance(module, Trunk) else build_trunk(module)
-        if isinstance(devices, int):
-            if devices < 1:
-                raise ValueError(f"`devices` must be at least 1, got {devices}")
-            devices = [torch.device("cpu")] * devices
-        self.torch_devices = [torch.device(device) for device in devices]
-        if not self.torch_devices:
-            raise ValueError("`devices` is empty; give at least one device")
+        self.torch_devices = ring_devices(devices)
         self.options = options or EngineOptions()
         if self.options.deferred_batchnorm:
             check_batchnorms(self.trunk)  # a module whose update cannot be deferred: refused before any thread
@@ -116,100 +67,43 @@ class RoundPipeEngine:
         # the dtype autocast-only weights travel in (``transport.py``), and the bytes a layer takes on a device
         self.transport = transport_torch_dtype(self.options.transport_dtype)
         self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
-        initial = costs_from_bytes([params for params, _ in self.layer_device_bytes],
-                                   [grads for _, grads in self.layer_device_bytes])
-        limit = self.options.device_memory_limit_bytes
-        if limit is None and any(device.type == "cuda" for device in self.torch_devices):
-            limit = self._cuda_budget()
-        self.device_budget = limit
-        # stages get what remains after a reserve for the microbatch activations in flight
-        on_gpu = any(device.type == "cuda" for device in self.torch_devices)
-        stage_budget = stage_memory_budget(limit, workspace_reserve("cuda" if on_gpu else "cpu"))
-        self.planner = Planner(self.options.num_stages, len(self.trunk), self.num_devices,
-                               memory_budget=stage_budget,
-                               hysteresis=self.options.replan_hysteresis, frozen=self.options.freeze_plan)
-        self.planner.initial(initial)
+        self.device_budget, self.planner = initial_plan(self.trunk, self.torch_devices, self.options,
+                                                        self.layer_device_bytes)
         # under torch.use_deterministic_algorithms (Trainer(deterministic=True)) the plan never follows measured
         # times: they differ from run to run, and a stage boundary may change which kernels run (a layer's
         # forward without autograd, then recomputed with it), so results would depend on timing
         self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self._started = False
-        self._closed = False
-        self._failure_reported = False
         self._abort = AbortSignal(self.options.wait_timeout)  # starts no thread: every state has one
-        # made by start(), as they start threads or must see the weights and seed of that moment
-        self._timeline: Timeline | None = None
-        self.devices: list[Device] = []
-        self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
-        self._sources: UploadSources | None = None  # what devices upload: published and low-precision copies
-        self._pinned = PinnedStorages()
-        self._pinning = False                    # start: pin_memory with a CUDA device in the ring
-        # parameters the trunk held until a callback replaced them (see _follow_module_state): still in the
-        # user's optimizer, never read by the pipeline again, so not "outside the trunk"
-        self._retired: dict[int, weakref.ref[nn.Parameter]] = {}
+        self._life = Lifecycle(self._abort, lambda: self.close(finish_steps=False), lambda: self.torn_step)
+        self._failures_surfaced = self._life.surfaced  # waits woken by a failure raise it
+        self._ring: Ring | None = None           # made by start(): the threads and what they share
+        self._sources: UploadSources | None = None  # the ring's, for the planner's feedback
         self._runner: StageRunner | None = None
-        self._measurements: Measurements | None = None
-        self._workers: list[Worker] = []
-        self._optimizer: HostOptimizer | None = None
-        # dispatch and step state
-        self._next_job = 0                       # ring position of the next job: job j runs on device j mod N
-        self._step = 0                           # optimizer steps queued so far
-        self._calls_in_step = 0
-        self._window = GradWindow(self._abort)   # the gradients of the step being accumulated
+        self._measurements: Measurements | None = None  # the ring's: what the planner learns after each step
+        self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
-        # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
-        self._upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(self.trunk))]
-        self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
-        self._torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
-        self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
-        # round_size="auto": for what (plan, microbatches, planner settled) the dispatch was chosen, and the choice
-        self._rounds_for: tuple[tuple[Plan, int, bool] | None, int | None] = (None, None)
-        # the dispatch last logged at INFO, once the planner settled: (round size or None,), or None before
-        self._dispatch_logged: tuple[int | None] | None = None
-        # what the choice weighs of the host step: the order the last step's parts ran in (the simulator's
-        # name for it) and, per layer, the seconds the last whole step spent on its parameters (optimizer thread)
-        self._step_order: Streaming = "off"
-        self._layer_step_seconds: list[float] | None = None
-        self._last_done: list[HostEvent | None] = [None] * self.num_devices  # per device: its last job
-        self._last_step_done: HostEvent | None = None
-        self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
-        # the last step made with keep_gradients in sync mode, and what it was lent: restore_gradients' input
-        self._kept: tuple[QueuedStep, list[nn.Parameter], dict[int, torch.Tensor]] | None = None
-        self._warned_short_batch = False
-        self._warned_unstepped = False
-        self._metrics_mark: tuple[float, dict[str, float]] = (0.0, {})  # set by start
+        self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
+        self.dispatcher = Dispatcher(self.trunk, self.options, self.planner, self.num_devices, self.num_microbatches,
+                                     self._abort, self._failures_surfaced)
+        self.stepping = StepQueue(self.trunk, self.options, self.data_parallel, self.dispatcher,
+                                  self.follower.retired_ids, self._failures_surfaced)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> RoundPipeEngine:
-        if self._started:
+        if self._life.started:
             raise RuntimeError("the engine is already started")
-        timeline = self._timeline = Timeline(self.options.record_timeline)
-        advice = memory_advice(recompute=self.options.recompute, num_stages=self.options.num_stages,
-                               num_layers=len(self.trunk), num_microbatches=self.num_microbatches)
-        self.devices = [
-            Device(index, device, self._abort, budget=self.device_budget, jitter=self.options.jitter,
-                   pin_memory=self.options.pin_memory, stress=self.options.stress, memory_advice=advice)
-            for index, device in enumerate(self.torch_devices)
-        ]
         self.base_seed = self.options.seed if self.options.seed is not None else self._restored.get(
             "base_seed", torch.initial_seed())
-        sources = self._sources = UploadSources(self.trunk, async_step=self.options.async_step,
-                                                transport=self.transport)
-        self._pinning = self.options.pin_memory and any(device.is_cuda for device in self.devices)
-        if self._pinning:
-            self._pinned.pin(self._pin_targets(sources))
-        measurements = self._measurements = Measurements(timeline, len(self.trunk), self.num_devices,
-                                                         measure=not self.options.freeze_plan,
-                                                         measure_times=not self.deterministic)
-        measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
-        self._runner = StageRunner(self.trunk, self.num_devices, self.options.recompute, timeline,
-                                   self.base_seed, sources, measure_times=measurements.measure_times,
-                                   deferred_batchnorm=self.options.deferred_batchnorm)
-        self._workers = [Worker(self._runner, measurements, device, self._abort) for device in self.devices]
-        self._optimizer = HostOptimizer(self._abort, timeline)
-        self._metrics_mark = (timeline.now(), dict.fromkeys(("compute", "uploaded", "optimizer", "exposed", "download"),
-                                                            0.0))
-        self._started = True
+        ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
+                                       budget=self.device_budget, base_seed=self.base_seed, transport=self.transport,
+                                       num_microbatches=self.num_microbatches, measure_times=not self.deterministic)
+        self._sources, self._runner, self._measurements = ring.sources, ring.runner, ring.measurements
+        if self.options.pin_memory and ring.has_cuda:
+            self.follower.start_pinning(ring.sources)
+        ring.measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
+        self.dispatcher.workers = ring.workers
+        self.stepping.attach(ring.sources, ring.optimizer, ring.timeline)
+        self._life.started = True
         return self
 
     def close(self, *, finish_steps: bool = True, finish_jobs: bool | None = None) -> None:
@@ -225,85 +119,31 @@ class RoundPipeEngine:
         after its outputs arrive); pass ``False`` when a call in flight is abandoned (an exception
         propagating). Otherwise device work still queued is dropped.
 
-        Nothing here waits without a bound: the optimizer thread is given ``wait_timeout`` per step, the
-        other threads ``wait_timeout`` in all to finish the operation they are running. A thread still
-        running then (inside a layer that does not return, say) is named in a ``RuntimeWarning`` and left
-        to end by itself once that operation returns; it runs nothing else. An optimizer step still
-        running is also the engine's failure (the weights may be mid-update): see
-        :meth:`raise_unreported_failure`.
+        Nothing here waits without a bound (:meth:`~lightning_roundpipe.engine.ring.Ring.stop`): a thread still
+        running then is named in a ``RuntimeWarning`` and left to end by itself once its operation returns.
         """
-        if not self._started or self._closed:
+        if not self._life.started or self._life.closed:
             return
-        self._closed = True
+        self._life.closed = True
         if not finish_steps:
             self._abort.abort()
         timeout = self.options.wait_timeout
         if (finish_steps if finish_jobs is None else finish_jobs) and self._abort.error is None:
-            self._finish_dispatched_jobs(time.monotonic() + timeout)
-        optimizer = self._started_part(self._optimizer)
-        stuck = [optimizer.close(timeout)]
-        if stuck[0] is not None:  # the module's weights may be mid-update: never a silent success
-            self._abort.fail(TimeoutError(
-                f"{stuck[0]} has not finished {optimizer.running or 'its task'} within "
-                f"`wait_timeout={timeout:g}` s while the engine closed; the module's weights may be mid-update. "
-                "Raise `wait_timeout` if a single optimizer step really takes that long."))
-        self._abort.abort()
-        deadline = time.monotonic() + timeout
-        for device in self.devices:
-            device.stop()  # every stream at once: a stuck one must not hold up the others' ends
-        stuck += [worker.close(deadline) for worker in self._workers]
-        for device in self.devices:
-            stuck += device.join(deadline)
-        still_running = [name for name in stuck if name is not None]
-        if not still_running:
-            self._pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
-        else:
-            warnings.warn(
-                f"RoundPipe closed its engine but {len(still_running)} thread(s) are still inside an operation that "
-                f"has not returned within `wait_timeout={timeout:g}` s: {', '.join(still_running)}. They run nothing "
-                "else and end by themselves once it returns (a layer, loss or optimizer step that never returns "
-                "keeps its thread for good).",
-                RuntimeWarning, stacklevel=2,
-            )
-
-    def _finish_dispatched_jobs(self, deadline: float) -> None:
-        """On a healthy engine, let the jobs already dispatched end before the devices stop: a call returns
-        once its outputs have arrived, while its jobs may still be copying buffers back into the module (a
-        no-grad call's BatchNorm statistics), which stopping the devices would drop. Bounded by ``deadline``:
-        a job that does not end by then is dropped with the rest of the device work."""
-        for event in self._last_done:
-            if event is not None and event.wait_until(deadline) and event.cuda_event is not None:
-                event.cuda_event.synchronize()
-
-    def _pin_targets(self, sources: UploadSources) -> list[torch.Tensor]:
-        """What uploads read (the masters, async's published copy, the low-precision copies) and the buffers:
-        what is pinned in place for CUDA devices."""
-        uploaded = [sources.source(param, layer, low_precision=True)
-                    for layer, state in enumerate(self.trunk.states) for param in state.params]
-        return [*uploaded, *(buffer for state in self.trunk.states for buffer in state.buffers)]
-
-    def _cuda_budget(self) -> int:
-        """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
-        budgets = []
-        for device in self.torch_devices:
-            if device.type == "cuda":
-                sharing = sum(other == device for other in self.torch_devices)
-                budgets.append(cuda_memory_budget(device, sharing))
-        return min(budgets)
+            self.dispatcher.finish_dispatched_jobs(time.monotonic() + timeout)
+        if self._started_part(self._ring).stop(self._abort, timeout):
+            self.follower.pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
 
     @property
     def unreported_failure(self) -> BaseException | None:
         """The error that stopped the pipeline if no call has raised it yet (a step that failed after the
         last call, say)."""
-        if not self._started or self._failure_reported:
-            return None
-        return self._abort.error
+        return self._life.unreported_failure
 
     def raise_unreported_failure(self) -> None:
         """Raise :attr:`unreported_failure` as a :class:`PipelineError`, if any (and close the engine). Call
         it after :meth:`close` when no exception is pending, so that no failure goes unnoticed."""
         if self.unreported_failure is not None:
-            self._raise_failure()
+            self._life.raise_failure()
 
     def __enter__(self) -> RoundPipeEngine:
         return self.start()
@@ -313,115 +153,25 @@ class RoundPipeEngine:
         if exc_type is None:
             self.raise_unreported_failure()
 
-    def _check_started(self, what: str) -> None:
-        if not self._started:
-            raise RuntimeError(f"the engine is not started, so it has no {what} yet: use `with RoundPipeEngine(...) "
-                               "as engine:` or call start() first")
-
     def _started_part(self, part: _Part | None, what: str = "threads") -> _Part:
-        """``part``, one of the things :meth:`start` makes; before that, a clear error."""
-        self._check_started(what)
-        if part is None:  # started, yet not made: a bug in start()
-            raise RuntimeError(f"the engine is started but has no {what}")
-        return part
-
-    def _check_running(self) -> None:
-        if not self._started:
-            raise RuntimeError("the engine is not started: use `with RoundPipeEngine(...) as engine:` or call start()")
-        if self._closed:
-            error = self._abort.error
-            reason = f" after an error ({type(error).__name__}: {error})" if error is not None else ""
-            raise RuntimeError(f"the engine is closed{reason}; create a new engine to continue")
-        if self._abort.error is not None:
-            self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        error = self._abort.error
-        self._failure_reported = True
-        self.close(finish_steps=False)
-        torn = self.torn_step
-        suffix = (" " if str(error).endswith(".") else ". ") + torn if torn else ""  # one full stop between them
-        if isinstance(error, PipelineError):
-            raise PipelineError(f"{error}{suffix}") from error.__cause__
-        raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}{suffix}") from error
+        return self._life.started_part(part, what)
 
     @property
     def torn_step(self) -> str | None:
         """Set when the pipeline stopped while a step cut by stage (``streaming_step``) waited for the rest of its
         gradients: which layers that step had updated. The module's weights then mix two steps; ``None``
         otherwise (every step applied whole or not at all)."""
-        if self._torn is None:
-            return None
-        number, labels = self._torn
-        return (f"Optimizer step {number} had updated the parameters of layers {', '.join(labels)} when the pipeline "
-                f"stopped; the other layers keep step {number - 1}'s weights, so the module's weights mix two steps. "
-                "Resume from a checkpoint written before the failure (or set streaming_step='off' to apply every "
-                "step whole or not at all)")
-
-    @contextmanager
-    def _failures_surfaced(self) -> Iterator[None]:
-        """A wait woken by the abort flag raises the pipeline's own error (and closes the engine)."""
-        try:
-            yield
-        except (EngineAborted, TimeoutError):
-            if self._abort.error is not None:
-                self._raise_failure()
-            raise
-
-    def _wait(self, event: HostEvent) -> None:
-        """Wait on this thread until what ``event`` guards may be read here (a downloaded slot: also until its
-        copies have run on the GPU)."""
-        with self._failures_surfaced():
-            event.wait(self._abort)
-        if event.cuda_event is not None:
-            event.cuda_event.synchronize()
-
-    def _publish_gradients(self, wait_for_jobs: Callable[[], None], window: GradWindow) -> None:
-        """On this thread: wait for the window's jobs, then add the window's gradients into ``param.grad``
-        (a gradient a queued step still reads is replaced by the sum, never changed in place)."""
-        with self._failures_surfaced():
-            wait_for_jobs()
-        window.publish(self._lent_now())
-
-    def _average_gradients(self, window: GradWindow, groups: list[StepGroup], params: list[nn.Parameter]) -> None:
-        """Data parallel: the step's gradients, averaged over the processes, into ``param.grad`` on this thread.
-        Each step group's gradients are sent as soon as they are final, deepest first (the order they become
-        final in, and the same on every process), so the communication runs while the shallower backward
-        stages still compute; on the timeline as ``allreduce`` (host track ``communication``), from the first
-        send to the last mean in place."""
-        assert self.data_parallel is not None
-        averaging = self.data_parallel.start(params)
-        lent = self._lent_now()
-        started: float | None = None
-        with self._failures_surfaced():
-            for index in reversed(range(len(groups))):
-                window.wait_final(index)
-                window.publish(lent, groups[index].params)
-                started = self.timeline.now() if started is None else started
-                averaging.send(groups[index].params)
-            window.wait_complete()
-        window.publish(lent)  # trainable trunk parameters the optimizer does not step
-        averaging.finish()
-        self.timeline.add(-1, -1, f"average step {self._step}", 0, "allreduce",
-                          self.timeline.now() if started is None else started)
-
-    def _lent_now(self) -> frozenset[int]:
-        """Ids of the gradient tensors queued steps may still read: those the caller's thread handed over
-        (they may stay in ``param.grad``), of the steps that have not ended (steps end in order). An id of a
-        tensor that died meanwhile only makes one addition out of place."""
-        while self._lent and self._lent[0][0].is_set():
-            self._lent.popleft()
-        return frozenset().union(*(ids for _, ids in self._lent))
+        return self.stepping.torn_message()
 
     # ------------------------------------------------------------------ observability
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._life.closed
 
     @property
     def failed(self) -> bool:
         """An error stopped the pipeline; the next call raises it and closes the engine."""
-        return self._started and self._abort.error is not None
+        return self._life.failed
 
     @property
     def plan(self) -> Plan:
@@ -430,107 +180,50 @@ class RoundPipeEngine:
     @property
     def timeline(self) -> Timeline:
         """What ran where and when since :meth:`start` (recorded with ``record_timeline``)."""
-        return self._started_part(self._timeline, "timeline")
+        return self._started_part(self._ring, "timeline").timeline
 
     def events(self) -> list[TimelineEvent]:
         return self.timeline.events()
 
+    @property
+    def devices(self) -> list[Device]:
+        """The ring's devices (empty before :meth:`start`)."""
+        return self._ring.devices if self._ring is not None else []
+
     def pipeline_metrics(self) -> dict[str, float]:
-        """Figures since the previous call (the first call counts from :meth:`start`):
-
-        ``bubble_ratio``: share of device time not spent computing over that wall time; ``uploaded_bytes``:
-        host-to-device traffic; ``optimizer_seconds``: host step time; ``optimizer_exposed_seconds``: device
-        time spent waiting for a step's weights (the part of the step the pipeline did not hide);
-        ``gradient_download_seconds``: download-thread time bringing jobs' gradients to the host and summing
-        them (all devices; off the compute stream, but it delays the release of a stage's memory);
-        ``peak_device_bytes``: the largest resident bytes on any device so far (accounted: stages, stage-boundary
-        activations, what the compute keeps for backward and, on GPUs, the workspace reserve).
-
-        Compute time is device time (``timing.py``), counted when a job finishes: a job still running is counted
-        in a later call. On CUDA devices the allocator's own figures per GPU come next to the accounted peak
-        (see :meth:`cuda_memory_figures`).
-        """
-        optimizer = self._started_part(self._optimizer, "pipeline metrics")
-        now = self.timeline.now()
-        totals = {
-            "compute": sum(d.counters.compute_seconds for d in self.devices),
-            "uploaded": float(sum(d.counters.uploaded_bytes for d in self.devices)),
-            "optimizer": optimizer.busy_seconds,
-            "exposed": sum(d.counters.weight_wait_seconds for d in self.devices),
-            "download": sum(d.counters.gradient_download_seconds for d in self.devices),
-        }
-        last_time, last = self._metrics_mark
-        self._metrics_mark = (now, totals)
-        span = (now - last_time) * self.num_devices
-        busy = totals["compute"] - last["compute"]
-        return {
-            "bubble_ratio": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
-            "uploaded_bytes": totals["uploaded"] - last["uploaded"],
-            "optimizer_seconds": totals["optimizer"] - last["optimizer"],
-            "optimizer_exposed_seconds": (totals["exposed"] - last["exposed"]) / self.num_devices,
-            "gradient_download_seconds": totals["download"] - last["download"],
-            "peak_device_bytes": float(max(self.peak_resident_bytes())),
-            **self.cuda_memory_figures(),
-        }
+        """Figures since the previous call (the first call counts from :meth:`start`): ``bubble_ratio``,
+        ``uploaded_bytes``, ``optimizer_seconds``, ``optimizer_exposed_seconds``, ``gradient_download_seconds``,
+        ``peak_device_bytes`` and, on CUDA devices, :meth:`cuda_memory_figures` (each is defined at
+        :meth:`~lightning_roundpipe.engine.figures.PipelineFigures.report`)."""
+        return self._started_part(self._ring, "pipeline metrics").figures.report()
 
     def cuda_memory_figures(self) -> dict[str, float]:
         """Per GPU of the ring (``cuda<i>_...``), the caching allocator's peaks next to what the engine accounted
-        there: ``max_reserved_bytes``, what the allocator held from the driver (the figure an out-of-memory error
-        is about); ``max_allocated_bytes``, what tensors used; ``accounted_peak_bytes``, the sum of the accounted
-        peaks of the ring members on that GPU (:meth:`peak_resident_bytes`; they need not peak at once, so it
-        bounds their joint peak); and ``alloc_retries``, how often the allocator freed its cache and retried an
-        allocation (a device-wide synchronization: a silent slowdown near the limit). Peaks count from the
-        process's start or the last ``torch.cuda.reset_peak_memory_stats``. Empty without CUDA devices."""
-        self._check_started("memory figures")
-        figures: dict[str, float] = {}
-        for index in sorted({device.torch_device.index for device in self.devices if device.is_cuda}):
-            members = [device for device in self.devices if device.is_cuda and device.torch_device.index == index]
-            figures[f"cuda{index}_max_reserved_bytes"] = float(torch.cuda.max_memory_reserved(index))
-            figures[f"cuda{index}_max_allocated_bytes"] = float(torch.cuda.max_memory_allocated(index))
-            figures[f"cuda{index}_accounted_peak_bytes"] = float(sum(member.residency.peak for member in members))
-            figures[f"cuda{index}_alloc_retries"] = float(torch.cuda.memory_stats(index).get("num_alloc_retries", 0))
-        return figures
+        there (:func:`~lightning_roundpipe.engine.figures.cuda_memory_figures`); empty without CUDA devices."""
+        self._life.check_started("memory figures")
+        return cuda_memory_figures(self.devices)
 
     def peak_resident_bytes(self) -> list[int]:
         """Per device, the most bytes it held at once so far."""
-        self._check_started("resident bytes")
+        self._life.check_started("resident bytes")
         return [device.residency.peak for device in self.devices]
 
     def peak_resident_stages(self) -> list[int]:
         """Per device, the most stages it held at once so far (at most two: see ``worker.py``)."""
-        self._check_started("resident stages")
+        self._life.check_started("resident stages")
         return [device.residency.peak_stages for device in self.devices]
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the trunk. With grad enabled the result is wired into autograd: ``.backward()`` on
         anything computed from it runs the pipelined backward."""
-        self._check_running()
+        self._life.check_running()
         self._follow_module_state()
         context = CallContext.capture(self.trunk)
         inputs = (args, kwargs)
-        differentiable = differentiable_leaves(inputs)
-        wants_backward = context.grad_enabled and not context.inference
-        if not wants_backward:
-            call = self._new_call(inputs, context, checkpoints=False)
-            output = merge(self._run_forward(call))
-            return output
-        call = self._new_call(inputs, context, checkpoints=True)
-        # autograd records the function (and so runs its backward, which computes the trunk's parameter
-        # gradients) only if an input requires grad; the inputs may not (token ids, a frozen embedding),
-        # so this scalar always does. Its own gradient is None.
-        anchor = torch.zeros((), requires_grad=True)
-        result = _PipelineFunction.apply(self, call, anchor, *differentiable)
-        # the function can return only tensors: the rest of the output (its structure, and the leaves that
-        # are not floating-point tensors) comes back through `call.merged`. Taken at once: the call lives as
-        # long as the autograd graph, which must not keep the output's other leaves alive too.
-        merged, call.merged = call.merged, None
-        assert merged is not None, "_PipelineFunction.forward sets call.merged"
-        flat_out, out_spec = merged
-        differentiable_out = iter(result)
-        rebuilt = [next(differentiable_out) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf
-                   for leaf in flat_out]
-        return pytree.tree_unflatten(rebuilt, out_spec)
+        if not context.grad_enabled or context.inference:
+            return merge(self.dispatcher.run_forward(self._new_call(inputs, context, checkpoints=False)))
+        return differentiable_call(self.dispatcher, self._new_call(inputs, context, checkpoints=True), inputs)
 
     def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          loss_weight: LossWeight = sample_count, scale: float = 1.0) -> torch.Tensor:
@@ -543,39 +236,15 @@ class RoundPipeEngine:
         before backward only (gradient accumulation, loss scaling). Returns the batch loss, detached.
         Parameter gradients are added into the current step's window; :meth:`step` applies them.
         """
-        self._check_running()
+        self._life.check_running()
         self._follow_module_state()
         context = CallContext.capture(self.trunk)
         if not context.grad_enabled or context.inference:
             raise RuntimeError("forward_backward needs grad mode: it was called under no_grad or inference_mode")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        target_size, input_size = batch_size(target, "target"), batch_size(args)
-        if target_size is not None and target_size != input_size:
-            raise ValueError(
-                f"the target has {target_size} samples on dim 0 but the inputs have {input_size}; they are "
-                "split into microbatches together and must agree"
-            )
+        self.dispatcher.check_target(args, target)
         call = self._new_call((args, {}), context, checkpoints=True)
-        targets = split(target, call.sizes) if target_size is not None else [target] * call.num_microbatches
-        weights = [float(loss_weight(t)) for t in targets]
-        total = sum(weights)
-        if total <= 0:
-            raise ValueError(f"the loss weights of the batch sum to {total}; nothing to learn from "
-                             "(every target ignored?)")
-        fused = call.fused = FusedLoss(
-            loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
-            losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
-        round_size = self._round_size(call.plan, call.num_microbatches)
-        jobs = training_rounds(call.plan, self.num_devices, call.num_microbatches,
-                               round_size or call.num_microbatches, self._next_job)
-        self._next_job += len(jobs)
-        self._dispatch(call, jobs, first_output_grads=None)
-        losses = []
-        for slot, weight in zip(fused.losses, fused.scales, strict=True):
-            self._wait(slot.event)
-            if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
-                losses.append(slot.value * weight)
-        return torch.stack(losses).sum()
+        return self.dispatcher.run_training(call, target, loss_fn, loss_weight=loss_weight, scale=scale)
 
     def step(self, optimizer: torch.optim.Optimizer, *, before_step: Callable[[], bool | None] | None = None,
              keep_gradients: bool = False) -> None:
@@ -596,143 +265,19 @@ class RoundPipeEngine:
         on this thread as soon as this returns. With ``keep_gradients=True`` in sync mode,
         :meth:`restore_gradients` afterwards puts the gradients the step applied into ``param.grad``.
         """
-        self._check_running()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        outside, unstepped = self._check_optimizer_params(params)
-        if self.data_parallel is not None and self.data_parallel.sharded:
-            coupled = coupling(optimizer, "on" if self.options.streaming_step == "on" else "auto")
-            if coupled is not None:
-                raise ValueError(f"shard_optimizer=True steps each parameter on the process owning it alone, but "
-                                 f"{coupled}: set shard_optimizer=False")
-        groups = self._step_groups(optimizer, params)
-        window, self._window = self._window, GradWindow(self._abort, self._step + 1)
-        window.close([group.params for group in groups])
-        self._step += 1
-        self._calls_in_step = 0
-        proceed: bool | None = True
-        # the hook must see final gradients in param.grad, on this thread; the gradients of trainable trunk
-        # parameters this optimizer does not step stay in param.grad, which only this thread may write
-        averaging = self.data_parallel is not None and self.data_parallel.world_size > 1
-        gradients_final = before_step is not None or bool(unstepped)
-        self._step_order = ("off" if sum(1 for group in groups if group.layers) < 2
-                            else "forward" if gradients_final else "backward" if averaging else "latest")
-        if averaging and gradients_final:  # what the hook and clipping see is the mean over the processes
-            self._average_gradients(window, groups, [*params, *unstepped])
-        elif gradients_final:
-            self._publish_gradients(window.wait_complete, window)
-        # without a hook the optimizer thread averages each part before stepping it, deepest first
-        on_thread = (self.data_parallel.start(params)
-                     if self.data_parallel is not None and averaging and not gradients_final else None)
-        if before_step is not None:
-            proceed = before_step()
-        finished = self._queue_step(optimizer, params, window, groups, proceed=proceed is not False,
-                                    averaging=on_thread, keep=keep_gradients and not self.options.async_step)
-        if not keep_gradients:
-            for param in params:
-                param.grad = None
-        if outside:  # main-thread code reads those parameters next: wait for the update
-            self._wait(finished)
-        self._last_step_done = finished
+        self._life.check_running()
+        window = self.stepping.step(optimizer, before_step, keep_gradients)
         self._replan(window)
-        if averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
-            assert self.data_parallel is not None
+        if self.data_parallel.averaging and not self.options.freeze_plan:  # every ring runs process 0's plan
             self.planner.adopt(self.data_parallel.agree(self.planner.plan))
         self.timeline.mark_step()  # a bounded timeline keeps the last steps; one branch when recording is off
-
-    def _check_optimizer_params(self, params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """Refuse or warn about an optimizer that steps parameters outside the trunk or misses trunk ones;
-        returns the trainable parameters it steps outside the trunk, and the trainable trunk parameters it
-        does not step."""
-        trunk_ids = {id(p) for p in self.trunk.parameters()} | self._retired_ids()
-        outside = [p for p in params if p.requires_grad and id(p) not in trunk_ids]
-        if outside and self.options.async_step:
-            raise ValueError(
-                f"async_step=True needs every trainable parameter inside the pipelined trunk, but the optimizer "
-                f"has {len(outside)} outside it (main-thread code would read them while the step writes them). "
-                "Set async_step=False or move those parameters into the trunk."
-            )
-        stepped = {id(p) for p in params}
-        unstepped = [p for p in self.trunk.trainable_parameters() if id(p) not in stepped]
-        if unstepped and not self._warned_unstepped:
-            self._warned_unstepped = True
-            warnings.warn(
-                f"{len(unstepped)} trainable trunk parameters are not in the optimizer: their gradients keep "
-                "accumulating in param.grad. Freeze them (requires_grad_(False)) or add them to the optimizer.",
-                stacklevel=3,
-            )
-        return outside, unstepped
-
-    def _step_groups(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[StepGroup]:
-        """How step ``self._step`` of ``optimizer`` is cut (``step_groups.py``): by backward stage, shallowest
-        first, or whole; the optimizer's parameters outside the trunk step first, in a group of their own."""
-        refusal = streaming_refusal(optimizer, self.options.streaming_step)
-        if refusal != self._streaming_said:
-            self._streaming_said = refusal
-            data_parallel = self.data_parallel
-            across = ("" if data_parallel is None or data_parallel.world_size == 1
-                      else f"; each part's gradients averaged over {data_parallel.world_size} processes first"
-                      + (", and each process steps the parameters it owns (sharded)" if data_parallel.sharded else ""))
-            log.info("RoundPipe steps %s %s%s", type(optimizer).__name__,
-                     "by stage, overlapping the backward and the next iteration" if refusal is None
-                     else f"whole after the backward: {refusal}", across)
-        groups = stage_groups(self.trunk, self.planner.plan, whole=refusal is not None)
-        trunk_ids = {id(param) for param in self.trunk.parameters()} | self._retired_ids()
-        outside = [param for param in params if param.requires_grad and id(param) not in trunk_ids]
-        if outside and refusal is not None:
-            groups[0].params += outside  # one step call, as built
-        elif outside:
-            groups.insert(0, StepGroup(range(0), outside, frozenset()))
-        number = self._step + 1  # called before step() counts it
-        for group in groups:
-            group.ready.name = (f"the weights of layers {group.label} "
-                                f"{'published' if self.options.async_step else 'updated'} by optimizer step {number}")
-        return groups
-
-    def _queue_step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], window: GradWindow,
-                    groups: list[StepGroup], *, proceed: bool, averaging: Averaging | None = None,
-                    keep: bool = False) -> HostEvent:
-        """Queue step ``self._step`` on the optimizer thread, cut into ``groups`` (:class:`QueuedStep` says how it
-        runs, and what ``proceed`` and ``averaging`` do), and make each later upload wait for the groups of the
-        layers it uploads; returns the event of the step's end.
-
-        The step's gradients: the tensors in ``param.grad`` now (read here, on the caller's thread, and lent to
-        the step), plus what ``window`` holds once each group's are final (taken on the optimizer thread)."""
-        hyperparameters = snapshot_param_groups(optimizer)  # as they are now
-        # an LR scheduler checks that a step preceded its own
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        number = self._step
-        sources = self._started_part(self._sources)
-        host = self._started_part(self._optimizer)
-        finished = HostEvent(f"optimizer step {number}")
-        lent = {id(param): param.grad for param in params if param.grad is not None}
-        self._lent_now()  # forgets the steps that have ended
-        if lent:
-            self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
-        sharding = self.data_parallel if self.data_parallel is not None and self.data_parallel.sharded else None
-        step = QueuedStep(optimizer, number, params, groups, window, lent=lent, hyperparameters=hyperparameters,
-                          host_kernels=self.options.host_optimizer, sources=sources, host=host,
-                          timeline=self.timeline, trunk=self.trunk, async_step=self.options.async_step,
-                          proceed=proceed, averaging=averaging, sharding=sharding,
-                          on_whole=self._record_step_seconds, on_torn=self._record_torn_step, keep_gradients=keep)
-        self._kept = (step, params, lent) if keep else None
-        host.submit(step.run, finished, f"step {number}")
-        self._upload_waits = upload_waits(groups, len(self.trunk))
-        return finished
-
-    def _record_step_seconds(self, seconds: list[float]) -> None:
-        """On the optimizer thread: per layer, the seconds a step that ran whole spent on its parameters."""
-        self._layer_step_seconds = seconds  # one assignment: the main thread reads it whole
-
-    def _record_torn_step(self, number: int, applied: list[str]) -> None:
-        """On the optimizer thread: step ``number`` stopped part-way, after stepping the groups ``applied``."""
-        self._torn = (number, applied)
 
     def collect_gradients(self) -> None:
         """Wait for every backward dispatched so far and add its gradients into ``param.grad`` now, on this
         thread, rather than letting :meth:`step` hand them to the optimizer thread unseen (for code that reads
         gradients between backward and step, or after the step). Does not wait for a step in flight."""
-        self._check_running()
-        self._publish_gradients(self._window.wait_idle, self._window)
+        self._life.check_running()
+        self.stepping.publish(self.dispatcher.window.wait_idle, self.dispatcher.window)
 
     def restore_gradients(self) -> None:
         """Wait for the last step and, if it was made with ``keep_gradients=True`` in sync mode, put into
@@ -741,84 +286,29 @@ class RoundPipeEngine:
         backward (Lightning's ``_skip_backward``, a manual step without ``manual_backward``) then applies what
         it would apply under plain training: these gradients again, unless they were cleared."""
         self.wait_for_steps()
-        kept, self._kept = self._kept, None
-        if kept is None:
-            return
-        step, params, lent = kept
-        for param in params:
-            grad = step.stepped_with.get(id(param))
-            if grad is not None and (param.grad is None or param.grad is lent.get(id(param))):
-                param.grad = grad
+        self.stepping.restore_gradients()
 
     def wait_for_steps(self) -> None:
-        """Wait until every queued optimizer step has finished (and no longer reads the gradients it was
-        handed)."""
-        self._check_running()
-        if self._last_step_done is not None:
-            self._wait(self._last_step_done)
+        """Wait until every queued optimizer step has finished (and no longer reads the gradients it was lent)."""
+        self._life.check_running()
+        self.stepping.wait_for_steps()
 
     def synchronize(self) -> None:
         """Wait for every dispatched job and queued step; afterwards the module's weights are current."""
-        self._check_running()
-        for event in self._last_done:
-            if event is not None:
-                self._wait(event)
+        self._life.check_running()
+        self.dispatcher.wait_for_jobs()
         self.wait_for_steps()
 
     # ------------------------------------------------------------------ the module's state between calls
     def _follow_module_state(self) -> None:
-        """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds
-        now. Code between calls may give a layer new tensors (Lightning's ``StochasticWeightAveraging`` assigns
-        new BatchNorm statistics; ``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``,
-        ``param.data = ...``, ``module.to(torch.float64)``); without this the pipeline would keep uploading, and
-        copying buffers back into, the tensors collected at setup. One pass of identity checks
-        (:meth:`Trunk.changed_layers`); only when a layer changed does the engine wait and follow it."""
-        changed = self.trunk.changed_layers()
+        """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds now
+        (``follow.py``); only when a layer changed does it wait for every job and step, then follow it."""
+        changed = self.follower.changed_layers()
         if changed:
-            self._follow_layers(changed)
-
-    def _follow_layers(self, changed: list[int]) -> None:
-        """Follow the layers ``changed`` named, once every job dispatched so far and every queued step have
-        finished: so no upload reads the old tensors or their copies meanwhile, and every buffer copy-back of
-        the earlier calls has landed in the tensors it was dispatched with (the tensors the layer held then;
-        a tensor the module has replaced since keeps what the caller assigned, as in plain training, where
-        the earlier calls had finished before the caller's code ran). Then: the layers' states are collected
-        again, the upload copies (low-precision, and async's published copies) of the parameters that are new
-        or have new memory (or dtype) are made again from their current values, so the next upload reads what
-        the module holds now in both modes; the other parameters' copies are kept (async: still the published
-        weights). The layers' device replicas are made again at their next job, deferred
-        BatchNorms found again, gradient sums held for the step cast to changed dtypes, and for CUDA devices
-        the new memory pinned and what was dropped unregistered. Parameters the layers no longer hold stay in
-        the user's optimizer (as in plain training) but no longer count as outside the trunk."""
-        self.synchronize()
-        runner, sources = self._started_part(self._runner), self._started_part(self._sources)
-        before = {id(param): param for param in self.trunk.parameters()}
-        renewed: set[int] = set()
-        for layer in changed:
-            renewed |= self.trunk.recollect(layer)[1]
-        if self.options.deferred_batchnorm:
-            check_batchnorms(self.trunk)
-        runner.follow_layers(changed)
-        sources.follow(self.trunk, changed, renewed)
-        self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
-        after = {id(param) for param in self.trunk.parameters()}
-        for key, param in before.items():
-            if key not in after:
-                self._retired[key] = weakref.ref(param)
-        for key in after:
-            self._retired.pop(key, None)
-        self._window.follow_dtypes()
-        if self._pinning:
-            targets = self._pin_targets(sources)
-            self._pinned.keep_only(targets)
-            if self._pinned.refused is None:  # refused once (and said so): uploads stay pageable
-                self._pinned.pin(targets)
-
-    def _retired_ids(self) -> set[int]:
-        """Ids of the parameters the trunk held until they were replaced, while they live."""
-        for key in [key for key, ref in self._retired.items() if ref() is None]:
-            del self._retired[key]
-        return set(self._retired)
+            self.synchronize()
+            self.follower.follow_layers(changed, self._started_part(self._runner), self._started_part(self._sources),
+                                        self.dispatcher.window)
+            self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
 
     # ------------------------------------------------------------------ planning
     def state_dict(self) -> dict[str, Any]:
@@ -830,10 +320,10 @@ class RoundPipeEngine:
         measurements = self._measurements
         return {
             "version": 1,
-            "step": self._step,
+            "step": self.dispatcher.step,
             "base_seed": self.base_seed,
             "num_devices": self.num_devices,
-            "ring_position": self._next_job % self.num_devices,
+            "ring_position": self.dispatcher.next_job % self.num_devices,
             "planner": self.planner.state_dict(),
             "activation_bytes": measurements.pending_activation_bytes() if measurements is not None else {},
         }
@@ -842,20 +332,20 @@ class RoundPipeEngine:
         """Continue from :meth:`state_dict` (before :meth:`start`): the step count, the base seed unless the
         ``seed`` option sets one, and, on as many devices and with the same ``num_stages``, the ring position,
         the plan and what the planner had learned (otherwise the planner starts afresh)."""
-        if self._started:
+        if self._life.started:
             raise RuntimeError("load_state_dict must come before start(): the step count seeds every call")
         version = state.get("version")
         if version != 1:
             raise ValueError(f"cannot continue from an engine state of version {version!r}; this release writes 1")
-        self._step = int(state["step"])
-        self._window = GradWindow(self._abort, self._step)
         restored: dict[str, Any] = {}
+        ring_position = None
         if state.get("base_seed") is not None:
             restored["base_seed"] = int(state["base_seed"])
         if self.planner.load_state_dict(state["planner"]):
             restored["activation_bytes"] = state.get("activation_bytes", {})
             if state.get("num_devices") == self.num_devices:
-                self._next_job = int(state["ring_position"])
+                ring_position = int(state["ring_position"])
+        self.dispatcher.restore(int(state["step"]), ring_position)
         self._restored = restored
 
     def _replan(self, closed: GradWindow) -> None:
@@ -868,223 +358,8 @@ class RoundPipeEngine:
         estimate_autocast_copies(self.planner, self.trunk, self._started_part(self._sources),
                                  context.autocast_dtype(self.torch_devices[0].type))
 
-    # ------------------------------------------------------------------ dispatch
-    def _round_size(self, plan: Plan, num_microbatches: int) -> int | None:
-        """Microbatches per round of a training call, or None for whole jobs (``EngineOptions.round_size``).
-        ``"auto"``: whole jobs until layer times and the cost of a job are measured (a round costs every stage's
-        fixed cost once more, which the first estimates do not know; under deterministic algorithms nothing is
-        measured, so always), then the dispatch :func:`~lightning_roundpipe.planning.simulate.choose_round_size`
-        predicts fastest for a sync iteration from those costs and the last step's time per layer, in the order
-        its parts ran. Decided again only when the plan, the batch split or the settled state of the
-        measurements changes, so the dispatch (and the order gradients are summed in) does not flap."""
-        option = self.options.round_size
-        if option == "whole" or num_microbatches == 1:
-            return None
-        if option != "auto":
-            return option if option < num_microbatches else None
-        costs = self.planner.estimate
-        if self.options.async_step or self.options.deferred_batchnorm or costs is None:
-            return None
-        key = (plan, num_microbatches, self.planner.settled)
-        if self._rounds_for[0] != key:
-            host_step = self._layer_step_seconds  # None until a step has run whole
-            chosen = choose_round_size(plan, costs, self.num_devices, num_microbatches, host_step=host_step,
-                                       streaming=self._step_order if host_step is not None else "off",
-                                       recompute_ahead=True, job_cost=self.planner.job_cost)
-            self._log_dispatch(chosen)
-            self._rounds_for = (key, chosen)
-        return self._rounds_for[1]
-
-    def _log_dispatch(self, chosen: int | None) -> None:
-        """Say the dispatch ``round_size="auto"`` chose: at INFO once the planner has settled, and again only
-        if a settled choice changes; before that at DEBUG, as provisional (early measurements are noisy, and
-        the choice can go back and forth between whole jobs and rounds until they settle)."""
-        how = "in whole jobs" if chosen is None else f"in rounds of {chosen} microbatches"
-        if not self.planner.settled:
-            log.debug("RoundPipe dispatches each training batch %s for now (provisional: the measured costs "
-                      "have not settled)", how)
-        elif self._dispatch_logged != (chosen,):
-            log.info("RoundPipe dispatches each training batch %s (predicted fastest from the settled measured "
-                     "costs)", how)
-            self._dispatch_logged = (chosen,)
-
     def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
-        size = batch_size(inputs)
-        if size is None:
-            sizes = [1] if self.num_microbatches == 1 else None
-            if sizes is None:
-                raise ValueError(
-                    "no input tensor has a batch dimension (dim 0) to split into microbatches; pass batched "
-                    "tensors or set `num_microbatches=1`"
-                )
-            chunks = [inputs]
-        else:
-            sizes = microbatch_sizes(size, self.num_microbatches)
-            if len(sizes) < self.num_microbatches and not self._warned_short_batch:
-                self._warned_short_batch = True
-                warnings.warn(
-                    f"a batch of {size} samples is smaller than `num_microbatches={self.num_microbatches}`; it "
-                    f"runs as {len(sizes)} microbatches of one sample (this warning is shown once)",
-                    stacklevel=3,
-                )
-            chunks = split(inputs, sizes)
         if checkpoints and not self.planner.activations_observed and not self.options.freeze_plan:
             self._estimate_autocast_copies(context)
-        plan = self.planner.plan
-        layers: set[int] = set()
-        if checkpoints:
-            if self.options.recompute == "layer":
-                layers = set(range(len(self.trunk)))
-            else:
-                layers = {stage.start for stage in plan.backward} | {plan.fused.start}
-        call = Call(
-            step=self._step, index=self._calls_in_step, plan=plan, context=context, sizes=sizes,
-            inputs=[Slot.ready(chunk) for chunk in chunks],
-            input_requires_grad=[leaf.requires_grad for leaf in differentiable_leaves(inputs)],
-            checkpoint_layers=frozenset(layers),
-        )
-        self._calls_in_step += 1
-        return call
+        return self.dispatcher.new_call(inputs, context, checkpoints)
 
-    def _run_forward(self, call: Call) -> list[Any]:
-        jobs = forward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
-        self._next_job += len(jobs)
-        self._dispatch(call, jobs, first_output_grads=None)
-        outputs = []
-        for slot in call.job_outputs(jobs[-1]):
-            self._wait(slot.event)
-            outputs.append(single_argument(slot.value))  # a stage's output slot holds the next layer's input
-        return outputs
-
-    def _run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[Slot]:
-        jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self._next_job)
-        self._next_job += len(jobs)
-        self._dispatch(call, jobs, first_output_grads=output_grads)
-        return call.job_outputs(jobs[-1])
-
-    def _dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
-        for job in jobs:
-            call.outputs[job.index] = {m: Slot(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
-                                       for m in job.microbatches}
-        if first_output_grads is not None:
-            call.first_grads = [Slot.ready(g) for g in first_output_grads]
-        for job in jobs:
-            for microbatch in job.microbatches:
-                call.input_slot(job, microbatch).expect_reader()
-            if job.kind is StageKind.FORWARD and call.checkpoint_layers:
-                self._make_checkpoint_slots(call, job)
-        for job in jobs:
-            differentiates = job.kind is not StageKind.FORWARD
-            writes_buffers = job.kind is not StageKind.BACKWARD
-            buffer_waits, buffer_done = [], {}
-            if writes_buffers:
-                for layer in job.layers:
-                    if self.trunk.states[layer].buffers:
-                        previous = self._buffer_ready.get(layer)
-                        if previous is not None:
-                            buffer_waits.append(previous)
-                        buffer_done[layer] = self._buffer_ready[layer] = HostEvent(
-                            f"the buffers of layer {layer} from stage {job.label} (job {job.index})")
-            upload_done = HostEvent(f"the parameter upload of stage {job.label} (job {job.index})")
-            grad_slots: list[tuple[int, int]] = []
-            ticket = -1
-            if differentiates:
-                # the window sums each parameter's gradients in this order (deepest layer first), whatever
-                # order the jobs finish in: see GradWindow
-                grad_slots = [(layer, position) for layer in reversed(job.layers)
-                              for position, param in enumerate(self.trunk.states[layer].params) if param.requires_grad]
-                ticket = self._window.job_started(upload_done, [self.trunk.states[layer].params[position]
-                                                                for layer, position in grad_slots], job.layers)
-            else:
-                self._window.job_read_only(upload_done, job.layers)
-            weights_ready = tuple({id(event): event for layer in job.layers
-                                   for event in self._upload_waits[layer] if not event.is_set()}.values())
-            task = Task(
-                job=job, call=call, window=self._window, weights_ready=weights_ready,
-                buffer_waits=buffer_waits, buffer_done=buffer_done, upload_done=upload_done,
-                done=HostEvent(f"stage {job.label} (job {job.index})"),
-                needs_grad=differentiates, grad_slots=grad_slots, ticket=ticket,
-            )
-            self._workers[job.device].put(task)
-            self._last_done[job.device] = task.done  # after the put: never wait for a job that was not queued
-
-    def _make_checkpoint_slots(self, call: Call, job: Job) -> None:
-        """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
-        order, because the backward job that reads them may be enqueued first by another worker."""
-        for microbatch in job.microbatches:
-            source = call.input_slot(job, microbatch)
-            for layer in job.layers:
-                if layer in call.checkpoint_layers:
-                    checkpoint = call.checkpoints[(layer, microbatch)] = (
-                        source if layer == job.layers.start
-                        else Slot(f"the checkpoint of layer {layer} microbatch {microbatch}"))
-                    checkpoint.expect_reader()  # the backward stage that recomputes from it
-                if self.trunk.states[layer].buffers:
-                    snapshot = call.snapshots[(layer, microbatch)] = Slot(
-                        f"the buffer snapshot of layer {layer} microbatch {microbatch}")
-                    snapshot.expect_reader()
-
-
-class _PipelineFunction(torch.autograd.Function):
-    """Wires a pipelined forward into autograd; its backward dispatches the backward stages."""
-
-    @staticmethod
-    def forward(ctx, engine: RoundPipeEngine, call: Call, anchor: torch.Tensor, *inputs: torch.Tensor):
-        outputs = engine._run_forward(call)
-        merged = merge(outputs)
-        leaves, spec = pytree.tree_flatten(merged)
-        call.merged = (leaves, spec)  # for RoundPipeEngine.__call__, which rebuilds the whole output
-        per_microbatch = [differentiable_leaves(output) for output in outputs]
-        ctx.engine, ctx.call = engine, call
-        # merge() checked that every microbatch's output has the same structure
-        ctx.split_sizes = [[leaf.shape[0] for leaf in column] for column in zip(*per_microbatch, strict=True)]
-        ctx.num_inputs = len(inputs)
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_floating_point())
-
-    @staticmethod
-    def backward(ctx, *grad_outputs: torch.Tensor):
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(
-                "the pipelined trunk supports only `.backward()`: torch.autograd.grad and backward(inputs=...) "
-                "would need gradients the pipeline adds into the optimizer's window instead. Call "
-                "loss.backward() and read param.grad after engine.step(..., before_step=...)."
-            )
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "double backward (create_graph=True) through the pipelined trunk is not supported: backward "
-                "stages recompute and back-propagate on other threads and devices"
-            )
-        engine, call = ctx.engine, ctx.call
-        per_leaf = [
-            torch.split(grad, sizes) if grad is not None else [None] * len(sizes)
-            for grad, sizes in zip(grad_outputs, ctx.split_sizes, strict=True)
-        ]
-        output_grads = [[column[m] for column in per_leaf] for m in range(call.num_microbatches)]
-        slots = engine._run_backward(call, output_grads)
-        if not any(call.input_requires_grad):
-            return (None, None, None) + (None,) * ctx.num_inputs
-        grads_per_microbatch = []
-        for slot in slots:
-            engine._wait(slot.event)
-            grads_per_microbatch.append(slot.value)
-        input_grads: list[torch.Tensor | None] = []
-        for position in range(ctx.num_inputs):
-            pieces = [g[position] for g in grads_per_microbatch if g is not None and g[position] is not None]
-            if len(pieces) < len(grads_per_microbatch) or not call.input_requires_grad[position]:
-                input_grads.append(None)
-            else:
-                input_grads.append(_whole_batch_grad(pieces, sum(call.sizes)))
-        return (None, None, None) + tuple(input_grads)
-
-
-def _whole_batch_grad(pieces: list[torch.Tensor], samples: int) -> torch.Tensor:
-    """The gradient of one call input from its microbatches' gradients of it.
-
-    The split rule (``microbatch.py``) decides: a tensor with a dim 0 was split into the microbatches,
-    so its gradient is theirs concatenated; any other input (a 0-dim tensor) was replicated whole into
-    every microbatch, and each used it, so its gradient is their sum."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if pieces[0].dim() > 0 and sum(piece.shape[0] for piece in pieces) == samples:
-        return torch.cat(pieces)
-    return torch.stack(pieces).sum(0)

@@ -1,28 +1,30 @@
 """One optimizer step, cut into step groups, run on the optimizer thread.
 
-:meth:`RoundPipeEngine.step` decides on the caller's thread what a step is (its groups, the hyperparameters
-as they are at that call, the gradients lent from ``param.grad``) and queues a :class:`QueuedStep`; the
-optimizer thread (:class:`~lightning_roundpipe.engine.optim.HostOptimizer`) runs it, group by group as their
+:class:`~lightning_roundpipe.engine.stepping.StepQueue` decides on the caller's thread what a step is (its
+groups, the hyperparameters as they are at that call, the gradients lent from ``param.grad``) and queues a
+:class:`QueuedStep`, built from one :class:`StepRequest`; the optimizer thread
+(:class:`~lightning_roundpipe.engine.optim.HostOptimizer`) runs it, group by group as their
 gradients become final (``step_groups.py``), with what data parallel adds to each group: the averaging over
 the processes, and the sharded optimizer's broadcasts of the updated weights. In async mode it also publishes
 each group's weights for the next uploads (``optim.py``).
 
 It lives apart from the engine because it is the part of a step that runs on the optimizer thread: it reads
 nothing of the engine's, only what it was handed when the step was queued, and what the engine learns from it
-(the time each layer's parameters took, a step stopped part-way) goes back through the two callbacks given to
-the constructor.
+(the time each layer's parameters took, a step stopped part-way) goes back through the two callbacks of its
+request.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from lightning_roundpipe.engine.call import PipelineError
 from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataParallel
+from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, step_with_groups
 from lightning_roundpipe.engine.step_groups import StepGroup
@@ -31,6 +33,35 @@ from lightning_roundpipe.observe.trace import Timeline
 
 SENT_AHEAD = 1
 """Data parallel: groups whose gradients may be on their way to be averaged beyond the one stepped next."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What the caller's thread hands a :class:`QueuedStep` (``stepping.py`` builds it; the fields are described
+    there and in :class:`QueuedStep`)."""
+
+    # the step: what it steps, with which gradients and hyperparameters, and how
+    optimizer: torch.optim.Optimizer
+    number: int
+    params: Sequence[nn.Parameter]
+    groups: list[StepGroup]
+    window: GradWindow
+    lent: Mapping[int, torch.Tensor]
+    hyperparameters: list[dict]
+    proceed: bool
+    averaging: Averaging | None
+    keep_gradients: bool
+    # the engine's parts it works with
+    trunk: Trunk
+    sources: UploadSources
+    host: HostOptimizer
+    timeline: Timeline
+    host_kernels: str
+    async_step: bool
+    sharding: DataParallel | None
+    # where what it learns goes (on the optimizer thread)
+    on_whole: Callable[[list[float]], None]
+    on_torn: Callable[[int, list[str]], None]
 
 
 class QueuedStep:
@@ -56,35 +87,31 @@ class QueuedStep:
     it had stepped when it stopped part-way (the pipeline failed, or the optimizer on a later group).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, number: int, params: Sequence[nn.Parameter],
-                 groups: list[StepGroup], window: GradWindow, *, lent: Mapping[int, torch.Tensor],
-                 hyperparameters: list[dict], host_kernels: str, sources: UploadSources, host: HostOptimizer,
-                 timeline: Timeline, trunk: Trunk, async_step: bool, proceed: bool, averaging: Averaging | None,
-                 sharding: DataParallel | None, on_whole: Callable[[list[float]], None],
-                 on_torn: Callable[[int, list[str]], None], keep_gradients: bool = False) -> None:
-        self.optimizer = optimizer
-        self.number = number
-        self.groups = groups
-        self.window = window
-        self.lent = lent
-        self.hyperparameters = hyperparameters
-        self.host_kernels = host_kernels
-        self.sources = sources
-        self.host = host
-        self.timeline = timeline
-        self.async_step = async_step
-        self.proceed = proceed
-        self.averaging = averaging
-        self.on_whole = on_whole
-        self.on_torn = on_torn
+    def __init__(self, request: StepRequest) -> None:
+        self.optimizer = request.optimizer
+        self.number = request.number
+        self.groups = request.groups
+        self.window = request.window
+        self.lent = request.lent
+        self.hyperparameters = request.hyperparameters
+        self.host_kernels = request.host_kernels
+        self.sources = request.sources
+        self.host = request.host
+        self.timeline = request.timeline
+        self.async_step = request.async_step
+        self.proceed = request.proceed
+        self.averaging = request.averaging
+        self.on_whole = request.on_whole
+        self.on_torn = request.on_torn
         # keep_gradients: the gradients each parameter was stepped with, by id, for the caller's thread to put
         # into param.grad once the step is done (RoundPipeEngine.restore_gradients)
-        self.keep_gradients = keep_gradients
+        self.keep_gradients = request.keep_gradients
         self.stepped_with: dict[int, torch.Tensor] = {}
         self._sent_at: dict[int, float] = {}  # averaging: per group sent, when (its timeline event starts there)
         # sharded: the stepped group whose other owners' updates are in flight, and when they were sent
         self._broadcasting: tuple[int, Broadcast, float] | None = None
         # sharded optimizer: this process steps the parameters it owns, then every owner broadcasts its own
+        sharding, params, trunk = request.sharding, request.params, request.trunk
         self.sharding = sharding
         self.owners = sharding.owners(params) if sharding is not None else {}
         self.optimized = {id(param) for param in params}
@@ -92,7 +119,7 @@ class QueuedStep:
         self.num_layers = len(trunk)
         # per group, the elements of its parameters each of its layers holds: how its step time is spread. Counted
         # here, on the caller's thread (the only one that changes the trunk's states), once per step
-        self.layer_sizes = [self._layer_sizes(trunk, group) for group in groups] if proceed else []
+        self.layer_sizes = [self._layer_sizes(trunk, group) for group in self.groups] if self.proceed else []
 
     def run(self) -> None:
         """Step every group, each once its gradients are final (the optimizer thread then sets the step's
@@ -167,11 +194,11 @@ class QueuedStep:
         return True
 
     def _send_final(self, pending: list[int], final: list[int]) -> None:
-        """Averaging: start the all-reduce of pending groups whose gradients are final and whose deeper groups
-        were sent, deepest first (the order every process sends in, whatever the timing), without waiting, so
-        that the next group's communication runs while this thread steps the current one. At most
-        :data:`SENT_AHEAD` groups beyond the one stepped next are in flight: each holds a flat copy of its
-        gradients until received."""
+        """Averaging, the optimizer-thread driver (the caller's-thread one is ``StepQueue.average``): start the
+        all-reduce of pending groups whose gradients are final and whose deeper groups were sent, deepest first
+        (the order every process sends in, whatever the timing), without waiting, so that the next group's
+        communication runs while this thread steps the current one. At most :data:`SENT_AHEAD` groups beyond
+        the one stepped next are in flight: each holds a flat copy of its gradients until received."""
         ready = set(final)
         in_flight = sum(1 for index in pending if index in self._sent_at)
         for index in sorted(pending, reverse=True):
