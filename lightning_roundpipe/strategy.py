@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -420,20 +420,8 @@ class RoundPipeStrategy(RingProcessStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        # Lightning asks every process (before save_checkpoint): a sharded state is gathered whole on process 0
-        self._quiesce()
-        state = super().optimizer_state(optimizer)
-        if self.data_parallel is not None and self.world_size > 1:
-            state = self.data_parallel.gather_optimizer_state(state)
-        return state
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # a checkpoint holds the whole state (any world size wrote it); a sharded process keeps what it owns
-        super().load_optimizer_state_dict(checkpoint)
-        if self.data_parallel is not None and self.world_size > 1:
-            for optimizer in self.optimizers:
-                self.data_parallel.drop_unowned_state(optimizer)
+        self._quiesce()  # Lightning asks every process, before save_checkpoint
+        return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -691,3 +691,18 @@ def test_a_precision_plugin_with_an_optimizer_step_of_its_own_is_called(fused):
     unhalved = Classifier("adamw", fused)
     fit(unhalved, "auto", [])
     assert unhalved.losses != reference.losses  # the plugin's halving changed the training
+
+
+def test_while_the_plugin_runs_the_optimizer_steps_on_the_engine_and_its_own_step_comes_back():
+    """The plugin and the hooks get the optimizer itself, whose ``step`` asks for the engine's step; afterwards
+    the optimizer is as it was: an LR scheduler's wrapper of ``step``, a fused optimizer's claim to unscale a
+    GradScaler's gradients itself (withheld meanwhile, so that the plugin unscales them)."""
+    from lightning_roundpipe.precision import _steps_on_the_engine
+
+    optimizer = torch.optim.Adam(nn.Linear(2, 2).parameters(), fused=True)
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)  # wraps optimizer.step in an instance attribute
+    scheduler_step = optimizer.__dict__["step"]
+    with _steps_on_the_engine(optimizer) as asked:
+        assert optimizer.step(closure=lambda: 3.0) == 3.0 and asked == [True]
+        assert not optimizer._step_supports_amp_scaling
+    assert optimizer.__dict__["step"] is scheduler_step and optimizer._step_supports_amp_scaling
