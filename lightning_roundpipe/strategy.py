@@ -192,23 +192,6 @@ class RoundPipeStrategy(RingProcessStrategy):
 
     # ------------------------------------------------------------------ setup and teardown
     @override
-    def setup_environment(self) -> None:
-        if self._layer_sync is not None:
-            raise ValueError(
-                "Trainer(sync_batchnorm=True) synchronizes BatchNorm statistics across processes inside each forward, "
-                "which RoundPipe's rings do not do: set sync_batchnorm=False (BatchNorm sees each microbatch, as in "
-                "gradient accumulation, on each process's own data; deferred_batchnorm=True updates its running "
-                "statistics from the ring's whole batch)"
-            )
-        unsupported = sorted({device.type for device in self.parallel_devices or []} - {"cpu", "cuda"})
-        if unsupported:
-            raise ValueError(
-                f"RoundPipe drives CUDA GPUs (accelerator='gpu') and simulated CPU devices (accelerator='cpu'), not "
-                f"{unsupported[0]!r} devices"
-            )
-        super().setup_environment()  # this process's ring, and the process group when there are several
-
-    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)

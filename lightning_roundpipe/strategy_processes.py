@@ -1,5 +1,5 @@
-"""The processes of a RoundPipe run: :class:`RingProcessStrategy`, the ``ParallelStrategy`` that
-:class:`~lightning_roundpipe.strategy.RoundPipeStrategy` builds on.
+"""The processes of a RoundPipe run and the devices each drives: :class:`RingProcessStrategy`, the
+``ParallelStrategy`` that :class:`~lightning_roundpipe.strategy.RoundPipeStrategy` builds on.
 
 By default one process (rank 0, world size 1, no launcher, no process group) drives every device of the
 Trainer as one ring. With ``rings_per_node * num_nodes > 1`` the processes train data parallel, one ring
@@ -12,8 +12,9 @@ collectives (``sync_dist`` logging, checkpoint callbacks) run on the default gro
 
 Why a base class of our own, rather than a ``DDPStrategy`` subclass or a helper object the strategy
 delegates to: each was sketched against Lightning 2.6.6 and measured on what left ``strategy.py`` (ranks,
-launcher, collectives, set-up, the initial weights' agreement; the sharded optimizer state's two overrides,
-moved after, are the same in each), in lines of the class bodies and private names of Lightning's used:
+launcher, collectives, set-up, the initial weights' agreement; what moved after, the sharded optimizer state
+and the checks in ``setup_environment``, is the same in each), in lines of the class bodies and private names
+of Lightning's used:
 
 * this base class: 226 lines, 7 private names; the strategy keeps nothing of the plumbing, and each
   Lightning hook is an override where it is written;
@@ -25,15 +26,16 @@ moved after, are the same in each), in lines of the class bodies and private nam
   ``setup_distributed`` inherited). Less code, but wrong for one process, RoundPipe's default: Lightning
   counts every ``DDPStrategy`` as distributed before asking the strategy
   (``AcceleratorConnector.is_distributed``), so a one-process run would get a ``DistributedSampler`` (another
-  data order than Lightning's default strategy with ``shuffle=True``) and lose the batch-size and learning-rate
-  tuners, which refuse distributed runs; and ``DDPStrategy.setup_environment`` sets up the root device (the
+  data order than Lightning's default strategy with ``shuffle=True``) and lose the batch-size finder, which
+  refuses distributed runs; and ``DDPStrategy.setup_environment`` sets up the root device (the
   host, which a CUDA accelerator refuses) and a process group even for one process, so it is overridden whole
   anyway.
 
 Lightning's private APIs that the process plumbing needs are all here, mirroring Lightning 2.6.6's
 ``strategies/ddp.py``: ``_SubprocessScriptLauncher`` and the ``_configure_launcher`` hook that sets
 ``_launcher``, ``_init_dist_connection``, ``_set_num_threads_if_needed``, ``_sync_ddp_if_available``
-(``reduce``) and ``_sync_module_states`` (:meth:`RingProcessStrategy.agree_initial_weights`).
+(``reduce``), ``_sync_module_states`` (:meth:`RingProcessStrategy.agree_initial_weights`), and
+``ParallelStrategy._layer_sync`` (``sync_batchnorm=True``, refused).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ log = logging.getLogger(__name__)
 
 
 class RingProcessStrategy(ParallelStrategy):
-    """A ``ParallelStrategy`` with one process per ring: ranks, launcher, collectives and the process group.
+    """A ``ParallelStrategy`` with one process per ring: ranks, launcher, collectives, the process group, the
+    devices of this process's ring, and a sharded optimizer's state.
 
     The subclass sets ``options`` and ``engine_options`` in its ``__init__``; the host is its root device, so
     ``setup_environment`` sets up this process's first ring device instead.
@@ -215,6 +218,19 @@ class RingProcessStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         # not ParallelStrategy's: the host is the root device, which a CUDA accelerator would refuse to set up; the
         # accelerator sets up this process's first ring device instead (current device, its memory statistics)
+        if self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) synchronizes BatchNorm statistics across processes inside each forward, "
+                "which RoundPipe's rings do not do: set sync_batchnorm=False (BatchNorm sees each microbatch, as in "
+                "gradient accumulation, on each process's own data; deferred_batchnorm=True updates its running "
+                "statistics from the ring's whole batch)"
+            )
+        unsupported = sorted({device.type for device in self.parallel_devices or []} - {"cpu", "cuda"})
+        if unsupported:
+            raise ValueError(
+                f"RoundPipe drives CUDA GPUs (accelerator='gpu') and simulated CPU devices (accelerator='cpu'), not "
+                f"{unsupported[0]!r} devices"
+            )
         self._check_processes()
         self.ring_devices = self._ring_of_this_process()
         assert self.accelerator is not None
