@@ -265,7 +265,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         for patch in self._patches:
             patch.remove()
         self._patches = []
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = _trainer_of(self.lightning_module)
         if trainer is not None:
             metrics.detach(trainer)
 
@@ -278,7 +278,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         try:
             folder = self.options.timeline_dir
             if folder is None:
-                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+                trainer = _trainer_of(self.lightning_module)
                 folder = trainer.default_root_dir if trainer is not None else os.getcwd()
             events = self.engine.events()
             # one file per process when there are several: never two processes to one path
