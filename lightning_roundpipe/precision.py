@@ -93,7 +93,8 @@ def queue_step(plugin: Precision, engine: RoundPipeEngine, optimizer: torch.opti
     """Run ``plugin.optimizer_step`` with the closure's result and queue the engine's step if it steps.
 
     Lightning's own plugins do what they do under Lightning's default strategy: clipping and the hooks, and
-    with a loss scaler the unscale, the inf check (no step on inf or NaN) and the scale's update. Either way
+    with a loss scaler the unscale, the inf check (no step on inf or NaN) and the scale's update; a plugin's
+    own ``optimizer_step`` runs with the final gradients, as Lightning's would run it. Either way
     ``param.grad`` keeps what it holds until ``zero_grad()``, as in plain training (the engine steps its own
     references to those tensors)."""
     def run_plugin() -> bool:

@@ -181,10 +181,13 @@ class FailsOnThirdBatch(Classifier):
 
 def test_an_exception_inside_fit_leaves_no_thread_and_restores_the_module(roundpipe_threads):
     module = FailsOnThirdBatch()
+    strategy = RoundPipeStrategy(num_microbatches=2)
     with pytest.raises(RuntimeError, match="data went bad"):
-        _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+        _fit(module, strategy, devices=2)
     assert roundpipe_threads() == []
     assert "forward" not in module.net.__dict__ and "zero_grad" not in module.__dict__
+    optimizer = strategy.optimizers[0]  # and its LightningOptimizer wrapper: the zero_grad guards are gone too
+    assert "zero_grad" not in optimizer.__dict__ and "zero_grad" not in module.optimizers().__dict__
 
 
 def test_lbfgs_is_refused_with_a_clear_message(roundpipe_threads):
