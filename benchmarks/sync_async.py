@@ -211,7 +211,7 @@ class WithoutSynchronize(RoundPipeStrategy):
         module = model or self.lightning_module
         assert self.engine is not None and module is not None
         result = closure()
-        rp_precision.step(self.precision_plugin, self.engine, optimizer, module, result)
+        rp_precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result)
         return result
 
 

@@ -1,15 +1,22 @@
-"""Lightning's precision plugins around the engine's optimizer step: loss scale, 16-bit inf checks, hooks.
+"""Lightning's precision plugin around the engine's optimizer step.
 
-Lightning runs clipping, ``on_before_optimizer_step`` and a 16-bit ``GradScaler``'s unscale and inf check
-inside its precision plugin's ``optimizer_step``, which RoundPipe cannot call: its step runs on the
-engine's thread, once the pipeline's gradients are final. This module does the same work as the engine's
-``before_step`` hook, on the main thread. It is the one place that uses the private APIs this needs:
-``Precision._after_closure`` (clipping and the hooks) and ``GradScaler._found_inf_per_device``.
+Lightning runs each step through its precision plugin's ``optimizer_step(optimizer, model, closure)``: the
+closure (the training step and its backward), then what reads the final gradients (a 16-bit ``GradScaler``'s
+unscale and inf check, clipping, ``on_before_optimizer_step``), then ``optimizer.step()``. RoundPipe calls the
+plugin's ``optimizer_step`` too, any plugin's (:func:`queue_step`), with two differences that let the engine
+own the step. The plugin runs once the pipeline's gradients are final in ``param.grad``, inside the engine's
+``before_step`` on the main thread: so Lightning's closure has run before (its backward feeds the pipeline),
+and the closure the plugin gets returns its result. And ``optimizer.step()`` asks for the engine's step, which
+the optimizer thread applies afterwards; a plugin that does not call it (the scaler, on inf or NaN gradients)
+skips the update. No private API of Lightning's is used; of torch's, one optimizer attribute
+(``_step_supports_amp_scaling``, see :func:`_steps_on_the_engine`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -51,20 +58,6 @@ def resolve_transport(options: EngineOptions, plugin: Precision) -> EngineOption
     return options
 
 
-def refuse_own_optimizer_step(plugin: Precision) -> None:
-    """A precision plugin whose ``optimizer_step`` is not Lightning's own (``Precision``'s or
-    ``MixedPrecision``'s) is refused: :func:`step` does their work, so another plugin's would be bypassed
-    silently."""
-    own = type(plugin).optimizer_step
-    if own not in (Precision.optimizer_step, MixedPrecision.optimizer_step):
-        raise TypeError(
-            f"the precision plugin {type(plugin).__name__} has an optimizer_step of its own ({own.__qualname__}), "
-            "which RoundPipe cannot call: it steps the optimizer on a thread of its own once the pipeline's "
-            "gradients are final, and runs what Lightning's precision plugins run around a step (clipping, "
-            "on_before_optimizer_step, the 16-bit loss scale's checks) itself. Use a precision of Lightning's "
-            "(Trainer(precision=...)), or move that code to a callback's on_before_optimizer_step")
-
-
 def backward_scale(plugin: Precision, module: LightningModule | None) -> float:
     """What Lightning would multiply a returned loss by before its backward: the 16-bit loss scale, and
     ``1 / accumulate_grad_batches`` in automatic optimization. ``pipeline_loss`` runs the backward inside
@@ -78,8 +71,13 @@ def backward_scale(plugin: Precision, module: LightningModule | None) -> float:
     return scale
 
 
-def needs_final_gradients(model: LightningModule) -> bool:
-    """Whether anything must see this step's gradients before the update (clipping, hooks)."""
+def needs_final_gradients(plugin: Precision, model: LightningModule) -> bool:
+    """Whether the plugin's ``optimizer_step`` may read this step's gradients: a plugin's own
+    ``optimizer_step``, a loss scaler's unscale and inf check, or clipping and the hooks, which Lightning's
+    runs. Otherwise it runs before the engine's step, and the main thread does not wait for the gradients."""
+    own = type(plugin).optimizer_step
+    if own not in (Precision.optimizer_step, MixedPrecision.optimizer_step) or loss_scaler(plugin) is not None:
+        return True
     trainer = model.trainer
     return bool(
         trainer.gradient_clip_val
@@ -90,35 +88,47 @@ def needs_final_gradients(model: LightningModule) -> bool:
     )
 
 
-def step(plugin: Precision, engine: RoundPipeEngine, optimizer: torch.optim.Optimizer, model: LightningModule,
-         closure_result: Any) -> None:
-    """Queue the engine's optimizer step with what ``plugin`` would do around it.
+def queue_step(plugin: Precision, engine: RoundPipeEngine, optimizer: torch.optim.Optimizer,
+               model: LightningModule, closure_result: Any, **kwargs: Any) -> None:
+    """Run ``plugin.optimizer_step`` with the closure's result and queue the engine's step if it steps.
 
-    Without a loss scaler: clipping and the hooks run with the final gradients, and only when something
-    needs them (gathering them on the main thread costs a wait). With one, as Lightning's ``MixedPrecision``
-    does it: unscale the final gradients and check them for inf/NaN, skip the update if any, then let the
-    scaler adjust its scale. Either way ``param.grad`` keeps what it holds until ``zero_grad()``, as in plain
-    training (the engine steps its own references to those tensors)."""
-    scaler = loss_scaler(plugin)
-    if scaler is None:
-        def clip_and_run_hooks() -> None:
-            plugin._after_closure(model, optimizer)
+    Lightning's own plugins do what they do under Lightning's default strategy: clipping and the hooks, and
+    with a loss scaler the unscale, the inf check (no step on inf or NaN) and the scale's update; a plugin's
+    own ``optimizer_step`` runs with the final gradients, as Lightning's would run it. Either way
+    ``param.grad`` keeps what it holds until ``zero_grad()``, as in plain training (the engine steps its own
+    references to those tensors)."""
+    def run_plugin() -> bool:
+        with _steps_on_the_engine(optimizer) as asked:
+            plugin.optimizer_step(optimizer, model=model, closure=lambda: closure_result, **kwargs)
+        return bool(asked)
 
-        engine.step(optimizer, before_step=clip_and_run_hooks if needs_final_gradients(model) else None,
-                    keep_gradients=True)
-        return
-    # automatic optimization skips the step when training_step returned None
-    nothing_to_step = closure_result is None and model.automatic_optimization
+    if needs_final_gradients(plugin, model):
+        engine.step(optimizer, before_step=run_plugin, keep_gradients=True)
+    else:  # Precision.optimizer_step without clipping or hooks: it reads no gradient, and always steps
+        run_plugin()
+        engine.step(optimizer, keep_gradients=True)
 
-    def unscale_and_check() -> bool:
-        if not nothing_to_step:
-            scaler.unscale_(optimizer)
-        plugin._after_closure(model, optimizer)
-        if nothing_to_step:
-            return False
-        found_inf = scaler._found_inf_per_device(optimizer)
-        return not any(value.item() for value in found_inf.values())
 
-    engine.step(optimizer, before_step=unscale_and_check, keep_gradients=True)
-    if not nothing_to_step:
-        scaler.update()
+@contextlib.contextmanager
+def _steps_on_the_engine(optimizer: torch.optim.Optimizer) -> Iterator[list[bool]]:
+    """While the plugin runs, ``optimizer.step(closure=None)`` runs the closure, as torch's optimizers do, and
+    appends to the yielded list instead of updating: the engine's step, queued next, does that. The plugin
+    and the hooks see the optimizer itself, as under Lightning. The optimizer says it does not unscale a
+    GradScaler's gradients in its own step (a fused one would say it does), so that the plugin unscales them:
+    the engine's step takes no scale. A step the optimizer had as an instance attribute (an LR scheduler's
+    wrapper) is put back afterwards."""
+    asked: list[bool] = []
+
+    def step(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+        asked.append(True)
+        return closure() if closure is not None else None
+
+    names = ("step", "_step_supports_amp_scaling")
+    shadowed = {name: optimizer.__dict__[name] for name in names if name in optimizer.__dict__}
+    optimizer.__dict__.update(step=step, _step_supports_amp_scaling=False)
+    try:
+        yield asked
+    finally:
+        for name in names:
+            optimizer.__dict__.pop(name, None)
+        optimizer.__dict__.update(shadowed)

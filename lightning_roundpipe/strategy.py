@@ -4,15 +4,9 @@ The host is the root device: the module, batches and ``self.device`` stay on the
 touches the devices Lightning hands over as ``parallel_devices``. The trunk's ``forward`` is redirected to the
 engine while the strategy is set up.
 
-Processes: by default one (rank 0, world size 1, no launcher, no process group), driving every device of the
-Trainer as one ring. With ``rings_per_node * num_nodes > 1`` the processes train data parallel, one ring each,
-launched and ranked as Lightning's ``DDPStrategy`` does them: Lightning's ``_SubprocessScriptLauncher`` starts
-the node's other processes unless the cluster environment started them (torchrun, SLURM); process ``local_rank``
-drives its share ``devices // rings_per_node`` of the node's ``parallel_devices``; the processes join a gloo
-process group at ``setup_environment`` and the engine averages each step's host gradients across them on a group
-of its own (:mod:`lightning_roundpipe.engine.dataparallel`). Lightning's collectives (``sync_dist`` logging,
-checkpoint callbacks) run on the default group; the data is sharded by Lightning's ``DistributedSampler``; only
-global rank 0 writes checkpoints.
+Processes: one by default, driving every device of the Trainer as one ring; with ``rings_per_node * num_nodes
+> 1`` one per ring, training data parallel, launched and ranked as Lightning's ``DDPStrategy`` does it
+(:mod:`~lightning_roundpipe.strategy_processes`); only global rank 0 writes checkpoints.
 
 Checkpoints: beside Lightning's entries, ``checkpoint["roundpipe"]`` holds the engine's state (the plan in use, the
 step count and base seed that seed the random layers), which ``ckpt_path`` gives back to the next run's engine, so
@@ -20,8 +14,9 @@ that a resumed run continues the saved one exactly.
 
 Optimizer contract: the module's parameters are the master weights, stepped on the engine's optimizer
 thread, which steps its own references to the gradients and never touches ``param.grad``: only the main
-thread reads or assigns it. Anything that must see final gradients (``on_before_optimizer_step``,
-clipping) runs on the main thread before the step is queued, so ``self.log`` works there. Gradients are
+thread reads or assigns it. The precision plugin's ``optimizer_step``, and in it anything that must see final
+gradients (``on_before_optimizer_step``, clipping), runs on the main thread before the step is queued, so
+``self.log`` works there. Gradients are
 where Lightning's default strategy has them, in ``param.grad`` from the backward that made them until
 ``zero_grad``, whenever user code could read them: manual optimization, or a module or callback that
 overrides a hook that sees them (:data:`GRADIENT_HOOKS`). Then the main thread waits for the pipeline's
@@ -39,47 +34,31 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-    _set_num_threads_if_needed,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe import metrics, precision, preflight
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
-from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.engine import RoundPipeEngine
 from lightning_roundpipe.engine.host_step import HostKernels
-from lightning_roundpipe.engine.options import OptionError, Recompute, TransportDtype
-from lightning_roundpipe.engine.pipelined import InstancePatch, PipelinedForward, ZeroGradAfterSteps
+from lightning_roundpipe.engine.options import Recompute, TransportDtype
+from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step_groups import StreamingStep
 from lightning_roundpipe.engine.transport import transport_torch_dtype
-from lightning_roundpipe.hf.causal_lm import CausalLMForward
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
 from lightning_roundpipe.strategy_names import register_near_misses
 from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, ReduceDtype, build_options
-from lightning_roundpipe.traced import TracedForward, TracedTrunk
+from lightning_roundpipe.strategy_processes import RingProcessStrategy
 from lightning_roundpipe.trunk import build_module_trunk
 
 log = logging.getLogger(__name__)
@@ -99,7 +78,7 @@ and spare the wait."""
 _NOT_USER_CODE = ("lightning.", "pytorch_lightning.", "lightning_roundpipe.")
 
 
-class RoundPipeStrategy(ParallelStrategy):
+class RoundPipeStrategy(RingProcessStrategy):
     """Train a LightningModule with RoundPipe: ``Trainer(strategy="roundpipe", accelerator=..., devices=N)``.
 
     Each option is summed up here and documented in full where it is declared, in
@@ -168,164 +147,30 @@ class RoundPipeStrategy(ParallelStrategy):
                  wait_timeout: float = 600.0,
                  accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=None,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
         self.options, self.engine_options = build_options(dict(
             pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, shard_optimizer=shard_optimizer,
-            reduce_dtype=reduce_dtype, log_pipeline_metrics=log_pipeline_metrics,
-            timeline=timeline,
+            reduce_dtype=reduce_dtype, log_pipeline_metrics=log_pipeline_metrics, timeline=timeline,
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
-            freeze_plan=freeze_plan,
-            replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm, seed=seed, jitter=jitter,
-            stress=stress,
-            wait_timeout=wait_timeout))
+            freeze_plan=freeze_plan, replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm,
+            seed=seed, jitter=jitter, stress=stress, wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
         self.timeline_files: list[str] = []  #: what the last teardown wrote
         self._timeline_pending = False
         self.engine: RoundPipeEngine | None = None
         self._patches: list[InstancePatch] = []
         self._fused_backward_done = False
-        self._guarded_zero_grad: list[Any] = []  # optimizers and their LightningOptimizer wrappers
-        self._layer_sync: Any = None  # Lightning sets this for sync_batchnorm=True; refused in setup
-        self.num_nodes = 1            # Lightning sets this from Trainer(num_nodes=...)
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
-        self.ring_devices: list[torch.device] = []  #: this process's ring (set up by setup_environment)
-        #: the processes training together (set up by setup_environment when there are several)
-        self.data_parallel: DataParallel | None = None
 
-    # ------------------------------------------------------------------ processes, ranks, host as root
+    # ------------------------------------------------------------------ the host as root device
     @property
     @override
     def root_device(self) -> torch.device:
         return torch.device("cpu")
-
-    @property
-    def num_processes(self) -> int:
-        """Processes on each node: ``rings_per_node``."""
-        return self.options.rings_per_node
-
-    @property
-    def _several_processes(self) -> bool:
-        """Whether the run is configured for more than one process (``rings_per_node * num_nodes > 1``)."""
-        return self.num_processes * self.num_nodes > 1
-
-    # one process: rank 0 of 1 whatever the environment says, as before there were several
-    @property
-    @override
-    def global_rank(self) -> int:
-        return super().global_rank if self._several_processes else 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return super().local_rank if self._several_processes else 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return super().node_rank if self._several_processes else 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return super().world_size if self._several_processes else 1
-
-    @property
-    def is_distributed(self) -> bool:
-        """Lightning injects its ``DistributedSampler`` and reduces ``sync_dist`` logs when this is true."""
-        return self.world_size > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # one shard per process (ring), not per device as ParallelStrategy's default would have it
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        """``DDPStrategy``'s ranks, one process per ring: global rank ``node_rank * rings_per_node +
-        local_rank`` of ``num_nodes * rings_per_node``. Lightning calls this when it builds the Trainer."""
-        if not self._several_processes or self.cluster_environment is None:
-            return
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # some environments ignore the setters (torchrun's, SLURM's): read the rank back through the getter
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # the decorator keeps the rank
-
-    @override
-    def _configure_launcher(self) -> None:
-        # Lightning calls this after set_world_ranks: the settings are checked here, when the Trainer is built
-        self._check_processes()
-        environment = self.cluster_environment
-        if self._several_processes and environment is not None and not environment.creates_processes_externally:
-            # one process per ring on this node; the launcher checks nothing more for Lightning's own environment
-            self._launcher = _SubprocessScriptLauncher(environment, self.num_processes, self.num_nodes)
-
-    def _check_processes(self) -> None:
-        """Refuse devices the node's rings cannot share, and a world started by someone else (torchrun, SLURM)
-        that is not ``rings_per_node`` processes on each of ``num_nodes`` nodes, in our words: Lightning's own
-        check would name ``devices``, which here counts devices, not processes."""
-        devices, rings = len(self.parallel_devices or [torch.device("cpu")]), self.num_processes
-        if devices % rings:
-            raise OptionError("rings_per_node", f"must divide the Trainer's devices per node: devices={devices} with "
-                                                f"rings_per_node={rings} leaves {devices % rings} device(s) over. "
-                                                f"Each process drives devices // rings_per_node devices: set devices "
-                                                f"to a multiple of {rings}, or rings_per_node to a divisor of "
-                                                f"{devices}")
-        environment = self.cluster_environment
-        if environment is None or not environment.creates_processes_externally:
-            return
-        expected, started = rings * self.num_nodes, environment.world_size()
-        local, node = environment.local_rank(), environment.node_rank()
-        misplaced = self._several_processes and not (0 <= local < rings and 0 <= node < self.num_nodes)
-        if started != expected or misplaced:
-            raise ValueError(
-                f"RoundPipe runs one process per ring, rings_per_node={rings} on each of num_nodes={self.num_nodes} "
-                f"node(s): {expected} in all; but {type(environment).__name__} started {started} "
-                f"(this one: local rank {local} on node {node}). Start rings_per_node processes per node "
-                f"(torchrun --nnodes {self.num_nodes} --nproc-per-node {rings}; SLURM --nodes={self.num_nodes} "
-                f"--ntasks-per-node={rings}), or set the strategy's rings_per_node and Trainer(num_nodes=...) to "
-                f"what was started. Trainer(devices={devices}) stays the number of devices per node, which the "
-                "node's processes share"
-            )
-
-    def _collective(self) -> bool:
-        """Whether Lightning's collectives go to the other processes (else they are the identity, as in one)."""
-        return self.world_size > 1 and _distributed_is_initialized()
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if self._collective():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self._collective():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=torch.distributed.group.WORLD)
-        return holder[0]
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        if not self._collective():
-            return tensor
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        # gloo has no AVG for every dtype: Lightning's helper sums, then divides by the world size
-        if isinstance(tensor, torch.Tensor) and self._collective():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if not self._collective():
-            return decision
-        return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def model_to_device(self) -> None:
@@ -335,7 +180,8 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         # the streaming writer unless the user gave a CheckpointIO (here, or as a Trainer plugin, which
-        # Lightning assigns after __init__); Lightning completes a wrapper such as AsyncCheckpointIO
+        # Lightning assigns after __init__ and refuses beside one given here); Lightning completes a wrapper
+        # such as AsyncCheckpointIO
         if self._checkpoint_io is None:
             self._checkpoint_io = StreamingCheckpointIO()
         return super().checkpoint_io
@@ -346,96 +192,16 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ setup and teardown
     @override
-    def setup_environment(self) -> None:
-        if self._layer_sync is not None:
-            raise ValueError(
-                "Trainer(sync_batchnorm=True) synchronizes BatchNorm statistics across processes inside each forward, "
-                "which RoundPipe's rings do not do: set sync_batchnorm=False (BatchNorm sees each microbatch, as in "
-                "gradient accumulation, on each process's own data; deferred_batchnorm=True updates its running "
-                "statistics from the ring's whole batch)"
-            )
-        devices = self.parallel_devices or [torch.device("cpu")]
-        unsupported = sorted({device.type for device in devices} - {"cpu", "cuda"})
-        if unsupported:
-            raise ValueError(
-                f"RoundPipe drives CUDA GPUs (accelerator='gpu') and simulated CPU devices (accelerator='cpu'), not "
-                f"{unsupported[0]!r} devices"
-            )
-        self._check_processes()
-        if self._several_processes:  # this process's share of the node's devices, then `ring` within it
-            share = len(devices) // self.num_processes
-            mine = devices[self.local_rank * share:(self.local_rank + 1) * share]
-            self.ring_devices = [mine[index] for index in self.options.ring_members(
-                share, whose="each process's share (devices // rings_per_node) of the Trainer's devices:")]
-        else:
-            if self.options.ring is not None:
-                self.parallel_devices = [devices[index] for index in self.options.ring_members(len(devices))]
-            self.ring_devices = list(self.parallel_devices or [torch.device("cpu")])
-        # the host stays the root device; the accelerator sets up the first ring device (current device,
-        # its memory statistics), not the root, which a CUDA accelerator would refuse
-        assert self.accelerator is not None
-        self.accelerator.setup_device(self.ring_devices[0])
-        self.data_parallel = None
-        if self._several_processes:
-            self._setup_distributed()
-
-    def _setup_distributed(self) -> None:
-        """``DDPStrategy``'s set-up on gloo (the gradients are host tensors): ranks, the default process group
-        (Lightning's collectives and the engine's agreements), then a group of its own for the gradients,
-        created in the same order on every process."""
-        reset_seed()
-        self.set_world_ranks()
-        # as Lightning's launcher does in each process it starts (torchrun sets OMP_NUM_THREADS itself)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        seconds = self.engine_options.wait_timeout
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, "gloo", timeout=timedelta(seconds=seconds))
-        if torch.distributed.get_world_size() != self.world_size:
-            raise RuntimeError(
-                f"torch.distributed was already initialized with {torch.distributed.get_world_size()} processes, "
-                f"but RoundPipe runs {self.world_size} (rings_per_node={self.num_processes} x "
-                f"num_nodes={self.num_nodes})"
-            )
-        gradients = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-        # the sharded optimizer's broadcasts come from the optimizer thread while the caller's thread may average
-        # the next step's gradients (async mode): a group of their own
-        weights = (torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-                   if self.options.shard_optimizer else None)
-        reduce_dtype = None if self.options.reduce_dtype == "auto" else getattr(torch, self.options.reduce_dtype)
-        self.data_parallel = DataParallel(self.world_size, self.global_rank, gradients=gradients, timeout=seconds,
-                                          reduce_dtype=reduce_dtype, shard_optimizer=self.options.shard_optimizer,
-                                          weights=weights)
-
-    def _agree_initial_weights(self, module: nn.Module) -> None:
-        """Make every process start from process 0's weights: compare a fingerprint of each parameter and buffer
-        (its sum and norm) across the processes, and broadcast from process 0 only if one differs (a broadcast
-        of a large model costs about as much as a step's gradient averaging)."""
-        mine = _fingerprint(module)
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        differing = sum(1 for theirs in everyone if theirs != everyone[0])
-        if differing:
-            if self.is_global_zero:
-                log.info(f"RoundPipe: the initial weights of {differing} of {self.world_size} processes differ from "
-                         "process 0's; broadcasting process 0's (seed_everything before building the module spares "
-                         "this)")
-            _sync_module_states(module)
-
-    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        precision.refuse_own_optimizer_step(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         assert module is not None
         data_parallel = self.data_parallel if self.world_size > 1 else None
-        if data_parallel is None and (self.options.shard_optimizer or self.options.reduce_dtype != "auto"):
-            log.info("RoundPipe: shard_optimizer and reduce_dtype act between several processes; this run has one "
-                     "(rings_per_node * num_nodes = 1), so they change nothing")
         if data_parallel is not None:  # the checkpoint being resumed, if any, is loaded already: on every process
-            self._agree_initial_weights(module)
-        trunk, driven = build_module_trunk(module, self.options.pipeline)
+            self.agree_initial_weights(module)
+        trunk, driven, forward_patch = build_module_trunk(module, self.options.pipeline)
         devices = self.ring_devices or self.parallel_devices or [torch.device("cpu")]
         fitting = trainer.state.fn == TrainerFn.FITTING
         options, mode = precision.resolve_transport(self.engine_options, self.precision_plugin), self.options.preflight
@@ -459,11 +225,8 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.options.timeline:
             self.engine.timeline.bound(keep_steps=self.options.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
             self._timeline_pending = True
-        forward_patch: type[PipelinedForward] = (
-            TracedForward if isinstance(trunk, TracedTrunk)
-            else PipelinedForward if isinstance(driven, nn.Sequential) else CausalLMForward)
         self._patches = [forward_patch(driven, self.engine, self._backward_scale, self._mark_fused_backward),
-                         ZeroGradAfterSteps(module, self.engine)]
+                         ZeroGradGuard(module, self.engine)]
         for patch in self._patches:
             patch.install()
         self.setup_precision_plugin()  # may replace the optimizers and their LightningOptimizer wrappers
@@ -476,11 +239,13 @@ class RoundPipeStrategy(ParallelStrategy):
         # zero_grad clears param.grad on the main thread, as always; only zeroing in place must first let a
         # step in flight finish (it reads those tensors). Lightning calls it through its LightningOptimizer
         # wrappers, whose class inherits the optimizer's own zero_grad, so both get the guard.
-        optimizers: list[Any] = [*self.optimizers, *self._lightning_optimizers]
-        for optimizer in optimizers:
-            if not isinstance(optimizer.__dict__.get("zero_grad"), _ZeroGradBesideSteps):
-                optimizer.zero_grad = _ZeroGradBesideSteps(optimizer, self)
-                self._guarded_zero_grad.append(optimizer)
+        assert self.engine is not None and self.lightning_module is not None
+        wrappers = self.lightning_module.optimizers()
+        for wrapper in wrappers if isinstance(wrappers, list) else [wrappers]:
+            for owner in (wrapper.optimizer, wrapper):
+                if not isinstance(owner.__dict__.get("zero_grad"), ZeroGradGuard):
+                    self._patches.append(ZeroGradGuard(owner, self.engine, zeroes=wrapper.optimizer))
+                    self._patches[-1].install()
 
     @override
     def on_train_start(self) -> None:
@@ -494,12 +259,9 @@ class RoundPipeStrategy(ParallelStrategy):
         for patch in self._patches:
             patch.remove()
         self._patches = []
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = _trainer_of(self.lightning_module)
         if trainer is not None:
             metrics.detach(trainer)
-        for optimizer in self._guarded_zero_grad:
-            optimizer.__dict__.pop("zero_grad", None)
-        self._guarded_zero_grad.clear()
 
     def _write_timeline(self) -> None:
         """Write the recorded timeline once per engine; a failure is logged, never raised (this runs while
@@ -510,7 +272,7 @@ class RoundPipeStrategy(ParallelStrategy):
         try:
             folder = self.options.timeline_dir
             if folder is None:
-                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+                trainer = _trainer_of(self.lightning_module)
                 folder = trainer.default_root_dir if trainer is not None else os.getcwd()
             events = self.engine.events()
             # one file per process when there are several: never two processes to one path
@@ -543,7 +305,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def _interrupted(self) -> bool:
         """Whether the run is being interrupted: Lightning handles an exception (it calls the callbacks'
         ``on_exception``, e.g. ``OnExceptionCheckpoint``'s save, then the strategy's, then teardown)."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _trainer_of(self.lightning_module)
         return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     # ------------------------------------------------------------------ training
@@ -562,8 +324,8 @@ class RoundPipeStrategy(ParallelStrategy):
             return False
         if not module.automatic_optimization:
             return True
-        trainer = getattr(module, "_trainer", None)
-        callbacks = trainer.callbacks if trainer is not None else []
+        trainer = _trainer_of(module)
+        callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
         return _overrides_gradient_hook(module, pl.LightningModule) or any(
             _overrides_gradient_hook(callback, pl.Callback) for callback in callbacks)
 
@@ -596,8 +358,8 @@ class RoundPipeStrategy(ParallelStrategy):
             )
         module = model or self.lightning_module
         assert self.engine is not None and module is not None
-        result = closure()
-        precision.step(self.precision_plugin, self.engine, optimizer, module, result)
+        result = closure()  # the training step and its backward, which feeds the pipeline's gradients
+        precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result, **kwargs)
         if not self.engine_options.async_step:
             # what Lightning runs next (on_train_batch_end, an epoch's end and start, the next batch's hooks)
             # sees the step done and every buffer copied back, as under its default strategy: a callback may
@@ -635,20 +397,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        # Lightning asks every process (before save_checkpoint): a sharded state is gathered whole on process 0
-        self._quiesce()
-        state = super().optimizer_state(optimizer)
-        if self.data_parallel is not None and self.world_size > 1:
-            state = self.data_parallel.gather_optimizer_state(state)
-        return state
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # a checkpoint holds the whole state (any world size wrote it); a sharded process keeps what it owns
-        super().load_optimizer_state_dict(checkpoint)
-        if self.data_parallel is not None and self.world_size > 1:
-            for optimizer in self.optimizers:
-                self.data_parallel.drop_unowned_state(optimizer)
+        self._quiesce()  # Lightning asks every process, before save_checkpoint
+        return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -683,18 +433,12 @@ class RoundPipeStrategy(ParallelStrategy):
                                        async_step=True)
 
 
-def _fingerprint(module: nn.Module) -> list[tuple[str, float, float]]:
-    """Per parameter and buffer: its name, sum and Euclidean norm in float64 (cheap; equal weights give equal
-    fingerprints on every process, and different ones practically never do)."""
-    prints = []
-    with torch.no_grad():
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            values = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor.detach()
-            if not values.is_floating_point():
-                values = values.to(torch.float64)  # integer and boolean buffers (counters, masks): small
-            prints.append((name, float(values.sum(dtype=torch.float64)),
-                           float(torch.linalg.vector_norm(values, dtype=torch.float64))))
-    return prints
+def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, if any (its ``trainer`` property raises when there is none)."""
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:
+        return None
 
 
 def _overrides_gradient_hook(obj: Any, base: type) -> bool:
@@ -712,22 +456,6 @@ def _overrides_gradient_hook(obj: Any, base: type) -> bool:
                     return True
                 break
     return False
-
-
-class _ZeroGradBesideSteps:
-    """``optimizer.zero_grad`` under the strategy (an instance attribute of the optimizer and of its
-    LightningOptimizer wrapper): the optimizer's own, on the calling thread; zeroing in place
-    (``set_to_none=False``) first waits for the steps in flight, which read those gradient tensors."""
-
-    def __init__(self, optimizer: Any, strategy: RoundPipeStrategy) -> None:
-        self._optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
-        self._strategy = strategy
-
-    def __call__(self, set_to_none: bool = True) -> None:
-        engine = self._strategy.engine
-        if not set_to_none and engine is not None and not engine.closed:
-            engine.wait_for_steps()
-        type(self._optimizer).zero_grad(self._optimizer, set_to_none)
 
 
 def register() -> None:

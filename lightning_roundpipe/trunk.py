@@ -13,19 +13,33 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import NamedTuple
 
 from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk, build_trunk
 from lightning_roundpipe.engine.options import OptionError
+from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.hf.base_model import base_model_name
-from lightning_roundpipe.hf.causal_lm import causal_lm_preset, find_causal_lm
-from lightning_roundpipe.traced import build_traced_trunk, find_block_lists, find_blocks
+from lightning_roundpipe.hf.causal_lm import CausalLMForward, causal_lm_preset, find_causal_lm
+from lightning_roundpipe.traced import TracedForward, build_traced_trunk, find_block_lists, find_blocks
 
 log = logging.getLogger(__name__)
 
 MOSTLY_INSIDE = 0.5
 """Warn when the trunk holds less than this share of the module's parameters."""
+
+
+class TrunkChoice(NamedTuple):
+    """What :func:`build_module_trunk` chose: one place decides the trunk's kind and how its calls reach the
+    engine."""
+
+    trunk: Trunk
+    driven: nn.Module
+    """The module whose ``forward`` the engine takes over while a strategy drives it."""
+    forward_patch: type[PipelinedForward]
+    """That ``forward``: :class:`PipelinedForward` for an ``nn.Sequential``, :class:`CausalLMForward` for a
+    Hugging Face causal LM, :class:`TracedForward` for a recorded forward cut at its blocks."""
 
 
 def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.Module]:
@@ -83,10 +97,10 @@ def find_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[str, nn.
     return name, target
 
 
-def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[Trunk, nn.Module]:
-    """The trunk of ``module`` (see :func:`find_trunk`) and the module whose ``forward`` the engine takes
-    over: the trunk itself, or for a wrapped Hugging Face model (a PEFT model, say) the causal LM inside.
-    Logs the choice; warns when the trunk holds a minority of the parameters."""
+def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> TrunkChoice:
+    """The trunk of ``module`` (see :func:`find_trunk`), the module whose ``forward`` the engine takes over
+    (the trunk itself, or for a wrapped Hugging Face model, a PEFT model say, the causal LM inside) and that
+    forward's patch. Logs the choice; warns when the trunk holds a minority of the parameters."""
     name, target = find_trunk(module, pipeline)
     driven: nn.Module | None = None
     if isinstance(target, nn.Sequential) or find_causal_lm(target) is not None:
@@ -110,9 +124,9 @@ def build_module_trunk(module: nn.Module, pipeline: str | None = None) -> tuple[
             stacklevel=2,
         )
     if driven is not None:
-        return trunk, driven
+        return TrunkChoice(trunk, driven, TracedForward)
     model = find_causal_lm(target)
-    return trunk, target if model is None else model
+    return TrunkChoice(trunk, target, PipelinedForward) if model is None else TrunkChoice(trunk, model, CausalLMForward)
 
 
 def refuse_compiled(name: str, trunk: nn.Module) -> None:

@@ -8,11 +8,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
+from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.metrics import PipelineMetrics
 from lightning_roundpipe.trunk import build_module_trunk
 from tests.models import Classifier, clone
@@ -179,10 +181,13 @@ class FailsOnThirdBatch(Classifier):
 
 def test_an_exception_inside_fit_leaves_no_thread_and_restores_the_module(roundpipe_threads):
     module = FailsOnThirdBatch()
+    strategy = RoundPipeStrategy(num_microbatches=2)
     with pytest.raises(RuntimeError, match="data went bad"):
-        _fit(module, RoundPipeStrategy(num_microbatches=2), devices=2)
+        _fit(module, strategy, devices=2)
     assert roundpipe_threads() == []
     assert "forward" not in module.net.__dict__ and "zero_grad" not in module.__dict__
+    optimizer = strategy.optimizers[0]  # and its LightningOptimizer wrapper: the zero_grad guards are gone too
+    assert "zero_grad" not in optimizer.__dict__ and "zero_grad" not in module.optimizers().__dict__
 
 
 def test_lbfgs_is_refused_with_a_clear_message(roundpipe_threads):
@@ -641,20 +646,66 @@ def test_a_trunk_holding_a_minority_of_the_parameters_is_used_with_a_warning():
 
     module = MostlyOutside()
     with pytest.warns(UserWarning, match=r"RoundPipe pipelines `net`, which holds only 7% of the parameters"):
-        trunk, driven = build_module_trunk(module)
-    assert driven is module.net and trunk.layers == list(module.net)
+        trunk, driven, forward_patch = build_module_trunk(module)
+    assert driven is module.net and trunk.layers == list(module.net) and forward_patch is PipelinedForward
 
 
-def test_a_precision_plugin_with_an_optimizer_step_of_its_own_is_refused_not_bypassed():
-    """Lightning's precision plugins (32-true, bf16-mixed, 16-mixed, ...) keep working (the precision tests
-    above); one that overrides optimizer_step would be bypassed by the engine's step, so it is refused."""
-    from lightning.pytorch.plugins.precision import Precision
+class HalvingPrecision(Precision):
+    """A precision plugin of the user's: its ``optimizer_step`` counts its calls and halves every gradient
+    before Lightning's step."""
 
-    class CountingPrecision(Precision):
-        def optimizer_step(self, optimizer, model, closure, **kwargs):
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
-    with pytest.raises(TypeError, match=r"the precision plugin CountingPrecision has an optimizer_step of its own "
-                                        r"\(.*CountingPrecision.optimizer_step\), which RoundPipe cannot call: .* "
-                                        r"move that code to a callback's on_before_optimizer_step"):
-        _fit(Classifier(), RoundPipeStrategy(), plugins=[CountingPrecision()])
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        self.calls += 1
+
+        def halved():
+            result = closure()
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(0.5)
+            return result
+
+        return super().optimizer_step(optimizer, model, halved, **kwargs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+def test_a_precision_plugin_with_an_optimizer_step_of_its_own_is_called(fused):
+    """The strategy calls the precision plugin's optimizer_step, any plugin's (Lightning's own: the precision
+    tests above), with the final gradients: its effect shows as under Lightning's default strategy, bitwise
+    with one microbatch."""
+    def fit(module, strategy, plugins, devices=1):
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2,
+                             accumulate_grad_batches=2, plugins=plugins, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, _data())
+        return trainer
+
+    reference, reference_plugin = Classifier("adamw", fused), HalvingPrecision()
+    fit(reference, "auto", [reference_plugin])
+    module, plugin = Classifier("adamw", fused), HalvingPrecision()
+    trainer = fit(module, RoundPipeStrategy(num_microbatches=1, num_stages=2), [plugin], devices=2)
+    assert plugin.calls == reference_plugin.calls == trainer.global_step == 6
+    assert module.losses == reference.losses
+    assert_states_equal(module, reference)
+    unhalved = Classifier("adamw", fused)
+    fit(unhalved, "auto", [])
+    assert unhalved.losses != reference.losses  # the plugin's halving changed the training
+
+
+def test_while_the_plugin_runs_the_optimizer_steps_on_the_engine_and_its_own_step_comes_back():
+    """The plugin and the hooks get the optimizer itself, whose ``step`` asks for the engine's step; afterwards
+    the optimizer is as it was: an LR scheduler's wrapper of ``step``, a fused optimizer's claim to unscale a
+    GradScaler's gradients itself (withheld meanwhile, so that the plugin unscales them)."""
+    from lightning_roundpipe.precision import _steps_on_the_engine
+
+    optimizer = torch.optim.Adam(nn.Linear(2, 2).parameters(), fused=True)
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)  # wraps optimizer.step in an instance attribute
+    scheduler_step = optimizer.__dict__["step"]
+    with _steps_on_the_engine(optimizer) as asked:
+        assert optimizer.step(closure=lambda: 3.0) == 3.0 and asked == [True]
+        assert not optimizer._step_supports_amp_scaling
+    assert optimizer.__dict__["step"] is scheduler_step and optimizer._step_supports_amp_scaling

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_roundpipe  # noqa: F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
 from lightning_roundpipe.capture import CaptureError
-from lightning_roundpipe.traced import TracedTrunk
+from lightning_roundpipe.traced import TracedForward, TracedTrunk
 from lightning_roundpipe.trunk import build_module_trunk
 from tests.models import without_dropout
 from tests.numerics import assert_float64_equal, assert_states_float64_equal
@@ -356,11 +356,12 @@ def test_pipeline_naming_an_empty_list_is_refused():
 # ---------------------------------------------------------------------------- discovery
 def test_blocks_are_preferred_to_a_smaller_sequential_and_pipeline_names_them():
     module = GPTModule()  # each block holds an nn.Sequential (its MLP): the block list holds more
-    trunk, driven = build_module_trunk(module)
+    trunk, driven, forward_patch = build_module_trunk(module)
     assert isinstance(trunk, TracedTrunk) and driven is module.model and len(trunk) == 5
-    trunk, driven = build_module_trunk(module, "model.transformer.h")
+    assert forward_patch is TracedForward
+    trunk, driven, _ = build_module_trunk(module, "model.transformer.h")
     assert driven is module.model and len(trunk) == 5
-    trunk, driven = build_module_trunk(module, "model")
+    trunk, driven, _ = build_module_trunk(module, "model")
     assert driven is module.model and len(trunk) == 5
     # the prologue holds the embeddings, the epilogue the final norm and the (tied) head: one parameter, two layers
     prologue, epilogue = (dict(layer.named_parameters()) for layer in (trunk.layers[0], trunk.layers[-1]))
@@ -384,6 +385,6 @@ def test_blocks_of_the_lightning_module_itself_make_it_the_root():
             return x
 
     module = Flat()
-    trunk, driven = build_module_trunk(module)
+    trunk, driven, _ = build_module_trunk(module)
     assert driven is module and len(trunk) == 5
     copy.deepcopy(module)  # the layers are outside the module tree

@@ -1,4 +1,5 @@
-"""Calling a pipelined trunk: the transparent forward, the fused ``pipeline_loss``, and safe ``zero_grad``.
+"""Calling a pipelined trunk: the transparent forward, the fused ``pipeline_loss``, and a safe ``zero_grad`` (of the
+module and of its optimizers).
 
 While a strategy drives a trunk, the trunk's ``forward`` is an instance attribute that calls the
 engine, so the user's ``training_step`` runs unchanged. The engine lives outside the module tree, so
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class InstancePatch:
-    """A callable set as an instance attribute of a module, shadowing one of its methods.
+    """A callable set as an instance attribute of a module (or an optimizer), shadowing one of its methods.
 
     A deep copy of the module (an EMA or SWA callback) gets the class's own method bound to the copy,
     never a second handle on the engine.
@@ -31,7 +32,7 @@ class InstancePatch:
 
     method = ""
 
-    def __init__(self, owner: nn.Module) -> None:
+    def __init__(self, owner: Any) -> None:  # a module, an optimizer: any object with a __dict__
         self._owner = weakref.ref(owner)
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -73,23 +74,26 @@ class PipelinedForward(InstancePatch):
         return self.engine(*args, **kwargs)
 
 
-class ZeroGradAfterSteps(InstancePatch):
-    """``module.zero_grad`` that, before zeroing gradients in place (``set_to_none=False``), lets queued
-    optimizer steps finish: they read the gradient tensors they were handed (Lightning clears gradients
-    before validation, say; setting them to ``None`` needs no wait, as steps never touch ``param.grad``)."""
+class ZeroGradGuard(InstancePatch):
+    """``zero_grad`` of a module or an optimizer (or of a wrapper of one, which zeroes ``zeroes``) while an
+    engine steps its parameters: the class's own, on the calling thread; zeroing in place
+    (``set_to_none=False``) first lets queued optimizer steps finish, as they read the gradient tensors they
+    were handed (Lightning clears gradients before validation, say; setting them to ``None`` needs no wait,
+    as steps never touch ``param.grad``)."""
 
     method = "zero_grad"
 
-    def __init__(self, module: nn.Module, engine: RoundPipeEngine) -> None:
-        super().__init__(module)
+    def __init__(self, owner: Any, engine: RoundPipeEngine, *, zeroes: Any = None) -> None:
+        super().__init__(owner)
         self.engine = engine
+        self._zeroes = zeroes
 
     def __call__(self, set_to_none: bool = True) -> None:
-        module = self._owner()
         if not set_to_none and not self.engine.closed:
             self.engine.wait_for_steps()
-        if module is not None:
-            type(module).zero_grad(module, set_to_none)
+        target = self._zeroes if self._zeroes is not None else self._owner()
+        if target is not None:
+            type(target).zero_grad(target, set_to_none)
 
 
 def pipeline_loss(trunk: nn.Module, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
