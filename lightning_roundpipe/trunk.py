@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from lightning_roundpipe.engine.layers import Trunk, build_trunk
+from lightning_roundpipe.engine.layers import Trunk, build_trunk, parameter_count
 from lightning_roundpipe.engine.options import OptionError
 from lightning_roundpipe.engine.pipelined import PipelinedForward
 from lightning_roundpipe.hf.base_model import base_model_name
@@ -139,7 +139,3 @@ def refuse_compiled(name: str, trunk: nn.Module) -> None:
             f"the trunk `{name}` is (or contains) a torch.compile'd module, which RoundPipe does not support: it "
             "runs every layer on per-device copies of it. Pass the trunk uncompiled."
         )
-
-
-def parameter_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
