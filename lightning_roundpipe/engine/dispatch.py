@@ -5,7 +5,7 @@ j mod N, the counter continuing across calls and iterations), the gradient windo
 optimizer step add into, the events the next jobs wait on (each layer's buffers back on the host, each layer's
 weights updated by the last queued step), and the round size of a training call. It hands jobs over and waits
 for their host slots; it knows nothing of autograd (``autograd.py``) or of the optimizer step
-(``stepping.py``).
+(``step/caller.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, Slot
 from lightning_roundpipe.engine.device import AbortSignal, HostEvent
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, microbatch_sizes, split
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import Task
+from lightning_roundpipe.engine.step.thread import GradWindow
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.planning.partition import Plan, Planner

@@ -1,10 +1,10 @@
 """One optimizer step, cut into step groups, run on the optimizer thread.
 
-:class:`~lightning_roundpipe.engine.stepping.StepQueue` decides on the caller's thread what a step is (its
+:class:`~lightning_roundpipe.engine.step.caller.StepQueue` decides on the caller's thread what a step is (its
 groups, the hyperparameters as they are at that call, the gradients lent from ``param.grad``) and queues a
 :class:`QueuedStep`, built from one :class:`StepRequest`; the optimizer thread
-(:class:`~lightning_roundpipe.engine.optim.HostOptimizer`) runs it, group by group as their
-gradients become final (``step_groups.py``), with what data parallel adds to each group: the averaging over
+(:class:`~lightning_roundpipe.engine.step.thread.HostOptimizer`) runs it, group by group as their
+gradients become final (``groups.py``), with what data parallel adds to each group: the averaging over
 the processes, and the sharded optimizer's broadcasts of the updated weights. In async mode it also publishes
 each group's weights for the next uploads (``optim.py``).
 
@@ -26,8 +26,8 @@ from torch import nn
 from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataParallel
 from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, step_with_groups
-from lightning_roundpipe.engine.step_groups import StepGroup
+from lightning_roundpipe.engine.step.groups import StepGroup
+from lightning_roundpipe.engine.step.thread import GradWindow, HostOptimizer, step_with_groups
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 
@@ -37,7 +37,7 @@ SENT_AHEAD = 1
 
 @dataclass(frozen=True)
 class StepRequest:
-    """What the caller's thread hands a :class:`QueuedStep` (``stepping.py`` builds it; the fields are described
+    """What the caller's thread hands a :class:`QueuedStep` (``caller.py`` builds it; the fields are described
     there and in :class:`QueuedStep`)."""
 
     # the step: what it steps, with which gradients and hyperparameters, and how

@@ -6,7 +6,7 @@ never read them while a step may be writing:
 * ``sync``: every upload after a step waits for that step to have updated the parameters it uploads, so
   results are exactly those of plain training (with ``host_optimizer="fused"``, up to the fused kernels'
   float rounding). The step itself runs off the main thread, cut by stage where the optimizer allows
-  (``step_groups.py``): each part as soon as its gradients are final, so most of it overlaps the backward.
+  (``groups.py``): each part as soon as its gradients are final, so most of it overlaps the backward.
 * ``async`` (the paper's schedule): devices read a *published* copy of the weights
   (``transport.UploadSources``, which also holds the low-precision copies devices read under mixed
   precision). Step k first publishes the masters (which hold W(k-1)) once every upload of iteration k
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, EngineAborted, HostEvent
-from lightning_roundpipe.engine.host_step import use_fused
+from lightning_roundpipe.engine.step.kernels import use_fused
 from lightning_roundpipe.observe.trace import Timeline
 
 
@@ -294,7 +294,7 @@ def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
     class's ``step`` is called directly because an LR scheduler replaces the instance's ``step`` with a
     wrapper bound to the original. ``host_kernels`` (the engine's ``host_optimizer``; ``None``: as built):
     the groups it steps with torch's fused CPU kernel get ``fused=True``, in these copies only
-    (:func:`~lightning_roundpipe.engine.host_step.use_fused`).
+    (:func:`~lightning_roundpipe.engine.step.kernels.use_fused`).
     """
     owners: dict[int, nn.Parameter] = {}
     stand_ins: dict[int, torch.Tensor] = {}
