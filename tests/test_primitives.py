@@ -15,7 +15,7 @@ from lightning_roundpipe.engine import replica
 from lightning_roundpipe.engine.call import Slot
 from lightning_roundpipe.engine.device import AbortSignal, DeviceCounters, EngineAborted, HostEvent, Stream
 from lightning_roundpipe.engine.layers import Trunk, as_layer_input, single_argument
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes, tree_nbytes
 
 WAIT = 10.0  # seconds: only a broken primitive ever waits this long

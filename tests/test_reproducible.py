@@ -34,7 +34,7 @@ import lightning_roundpipe  # noqa: F401 - registers the strategy names (editabl
 from lightning_roundpipe import EngineOptions, Plan, RoundPipeEngine, RoundPipeStrategy, pipeline_loss, token_count
 from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.recompute import seeded
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.planning.partition import Planner, costs_from_bytes
 from lightning_roundpipe.strategy import CHECKPOINT_KEY
 from tests.models import gpt_batch, gpt_loss, tiny_gpt

@@ -13,7 +13,7 @@ import torch
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
 from lightning_roundpipe.engine import device as device_module
 from lightning_roundpipe.engine.device import Stream, poison
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from tests.models import (
     async_reference,
     bn_model,

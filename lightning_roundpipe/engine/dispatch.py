@@ -24,7 +24,7 @@ from lightning_roundpipe.engine.layers import LayerInput, Trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import Task
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.planning.partition import Plan, Planner

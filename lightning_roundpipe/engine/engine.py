@@ -33,7 +33,7 @@ from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
 from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.step.caller import StepQueue
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources, layer_sizes, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import Plan

@@ -24,7 +24,7 @@ from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.device import Device
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.stage import StageCopy, Task
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 from lightning_roundpipe.planning.partition import LayerCost, Planner, autocast_copy_bytes

@@ -20,7 +20,7 @@ from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.pinned import PinnedStorages
 from lightning_roundpipe.engine.stage import StageRunner
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 
 

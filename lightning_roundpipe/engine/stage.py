@@ -28,7 +28,7 @@ from lightning_roundpipe.engine.call import Call, PipelineError
 from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, as_layer_input, single_argument
 from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
-from lightning_roundpipe.engine.step.thread import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.timing import Span
 from lightning_roundpipe.engine.transfer import (
     clone_tree,

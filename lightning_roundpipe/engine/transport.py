@@ -14,7 +14,7 @@ than one per upload, and devices read it:
   wait for the step's weights run (2 bytes per parameter on the host, for bfloat16 and float16). A
   master written outside a step (a callback swapping in averaged weights, ``load_state_dict``) is seen by
   its version counter and cast again at its next upload, so sync mode stays exact;
-* async mode: the copy *is* the published copy of ``optim.py`` (refreshed at publish), so one copy
+* async mode: the copy *is* the async step's published copy (``step/__init__.py``, refreshed at publish), so one copy
   serves both jobs and costs nothing extra; the other trainable weights keep a published copy in their
   own dtype.
 
@@ -138,7 +138,7 @@ def upload_copy_bytes(trunk: Trunk, *, async_step: bool, transport: torch.dtype 
 class UploadSources:
     """The host tensors devices upload each trunk parameter from.
 
-    ``async_step``: trainable weights are read from a published copy (see ``optim.py``), never from the
+    ``async_step``: trainable weights are read from a published copy (see ``step/__init__.py``), never from the
     masters the optimizer writes. ``transport``: the low-precision dtype of autocast-only weights (see the
     module docstring), or None to upload every weight as stored.
     """

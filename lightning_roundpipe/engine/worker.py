@@ -27,7 +27,7 @@ microbatches::
     its memory. The worker enqueues job k+1's upload before job k's compute (prefetch), so the upload
     overlaps job k's compute once job k-1 is released.
 [2] The weights of the last optimizer step queued before the job: sync mode waits until the step has
-    written them, async mode until it has published its copy (see ``optim.py``), each only for the
+    written them, async mode until it has published its copy (see ``step/__init__.py``), each only for the
     parameters this stage uploads (the step runs stage by stage: ``step/groups.py``). A host wait,
     timed: it is the part of the step the pipeline does not hide.
 [3] A job that writes buffers (forward, fused) uploads them once the previous job writing the same

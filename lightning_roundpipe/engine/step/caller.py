@@ -27,7 +27,8 @@ from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.step.groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.step.queued import QueuedStep, StepRequest
-from lightning_roundpipe.engine.step.thread import GradWindow, HostOptimizer, snapshot_param_groups
+from lightning_roundpipe.engine.step.thread import HostOptimizer, snapshot_param_groups
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 

@@ -6,7 +6,7 @@ groups, the hyperparameters as they are at that call, the gradients lent from ``
 (:class:`~lightning_roundpipe.engine.step.thread.HostOptimizer`) runs it, group by group as their
 gradients become final (``groups.py``), with what data parallel adds to each group: the averaging over
 the processes, and the sharded optimizer's broadcasts of the updated weights. In async mode it also publishes
-each group's weights for the next uploads (``optim.py``).
+each group's weights for the next uploads (``__init__.py`` says when).
 
 It lives apart from the engine because it is the part of a step that runs on the optimizer thread: it reads
 nothing of the engine's, only what it was handed when the step was queued, and what the engine learns from it
@@ -27,7 +27,8 @@ from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataPa
 from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.step.groups import StepGroup
-from lightning_roundpipe.engine.step.thread import GradWindow, HostOptimizer, step_with_groups
+from lightning_roundpipe.engine.step.thread import HostOptimizer, step_with_groups
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 

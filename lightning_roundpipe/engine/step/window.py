@@ -1,0 +1,247 @@
+"""The gradient window: one optimizer step's gradients, summed on the host in a fixed order.
+
+Gradients from the devices accumulate in a :class:`GradWindow` (one per optimizer step), never in
+``param.grad`` directly, so the next iteration's gradients cannot mix into a step in flight. They become
+final per parameter: once the window is closed (the step was queued) and every job that had a slot for
+it delivered (:meth:`GradWindow.final_groups`, per group of parameters).
+
+Only the thread that calls the engine (the main thread) ever reads or assigns ``param.grad``
+(:meth:`GradWindow.publish`). The optimizer thread steps stand-ins of the parameters
+(:func:`~.thread.step_with_groups`) that share their storage and carry the step's gradients as their own
+``.grad``: the references the caller's thread handed over when it queued the step, plus what the window still
+held. torch can crash when one thread reads a tensor's ``.grad`` while another assigns it; with a single
+thread touching the attribute that cannot happen, and the caller may clear or replace ``param.grad`` while a
+step is in flight (but not change a gradient it handed over in place: the step reads it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Container, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.engine.device import AbortSignal, HostEvent
+
+
+class GradWindow:
+    """Gradients of one optimizer step, summed on the host in a fixed order.
+
+    Why not in the order jobs finish: float addition is not associative, and a parameter may get several
+    contributions in a step (a tied weight read by layers of two stages; every call of a step under gradient
+    accumulation), from jobs on different devices whose finishing order depends on timing. Summed as they
+    arrive, two identical runs would then differ in the last bits. So every contribution has a *slot*, made
+    when its job is dispatched (on the main thread, in a deterministic order): the job's place in dispatch
+    order, then within the job its layers deepest first. Backward jobs are dispatched deep to shallow, so that
+    order is also the same whichever stage holds a layer. Each parameter's contributions are summed in slot
+    order; one that arrives before an earlier slot of its parameter is resolved is held until it is (a copy,
+    bounded by the jobs in flight), and a job that computed no gradient for a slot resolves it empty.
+    """
+
+    def __init__(self, abort: AbortSignal, number: int = 0) -> None:
+        self._abort = abort
+        self.number = number  #: the optimizer step this window accumulates (measurements are filed by it)
+        self._lock = threading.Lock()
+        self._grads: dict[int, torch.Tensor] = {}
+        self._params: dict[int, nn.Parameter] = {}
+        self._order: dict[int, deque[tuple[int, int]]] = {}  # per parameter, its unresolved slots in order
+        self._slots: dict[int, list[nn.Parameter]] = {}      # per ticket (job), its slots' parameters
+        self._held: dict[tuple[int, int], torch.Tensor | None] = {}  # resolved out of order, not yet summed
+        self._tickets = 0
+        self._outstanding = 0
+        self._closed = False
+        self._complete = threading.Event()
+        self._idle = threading.Event()  # no job in flight (the window may still get more)
+        self._idle.set()
+        # the uploads of each layer's parameters; under ``None`` those of jobs that read no layer
+        self._uploads_by_layer: dict[int | None, list[HostEvent]] = {}
+        # set by close(groups): per parameter id its group, per group the parameters still open, and per group
+        # an event set once none is (its gradients are final)
+        self._group_of: dict[int, int] = {}
+        self._open: list[int] = []
+        self._final: list[threading.Event] = []
+        self._progress = threading.Event()  # a group's gradients became final, or an upload finished
+
+    def job_started(self, upload_done: HostEvent | None, params: Sequence[nn.Parameter] = (),
+                    layers: Iterable[int] = ()) -> int:
+        """A job that adds gradients; ``params`` are its slots in summation order (a parameter read by two of
+        its layers is listed twice), ``layers`` the layers it uploads. Returns the job's ticket for
+        :meth:`deliver`."""
+        with self._lock:
+            self._outstanding += 1
+            self._idle.clear()
+            if upload_done is not None:
+                self._add_upload(upload_done, layers)
+            ticket, self._tickets = self._tickets, self._tickets + 1
+            if params:
+                self._slots[ticket] = list(params)
+                for position, param in enumerate(params):
+                    self._order.setdefault(id(param), deque()).append((ticket, position))
+        return ticket
+
+    def job_read_only(self, upload_done: HostEvent, layers: Iterable[int] = ()) -> None:
+        """A job that produces no gradient but reads the weights of ``layers`` (a forward stage)."""
+        with self._lock:
+            self._add_upload(upload_done, layers)
+
+    def _add_upload(self, upload_done: HostEvent, layers: Iterable[int]) -> None:
+        keys: Iterable[int | None] = tuple(layers) or (None,)  # an upload of no layer is still waited for
+        for key in keys:
+            self._uploads_by_layer.setdefault(key, []).append(upload_done)
+
+    def deliver(self, ticket: int, grads: Sequence[torch.Tensor | None], *, borrowed: bool = False) -> None:
+        """The gradients of job ``ticket``, one per slot given to :meth:`job_started` (``None``: none), computed
+        on a device and already copied to the host. Each is summed in the parameter's dtype (a low-precision
+        gradient in the master's precision) once the slots before it are. ``borrowed``: the tensors are a
+        staging buffer the caller reuses, so the window keeps copies, never the tensors themselves."""
+        with self._lock:
+            params = self._slots.pop(ticket, [])
+            if len(params) != len(grads):
+                raise RuntimeError(f"job ticket {ticket} delivered {len(grads)} gradients for {len(params)} slots")
+            for position, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                key, order = id(param), self._order[id(param)]
+                if order[0] != (ticket, position):  # an earlier slot is still open: hold this one
+                    self._held[(ticket, position)] = None if grad is None else self._own(param, grad, borrowed)
+                    continue
+                order.popleft()
+                if grad is not None:
+                    self._sum(key, param, grad, borrowed)
+                while order and order[0] in self._held:
+                    held = self._held.pop(order.popleft())
+                    if held is not None:
+                        self._sum(key, param, held, borrowed=False)
+                if not order and self._closed:
+                    self._resolved(key)
+
+    def _resolved(self, key: int) -> None:
+        """The parameter ``key`` has no open slot in a closed window: its gradient is final."""
+        group = self._group_of.pop(key, None)
+        if group is not None:
+            self._open[group] -= 1
+            if self._open[group] == 0:
+                self._final[group].set()
+                self._progress.set()
+
+    @staticmethod
+    def _own(param: nn.Parameter, grad: torch.Tensor, borrowed: bool) -> torch.Tensor:
+        return grad.to(param.dtype, copy=True) if borrowed or grad.dtype != param.dtype else grad
+
+    def _sum(self, key: int, param: nn.Parameter, grad: torch.Tensor, borrowed: bool) -> None:
+        existing = self._grads.get(key)
+        if existing is None:
+            self._grads[key] = self._own(param, grad, borrowed)
+            self._params[key] = param
+        else:
+            existing.add_(grad)
+
+    def job_finished(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.set()
+                if self._closed:
+                    self._complete.set()
+
+    def follow_dtypes(self) -> None:
+        """Cast the sums held so far to their parameters' dtypes again, after a parameter's dtype changed
+        between calls (``module.to(torch.float64)`` in a callback, mid-accumulation): plain training's
+        ``module.to`` casts ``param.grad`` too. Call it while no job of the window is in flight."""
+        with self._lock:
+            for key, grad in self._grads.items():
+                dtype = self._params[key].dtype
+                if grad.dtype != dtype:
+                    self._grads[key] = grad.to(dtype)
+
+    def close(self, groups: Sequence[Sequence[nn.Parameter]] = ()) -> None:
+        """No job adds to the window any more. ``groups``: parameters stepped together, each with an event set
+        once all of its gradients are final (:meth:`wait_final`), which for a parameter with no job in flight
+        is now."""
+        with self._lock:
+            self._closed = True
+            self._final = [threading.Event() for _ in groups]
+            self._open = [0] * len(groups)
+            for index, params in enumerate(groups):
+                for param in params:
+                    self._group_of[id(param)] = index
+                    self._open[index] += 1
+            for key in list(self._group_of):
+                if not self._order.get(key):
+                    self._resolved(key)
+            for index, event in enumerate(self._final):
+                if self._open[index] == 0:
+                    event.set()
+            if self._outstanding == 0:
+                self._complete.set()
+
+    def wait_final(self, group: int) -> None:
+        """Until the gradients of ``group`` (an index into :meth:`close`'s groups) are final."""
+        self._abort.wait(self._final[group], f"the gradients of part {group} of the step")
+
+    def final_groups(self, groups: Sequence[int]) -> list[int]:
+        """Those of ``groups`` (indices into :meth:`close`'s groups) whose gradients are final, now."""
+        with self._lock:
+            return [group for group in groups if self._final[group].is_set()]
+
+    def forget_progress(self) -> None:
+        """Start watching for progress: :meth:`wait_progress` returns at the next one (or at once if one came
+        since this call)."""
+        self._progress.clear()
+
+    def wait_progress(self) -> None:
+        """Until a group's gradients became final or an upload of the window's jobs finished, since
+        :meth:`forget_progress`."""
+        self._abort.wait(self._progress, f"the gradients of optimizer step {self.number}")
+
+    def upload_finished(self) -> None:
+        """An upload of one of the window's jobs is done (the async step may publish what it read)."""
+        self._progress.set()
+
+    def uploads_done(self, layers: Iterable[int]) -> bool:
+        """Whether every upload of ``layers`` by the window's jobs so far is done."""
+        with self._lock:
+            return all(event.is_set() for layer in layers for event in self._uploads_by_layer.get(layer, ()))
+
+    def wait_complete(self) -> None:
+        self._abort.wait(self._complete, "the gradients of the iteration")
+
+    def wait_idle(self) -> None:
+        self._abort.wait(self._idle, "the gradients dispatched so far")
+
+    def wait_uploads(self, layers: Iterable[int] | None = None) -> None:
+        """Until every upload of the window's jobs (of those reading ``layers``; ``None``: all) is done."""
+        with self._lock:
+            if layers is None:  # each upload once, though it is filed under every layer it reads
+                events = list({id(event): event for uploads in self._uploads_by_layer.values()
+                               for event in uploads}.values())
+            else:
+                events = [event for layer in layers for event in self._uploads_by_layer.get(layer, ())]
+        for event in events:
+            event.wait(self._abort)
+
+    def take(self, params: Iterable[nn.Parameter] | None = None) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
+        """The summed gradients by parameter id, as ``(parameter, gradient)``, of ``params`` (``None``: all),
+        leaving them out of the window. Call it once their jobs are done (:meth:`wait_complete`,
+        :meth:`wait_idle` or :meth:`wait_final`)."""
+        with self._lock:
+            keys = list(self._grads) if params is None else [id(param) for param in params if id(param) in self._grads]
+            taken = {key: (self._params.pop(key), self._grads.pop(key)) for key in keys}
+        return taken
+
+    def publish(self, lent: Container[int] = (), params: Iterable[nn.Parameter] | None = None) -> None:
+        """Move the summed gradients (of ``params``; ``None``: all) into ``param.grad`` (adding to what is
+        there), on the calling thread, which must be the only one that touches ``param.grad`` (the engine's
+        caller).
+
+        First wait for their jobs (:meth:`wait_complete`, :meth:`wait_idle` or :meth:`wait_final`). ``lent``:
+        ids of gradient tensors a step in flight still reads; a ``param.grad`` among them is replaced by the
+        sum, never added to in place."""
+        for param, grad in self.take(params).values():
+            existing = param.grad
+            if existing is None:
+                param.grad = grad
+            elif id(existing) in lent:
+                param.grad = existing + grad
+            else:
+                existing.add_(grad)
