@@ -59,10 +59,10 @@ def autocast_only_weights(trunk: Trunk, dtype: torch.dtype) -> list[set[int]]:
 def layer_autocast_only_weights(layer: nn.Module, state: LayerState, dtype: torch.dtype) -> set[int]:
     """:func:`autocast_only_weights` of one layer. Autocast casts float32 tensors only (a float64 weight, of a
     module made float64 mid-training say, stays float64 under autocast), so only float32 weights qualify."""
-    return {id(param) for param, slots in zip(state.params, state.param_slots, strict=True)
+    return {id(param) for param, paths in zip(state.params, state.param_paths, strict=True)
             if param.dtype == torch.float32 and param.element_size() > dtype.itemsize and all(
-                slot.name in ("weight", "bias")
-                and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS for slot in slots)}
+                where.name in ("weight", "bias")
+                and type(layer.get_submodule(where.module_path)).forward in _AUTOCAST_FORWARDS for where in paths)}
 
 
 def layer_device_bytes(state: LayerState, low_precision: set[int], transport: torch.dtype | None) -> tuple[int, int]:
