@@ -94,7 +94,7 @@ class StageOperations:
         self.runner.upload_stage(self.device, task, stage_copy)
         task.upload_done.set()
         task.window.upload_finished()  # an async step may now publish what this upload read
-        self._timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
+        self._timeline.add("upload_params", task.job.label, start, device=self.device.index, job=task.job.index)
 
     # ------------------------------------------------------------------ activation stream
     def input_cells(self, task: Task, microbatch: int) -> InputCells:
@@ -127,7 +127,7 @@ class StageOperations:
         inputs.nbytes = tree_nbytes([layer_input, checkpoints, snapshots, target])
         device.residency.allocate(inputs.nbytes, f"the inputs of {job.label} microbatch {microbatch}")
         device.counters.uploaded_activation_bytes += inputs.nbytes
-        self._timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
+        self._timeline.add("upload_acts", job.label, start, device=device.index, job=job.index, microbatch=microbatch)
         return inputs
 
     # ------------------------------------------------------------------ compute stream
@@ -208,7 +208,7 @@ class StageOperations:
         # downloaded: the device outputs are released (the stage's copy is released later)
         device.stress_mode.poison_released(
             [outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss], stage_copy.tensors())
-        self._timeline.add(device.index, job.index, job.label, microbatch, "download", start)
+        self._timeline.add("download", job.label, start, device=device.index, job=job.index, microbatch=microbatch)
 
     def finish(self, task: Task, stage_copy: StageCopy) -> None:
         """[8]: gradients into the window, buffers to the host, measurements resolved, memory released."""
@@ -237,7 +237,7 @@ class StageOperations:
         stage_copy.buffers.clear()
         if task.needs_grad:
             task.window.job_finished()
-        self._timeline.add(device.index, job.index, job.label, -1, "release", start)
+        self._timeline.add("release", job.label, start, device=device.index, job=job.index)
 
     def _download_gradients(self, task: Task, stage_copy: StageCopy) -> None:
         """The job's gradients into the step's window: every copy enqueued at once (into the reused staging

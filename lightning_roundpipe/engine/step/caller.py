@@ -230,7 +230,7 @@ class StepQueue:
             window.wait_complete()
         window.publish(lent)  # trainable trunk parameters the optimizer does not step
         averaging.finish()
-        timeline.add(-1, -1, f"average step {self.dispatcher.step}", 0, "allreduce",
+        timeline.add("allreduce", f"average step {self.dispatcher.step}",
                      timeline.now() if started is None else started)
 
     def _lent_now(self) -> frozenset[int]:

@@ -227,7 +227,7 @@ class QueuedStep:
         if self.averaging is None:
             return self._local_gradients(group)
         grads = self.averaging.receive(group.params)
-        self.timeline.add(-1, -1, f"average step {self.number} {group.label}", 0, "allreduce", self._sent_at[index])
+        self.timeline.add("allreduce", f"average step {self.number} {group.label}", self._sent_at[index])
         return grads
 
     def _label(self, group: StepGroup) -> str:
@@ -250,7 +250,7 @@ class QueuedStep:
         group = self.groups[index]
         start = time.perf_counter()
         in_flight.finish()
-        self.timeline.add(-1, -1, f"broadcast step {self.number} {group.label}", 0, "broadcast", started)
+        self.timeline.add("broadcast", f"broadcast step {self.number} {group.label}", started)
         if not self.async_step:  # the low-precision copies the next uploads read, from every owner's update
             with self.host.timed(self._label(group)):
                 self.sources.refresh(group.params)

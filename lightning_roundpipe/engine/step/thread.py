@@ -131,7 +131,7 @@ class HostOptimizer:
         start = self._timeline.now()
         yield
         self.busy_seconds += self._timeline.now() - start
-        self._timeline.add(-1, -1, label, 0, "optimizer", start)
+        self._timeline.add("optimizer", label, start)
 
     def close(self, timeout: float) -> str | None:
         """End the thread after the queued tasks (after an abort they are dropped, but one already running
