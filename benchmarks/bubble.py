@@ -19,7 +19,7 @@ schedule is simulated with the same costs and per-hop time (``lightning_roundpip
 2. A sweep of devices and microbatches (one model): our sync bubble shrinks as microbatches grow and
    as the ring gets shorter, and async removes most of what is left.
 3. The host optimizer, in sync mode: a step costing ``ns-per-param x parameters`` (AdamW on the CPU;
-   0.5 ns by default, then the figure measured here with ``engine.host_step.measure_step``), whole
+   0.5 ns by default, then the figure measured here with ``engine.step.kernels.measure_step``), whole
    after the backward (``off``) or streamed per stage group (``backward``: deepest first as gradients
    become final; ``latest``: the shallowest final group first, which is what the runtime's
    ``streaming_step`` does; ``forward``: with clipping, after the backward, shallowest first, also the
@@ -248,11 +248,11 @@ def optimizer_table(ref: dict, ns_per_param: float, label: str, ahead: bool = Tr
 
 
 def measured_ns_per_param(host_kernels: str, elements: int | None = None) -> tuple[float, str]:
-    """AdamW's host step on this machine (``engine.host_step.measure_step`` on ``elements`` scratch parameters,
+    """AdamW's host step on this machine (``engine.step.kernels.measure_step`` on ``elements`` scratch parameters,
     by default the 4M it uses at setup) and a line saying how it was measured."""
     import torch
 
-    from lightning_roundpipe.engine.host_step import SCRATCH_ELEMENTS, measure_step
+    from lightning_roundpipe.engine.step.kernels import SCRATCH_ELEMENTS, measure_step
 
     scratch = torch.nn.Parameter(torch.zeros(elements or SCRATCH_ELEMENTS))
     figure = measure_step(torch.optim.AdamW([scratch]), host_kernels)

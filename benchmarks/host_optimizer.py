@@ -16,7 +16,7 @@ test: it prints two tables and always exits 0 (about 30 s on 2 cores with the de
    magnitudes), ``fused=True`` against the default path: the largest difference in units in the last
    place (ulp; large only for elements near zero), the largest absolute difference (the parameters are of
    order one) and the share of elements that differ. RoundPipe's ``host_optimizer="exact"`` uses the fused
-   kernel only where this is 0 (``lightning_roundpipe.engine.host_step``). ``ATEN_CPU_CAPABILITY=default``
+   kernel only where this is 0 (``lightning_roundpipe.engine.step.kernels``). ``ATEN_CPU_CAPABILITY=default``
    (or ``avx2``) in the environment runs both tables with that kernel set.
 """
 

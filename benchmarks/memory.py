@@ -32,7 +32,7 @@ sample in an optimizer step pre-hook, when the step holds every one of its gradi
   own dtype.
 * ``staging buffers``: the reused gradient download buffers. The engine has them on CUDA devices only
   (pinned); on CPU devices gradients are copied straight into the window, so this row is 0 here.
-* ``checkpoints`` and ``other activations``: what live trunk calls keep on the host (every ``Slot`` of
+* ``checkpoints`` and ``other activations``: what live trunk calls keep on the host (every ``HostCell`` of
   every ``Call``; calls are tracked with weak references, so the benchmark does not extend their life).
   ``checkpoints``: the inputs backward stages recompute from (and buffer snapshots); ``other``: the
   microbatch inputs and targets, the forward stages' outputs, the gradients passed between backward
@@ -53,7 +53,7 @@ it is given (the engine's stand-ins for the parameters, which only that thread t
 read after the run. There is no
 public API for any of this, so the accountant reaches into engine internals, read-only: it wraps the
 engine instance's ``_new_call`` and ``step`` (to hold weak references to calls and gradient windows)
-and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``operations.grad_staging`` and the ``Call`` slots; it may need updating
+and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``operations.grad_staging`` and the ``Call``'s host cells; it may need updating
 when those change.
 
 Also printed: parameter bytes uploaded per parameter per optimizer step (the engine's counters), which the
@@ -110,9 +110,9 @@ def call_values(call: object) -> tuple[list[object], list[object]]:
     checkpoints = list(call.checkpoints.values()) + list(call.snapshots.values())
     fused = call.fused  # the fused path's per-microbatch losses and targets; None for a transparent call
     others = list(call.inputs) + (list(fused.losses) if fused else []) + list(call.first_grads or [])
-    for column in list(call.outputs.values()):  # job index -> microbatch -> its output slot
+    for column in list(call.outputs.values()):  # job index -> microbatch -> its output cell
         others.extend(list(column.values()))
-    return [slot.value for slot in checkpoints], [slot.value for slot in others] + [fused.targets if fused else None]
+    return [cell.value for cell in checkpoints], [cell.value for cell in others] + [fused.targets if fused else None]
 
 
 class HostAccountant(pl.Callback):

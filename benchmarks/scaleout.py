@@ -90,8 +90,8 @@ tables and always exits 0 unless a measurement fails.
        begin_i    = the clock just before iteration i's forward_backward
        step time  = begin_{i+1} - begin_i                 (one iteration, as the calling thread sees it)
        b_i        = the largest end of iteration i's compute events (kinds forward, fused, recompute,
-                    backward, devices >= 0): the end of its last backward compute
-       reduction  = the summed length of step i + 1's "allreduce" events (device -1, labelled
+                    backward, on a device): the end of its last backward compute
+       reduction  = the summed length of step i + 1's "allreduce" events (on the host, labelled
                     "average step i+1"; each from its first gradient bucket sent to its means received).
                     The optimizer thread sends the next group's gradients before stepping the current
                     group, so an event also spans that step: it is the time in flight, an upper bound of
@@ -387,7 +387,7 @@ def _iteration_figures(events: list, begins: list[float], jobs_per_iteration: in
     averaging its allreduce events' spans and the end of its last compute event (the module docstring's
     definitions). Iteration i's compute events are those of jobs ``i x J .. (i + 1) x J - 1`` (``J``: the frozen
     plan's stages, one job each per call); its allreduce events those labelled ``average step i + 1``."""
-    compute = [event for event in events if event.device >= 0 and event.kind in COMPUTE_KINDS]
+    compute = [event for event in events if event.device is not None and event.kind in COMPUTE_KINDS]
     iterations = len(begins) - 1
     if {event.job for event in compute} != set(range(iterations * jobs_per_iteration)):
         raise RuntimeError(f"expected the compute events of jobs 0 .. {iterations * jobs_per_iteration - 1} "

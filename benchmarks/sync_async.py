@@ -122,8 +122,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_roundpipe.precision as rp_precision  # noqa: E402
 from lightning_roundpipe import RoundPipeStrategy, pipeline_loss  # noqa: E402
 from lightning_roundpipe.engine.engine import RoundPipeEngine  # noqa: E402
-from lightning_roundpipe.engine.host_step import measure_step  # noqa: E402
 from lightning_roundpipe.engine.options import EngineOptions  # noqa: E402
+from lightning_roundpipe.engine.step.kernels import measure_step  # noqa: E402
 from lightning_roundpipe.observe.trace import COMPUTE_KINDS  # noqa: E402
 from lightning_roundpipe.planning.partition import LayerCost, Plan  # noqa: E402
 from lightning_roundpipe.planning.simulate import simulate_roundpipe  # noqa: E402

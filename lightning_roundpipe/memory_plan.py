@@ -8,7 +8,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_roundpipe.engine.host_step import StepFigure
+from lightning_roundpipe.engine.step.kernels import StepFigure
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.planning.partition import format_layers
 

@@ -47,7 +47,7 @@ Everything here reads sizes and hyperparameters only: nothing proportional to th
 
 The host optimizer (training with ``host_optimizer`` given): each optimizer's step is timed once on at most
 4M scratch parameters in a throwaway optimizer of its class and hyperparameters
-(:func:`lightning_roundpipe.engine.host_step.measure_step`, a few tenths of a second at most; the user's
+(:func:`lightning_roundpipe.engine.step.kernels.measure_step`, a few tenths of a second at most; the user's
 optimizer and its state are only read). The plan logs ns per parameter and the extrapolated seconds per
 step for the trainable parameters, and what torch's fused kernel would take where ``host_optimizer="fused"``
 would use it: sync mode waits for the host step every iteration, so a user sees when it is the bottleneck.
@@ -64,8 +64,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from lightning_roundpipe.engine.host_step import SCRATCH_ELEMENTS, StepFigure, measure_step
 from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.step.kernels import SCRATCH_ELEMENTS, StepFigure, measure_step
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
 from lightning_roundpipe.engine.transport import layer_sizes, upload_copy_bytes
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
@@ -304,7 +304,7 @@ def _activation_layers(plan: Plan, num_layers: int, training: bool, recompute: s
 
 
 def _measure_host_steps(optimizers: Sequence[Any], host_optimizer: str, headroom: int | None) -> list[StepFigure]:
-    """:func:`~lightning_roundpipe.engine.host_step.measure_step` for each optimizer, on fewer scratch
+    """:func:`~lightning_roundpipe.engine.step.kernels.measure_step` for each optimizer, on fewer scratch
     parameters when the host is short of memory (none at all when it has under 16 MB to spare)."""
     # the scratch holds a parameter, its gradient and up to three state buffers, 8 bytes each at most
     elements = SCRATCH_ELEMENTS if headroom is None else min(SCRATCH_ELEMENTS, headroom // (4 * 5 * 8))

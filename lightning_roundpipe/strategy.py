@@ -48,10 +48,10 @@ from typing_extensions import override
 from lightning_roundpipe import metrics, precision, preflight
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
 from lightning_roundpipe.engine.engine import RoundPipeEngine
-from lightning_roundpipe.engine.host_step import HostKernels
 from lightning_roundpipe.engine.options import Recompute, TransportDtype
 from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
-from lightning_roundpipe.engine.step_groups import StreamingStep
+from lightning_roundpipe.engine.step.groups import StreamingStep
+from lightning_roundpipe.engine.step.kernels import HostKernels
 from lightning_roundpipe.engine.transport import transport_torch_dtype
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
-from lightning_roundpipe.engine.host_step import fused_refusal, kernel_of, use_fused
-from lightning_roundpipe.engine.optim import snapshot_param_groups
 from lightning_roundpipe.engine.options import OptionError
+from lightning_roundpipe.engine.step.kernels import fused_refusal, kernel_of, use_fused
+from lightning_roundpipe.engine.step.thread import snapshot_param_groups
 from tests.models import bn_batch, bn_model, clone
 from tests.numerics import assert_states_close_to_reference, assert_states_equal, assert_states_float64_equal, double
 

@@ -1,4 +1,4 @@
-"""The engine's primitives, each on its own: slots, gradient windows, the abort signal, CPU streams and events,
+"""The engine's primitives, each on its own: host cells, gradient windows, the abort signal, CPU streams and events,
 layer replicas, byte counts. Expectations are worked out by hand; ordering is checked through events."""
 
 from __future__ import annotations
@@ -12,43 +12,43 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine import replica
-from lightning_roundpipe.engine.call import Slot
+from lightning_roundpipe.engine.call import HostCell
 from lightning_roundpipe.engine.device import AbortSignal, DeviceCounters, EngineAborted, HostEvent, Stream
 from lightning_roundpipe.engine.layers import Trunk, as_layer_input, single_argument
-from lightning_roundpipe.engine.optim import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes, tree_nbytes
 
 WAIT = 10.0  # seconds: only a broken primitive ever waits this long
 
 
-# ------------------------------------------------------------------ Slot
-def test_a_slot_keeps_its_value_until_its_last_counted_reader_consumes_it():
-    slot = Slot("the output of F0 microbatch 0")
-    slot.expect_reader()
-    slot.expect_reader()
-    assert not slot.event.is_set()
+# ------------------------------------------------------------------ HostCell
+def test_a_host_cell_keeps_its_value_until_its_last_counted_reader_consumes_it():
+    cell = HostCell("the output of F0 microbatch 0")
+    cell.expect_reader()
+    cell.expect_reader()
+    assert not cell.event.is_set()
     value = torch.arange(3)
-    slot.put(value)
-    assert slot.event.is_set() and slot.value is value
-    slot.consume()
-    assert slot.value is value  # one reader still to come
-    slot.consume()
-    assert slot.value is None
+    cell.put(value)
+    assert cell.event.is_set() and cell.value is value
+    cell.consume()
+    assert cell.value is value  # one reader still to come
+    cell.consume()
+    assert cell.value is None
 
 
-def test_a_slot_nobody_counted_keeps_its_value_and_refuses_a_read_too_many():
-    ready = Slot.ready("the caller's input")
+def test_a_host_cell_nobody_counted_keeps_its_value_and_refuses_a_read_too_many():
+    ready = HostCell.ready("the caller's input")
     assert ready.event.is_set() and ready.value == "the caller's input"
     with pytest.raises(RuntimeError, match=r"ready was read by more jobs than were counted: call expect_reader\(\)"):
         ready.consume()
     assert ready.value == "the caller's input"  # the refused read dropped nothing
 
-    slot = Slot("a checkpoint")
-    slot.expect_reader()
-    slot.put(1)
-    slot.consume()
+    cell = HostCell("a checkpoint")
+    cell.expect_reader()
+    cell.put(1)
+    cell.consume()
     with pytest.raises(RuntimeError, match="a checkpoint was read by more jobs than were counted"):
-        slot.consume()
+        cell.consume()
 
 
 # ------------------------------------------------------------------ GradWindow
@@ -317,9 +317,9 @@ def binding_of(host: nn.Module) -> replica.Binding:
 def test_bind_and_unbind_swap_the_replicas_tensors_and_leave_the_host_alone():
     host = Layer()
     state = Trunk([host]).states[0]
-    assert [slots[0].module_path + "." + slots[0].name for slots in state.param_slots] == [
+    assert [paths[0].module_path + "." + paths[0].name for paths in state.param_paths] == [
         "inner.linear.weight", "inner.linear.bias", "norm.weight", "norm.bias"]
-    assert [[s.module_path for s in slots] for slots in state.buffer_slots] == [["inner", "again"]]
+    assert [[where.module_path for where in paths] for paths in state.buffer_paths] == [["inner", "again"]]
     binding = replica.Binding(host, state)
     copy = binding.replica
     params = [param.detach() + 1 for param in state.params]

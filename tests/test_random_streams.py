@@ -116,7 +116,7 @@ def test_setup_and_steps_leave_every_global_generator_as_the_default_strategy_do
 
 def test_measuring_the_host_step_draws_from_no_global_generator():
     """The host-step figure itself (what the pre-flight runs), for an optimizer whose own step draws too."""
-    from lightning_roundpipe.engine.host_step import measure_step
+    from lightning_roundpipe.engine.step.kernels import measure_step
 
     class NoisySGD(torch.optim.SGD):
         def step(self, closure=None):

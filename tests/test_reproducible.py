@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import EngineOptions, Plan, RoundPipeEngine, RoundPipeStrategy, pipeline_loss, token_count
 from lightning_roundpipe.engine.device import AbortSignal
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.recompute import seeded
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.planning.partition import Planner, costs_from_bytes
 from lightning_roundpipe.strategy import CHECKPOINT_KEY
 from tests.models import gpt_batch, gpt_loss, tiny_gpt

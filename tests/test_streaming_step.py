@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_roundpipe import EngineOptions, Plan, RoundPipeEngine, is_recomputing
 from lightning_roundpipe.engine.layers import build_trunk
-from lightning_roundpipe.engine.step_groups import stage_groups, streaming_refusal
+from lightning_roundpipe.engine.step.groups import stage_groups, streaming_refusal
 from tests.models import bn_batch, gpt_batch, gpt_loss, tiny_gpt
 from tests.numerics import assert_states_equal, state
 

@@ -13,7 +13,7 @@ import torch
 from lightning_roundpipe import EngineOptions, RoundPipeEngine
 from lightning_roundpipe.engine import device as device_module
 from lightning_roundpipe.engine.device import Stream, poison
-from lightning_roundpipe.engine.optim import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow
 from tests.models import (
     async_reference,
     bn_model,
@@ -195,7 +195,7 @@ def test_a_compute_that_skips_its_input_wait_fails_under_stress(monkeypatch):
 
 @pytest.mark.parametrize("stream", ["-acts", "-download"])
 def test_a_buffer_released_before_its_copy_landed_fails_under_stress(monkeypatch, stream):
-    """The activation upload (``-acts``) consumes its host slots, or the download (``-download``)
+    """The activation upload (``-acts``) consumes its host cells, or the download (``-download``)
     releases the device outputs, without first synchronizing its stream: the buffer is released while
     the copy that reads it is still in flight.
 

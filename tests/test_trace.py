@@ -92,6 +92,10 @@ def test_chrome_trace_of_a_real_run(recorded, tmp_path):
     # a step cut by stage shows once per part ("step 1 [2-3]")
     assert {"step 1", "step 2"} <= {e["name"].split(" [")[0] for e in complete if e["cat"] == "optimizer"}
     assert "F0 params" in {e["name"] for e in complete}
+    # what an event has not (the host's device and job, a whole job's microbatch) is -1 in the file
+    host = [e["args"] for e in complete if e["cat"] == "optimizer"]
+    assert host and all(args["device"] == args["job"] == args["microbatch"] == -1 for args in host)
+    assert all(e["args"]["microbatch"] == -1 and e["args"]["device"] >= 0 for e in complete if e["cat"] == "release")
     idle = trace["otherData"]["compute_idle_share"]
     assert set(idle) == {f"device {d} · compute" for d in range(DEVICES)} and all(0 <= v < 1 for v in idle.values())
     # read back: the same operations, times relative to the first one
@@ -99,18 +103,22 @@ def test_chrome_trace_of_a_real_run(recorded, tmp_path):
     assert [(e.device, e.job, e.label, e.microbatch, e.kind) for e in loaded] == \
         [(e.device, e.job, e.label, e.microbatch, e.kind) for e in sorted(recorded, key=lambda e: e.start)]
     assert loaded[0].start == 0.0
+    assert all(e.device is None and e.job is None and e.microbatch is None for e in loaded if e.kind == "optimizer")
 
 
 def test_chrome_trace_to_an_open_file_lists_idle_devices_and_unknown_kinds(tmp_path):
     timeline = Timeline(True)
     start = timeline.now()
-    timeline.add(0, 0, "F0", 0, "forward", start)
-    timeline.add(0, 0, "F0", -1, "prefetch_hint", start)
+    timeline.add("forward", "F0", start, device=0, job=0, microbatch=0)
+    timeline.add("prefetch_hint", "F0", start, device=0, job=0)
+    timeline.add("allreduce", "average step 1 [0-1]", start)  # on the host
     with open(tmp_path / "t.json", "w") as file:
         to_chrome_trace(timeline.events(), file, process_name="demo", num_devices=2)
     trace = json.loads((tmp_path / "t.json").read_text())
     names = set(_tracks(trace).values())
-    assert {"device 1 · compute", "device 0 · prefetch_hint", "host optimizer"} <= names
+    assert {"device 1 · compute", "device 0 · prefetch_hint", "host optimizer", "communication"} <= names
+    communication = next(e for e in trace["traceEvents"] if e.get("cat") == "allreduce")
+    assert _tracks(trace)[communication["tid"]] == "communication" and communication["name"] == "average step 1 [0-1]"
     assert trace["traceEvents"][0]["args"] == {"name": "demo"}
     empty = chrome_trace([])
     assert set(_tracks(empty).values()) == {"host optimizer"}
@@ -119,7 +127,7 @@ def test_chrome_trace_to_an_open_file_lists_idle_devices_and_unknown_kinds(tmp_p
 # ---------------------------------------------------------------------------- recording
 def test_a_disabled_timeline_records_nothing():
     timeline = Timeline(False, keep_steps=1)
-    timeline.add(0, 0, "F0", 0, "forward", 0.0)
+    timeline.add("forward", "F0", 0.0, device=0, job=0, microbatch=0)
     timeline.mark_step()
     assert timeline.events() == []
 
@@ -127,13 +135,13 @@ def test_a_disabled_timeline_records_nothing():
 def test_the_timeline_keeps_the_last_steps_and_at_most_max_events():
     timeline = Timeline(True, keep_steps=2)
     for step in range(5):
-        timeline.add(0, step, f"F{step}", 0, "forward", timeline.now())
+        timeline.add("forward", f"F{step}", timeline.now(), device=0, job=step, microbatch=0)
         timeline.mark_step()
-    timeline.add(0, 5, "F5", 0, "forward", timeline.now())  # after the last step: kept
+    timeline.add("forward", "F5", timeline.now(), device=0, job=5, microbatch=0)  # after the last step: kept
     assert [e.label for e in timeline.events()] == ["F3", "F4", "F5"]
     capped = Timeline(True, max_events=3)
     for job in range(5):
-        capped.add(0, job, f"F{job}", 0, "forward", capped.now())
+        capped.add("forward", f"F{job}", capped.now(), device=0, job=job, microbatch=0)
     assert [e.label for e in capped.events()] == ["F2", "F3", "F4"]
     with pytest.raises(ValueError, match="keep_steps"):
         Timeline(True, keep_steps=0)

@@ -22,6 +22,6 @@ round is the whole chain of jobs over its share of the batch, so backward starts
 microbatch has run forward.
 
 Gradients of parameters accumulate on the device over the job's microbatches, then are added on
-the host into the optimizer step's :class:`~lightning_roundpipe.engine.optim.GradWindow`, in an order
+the host into the optimizer step's :class:`~lightning_roundpipe.engine.step.window.GradWindow`, in an order
 fixed at dispatch, so that results do not depend on which job finishes first.
 """

@@ -93,13 +93,13 @@ class _PipelineFunction(torch.autograd.Function):
             for grad, sizes in zip(grad_outputs[:-1], ctx.split_sizes, strict=True)  # the last: the structure's
         ]
         output_grads = [[column[m] for column in per_leaf] for m in range(call.num_microbatches)]
-        slots = dispatcher.run_backward(call, output_grads)
+        cells = dispatcher.run_backward(call, output_grads)
         if not any(call.input_requires_grad):
             return (None, None, None) + (None,) * ctx.num_inputs
         grads_per_microbatch = []
-        for slot in slots:
-            dispatcher.wait(slot.event)
-            grads_per_microbatch.append(slot.value)
+        for cell in cells:
+            dispatcher.wait(cell.event)
+            grads_per_microbatch.append(cell.value)
         input_grads: list[torch.Tensor | None] = []
         for position in range(ctx.num_inputs):
             pieces = [g[position] for g in grads_per_microbatch if g is not None and g[position] is not None]

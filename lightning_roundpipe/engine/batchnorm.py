@@ -71,7 +71,7 @@ def check_trunk(trunk: Trunk) -> None:
 
 
 @dataclass(frozen=True)
-class NormSlots:
+class NormBuffers:
     """Where one deferrable BatchNorm of a layer sits: its module path and the positions of its running
     buffers in the layer's :class:`LayerState` buffers (``count`` None without ``num_batches_tracked``)."""
 
@@ -81,15 +81,15 @@ class NormSlots:
     count: int | None
 
 
-def norm_slots(layer: nn.Module, state: LayerState) -> list[NormSlots]:
+def norm_buffers(layer: nn.Module, state: LayerState) -> list[NormBuffers]:
     """The layer's deferrable BatchNorms, by module path (computed once per layer)."""
-    positions = {(slot.module_path, slot.name): position
-                 for position, slots in enumerate(state.buffer_slots) for slot in slots}
+    positions = {(where.module_path, where.name): position
+                 for position, paths in enumerate(state.buffer_paths) for where in paths}
     found = []
     for path, module in layer.named_modules():
         if deferrable(module):
-            found.append(NormSlots(path, positions[(path, "running_mean")], positions[(path, "running_var")],
-                                   positions.get((path, "num_batches_tracked"))))
+            found.append(NormBuffers(path, positions[(path, "running_mean")], positions[(path, "running_var")],
+                                     positions.get((path, "num_batches_tracked"))))
     return found
 
 
@@ -114,7 +114,7 @@ class DeferredNorm:
     """One training-mode BatchNorm of a bound replica, from :func:`defer` to :func:`commit`."""
 
     module: nn.Module
-    slots: NormSlots
+    where: NormBuffers
     moments: list[_Moments] = field(default_factory=list)  # per application within a microbatch
     applied: int = 0                                       # applications in the current microbatch
 
@@ -133,16 +133,15 @@ class DeferredNorm:
         self.applied += 1
 
 
-def defer(replica: nn.Module, slots: list[NormSlots], buffers: list[torch.Tensor]) -> list[DeferredNorm]:
-    """Defer the updates of the replica's training-mode BatchNorms (``buffers``: the stage's, bound)."""
+def defer(replica: nn.Module, norms: list[NormBuffers], buffers: list[torch.Tensor]) -> list[DeferredNorm]:
+    """Defer the updates of the replica's training-mode BatchNorms ``norms`` (``buffers``: the stage's, bound)."""
     deferred = []
-    for norm_slots_ in slots:
-        module = replica.get_submodule(norm_slots_.path) if norm_slots_.path else replica
+    for where in norms:
+        module = replica.get_submodule(where.path) if where.path else replica
         if not module.training:
             continue  # eval mode: normalizes with the running statistics and updates nothing
-        norm = DeferredNorm(module, norm_slots_)
-        positions = {"running_mean": norm_slots_.mean, "running_var": norm_slots_.var,
-                     "num_batches_tracked": norm_slots_.count}
+        norm = DeferredNorm(module, where)
+        positions = {"running_mean": where.mean, "running_var": where.var, "num_batches_tracked": where.count}
         for name in _RUNNING:
             position = positions[name]
             if position is not None:  # throwaway copies: the forward's own per-microbatch update lands there
@@ -172,10 +171,10 @@ def commit(deferred: list[DeferredNorm], buffers: list[torch.Tensor]) -> None:
     """Restore the replica's BatchNorms (their own forward, ``buffers`` bound again by the caller) and update
     their running statistics in ``buffers`` once per application, from the whole batch's statistics."""
     for norm in deferred:
-        module, slots = norm.module, norm.slots
+        module, where = norm.module, norm.where
         module.__dict__.pop("forward", None)
-        mean, var = buffers[slots.mean], buffers[slots.var]
-        count = buffers[slots.count] if slots.count is not None else None
+        mean, var = buffers[where.mean], buffers[where.var]
+        count = buffers[where.count] if where.count is not None else None
         momentum: float | None = getattr(module, "momentum")  # noqa: B009 - typed: a plain attribute
         with torch.no_grad():
             for moments in norm.moments:

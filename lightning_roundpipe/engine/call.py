@@ -1,7 +1,7 @@
 """The state of one trunk call: what the caller's thread set, and the host data between stages.
 
 A call keeps, on the host, the inputs of its microbatches, the checkpoints backward stages recompute
-from, buffer snapshots for those recomputes, and one :class:`Slot` per (job, microbatch) output. Slots
+from, buffer snapshots for those recomputes, and one :class:`HostCell` per (job, microbatch) output. Cells
 are made on the main thread at dispatch, in ring order, because the job that reads one may be enqueued
 by its device's worker before the producing job's worker has even started.
 """
@@ -65,8 +65,8 @@ class CallContext:
             yield
 
 
-class Slot:
-    """A host value produced by one stream and read by another after ``event``.
+class HostCell:
+    """A host value produced by one stream and read by another after ``event``, with its readers counted.
 
     Jobs that will read the value are counted when they are dispatched (:meth:`expect_reader`); each
     :meth:`consume` after its copy, and the last one drops the value, so stage boundaries and
@@ -112,10 +112,10 @@ class Slot:
         self.event.set()
 
     @staticmethod
-    def ready(value: Any) -> Slot:
-        slot = Slot("ready")
-        slot.put(value)
-        return slot
+    def ready(value: Any) -> HostCell:
+        cell = HostCell("ready")
+        cell.put(value)
+        return cell
 
 
 @dataclass
@@ -126,7 +126,7 @@ class FusedLoss:
     targets: list[Any]           # per microbatch, on the host
     scales: list[float]          # per microbatch: its loss weight / the batch's, so the sum is the batch loss
     backward_scale: float        # multiplies the loss before backward only (accumulation, loss scaling)
-    losses: list[Slot]           # per microbatch: the detached microbatch loss, downloaded
+    losses: list[HostCell]       # per microbatch: the detached microbatch loss, downloaded
 
 
 @dataclass
@@ -142,14 +142,14 @@ class Call:
     plan: Plan
     context: CallContext
     sizes: list[int]
-    inputs: list[Slot]                      # per microbatch: (args, kwargs) for layer 0
+    inputs: list[HostCell]                  # per microbatch: (args, kwargs) for layer 0
     input_requires_grad: list[bool]          # per differentiable leaf of the inputs
     checkpoint_layers: frozenset[int]
-    checkpoints: dict[tuple[int, int], Slot] = field(default_factory=dict)
-    snapshots: dict[tuple[int, int], Slot] = field(default_factory=dict)
-    outputs: dict[int, dict[int, Slot]] = field(default_factory=dict)  # job index -> microbatch -> its output
+    checkpoints: dict[tuple[int, int], HostCell] = field(default_factory=dict)
+    snapshots: dict[tuple[int, int], HostCell] = field(default_factory=dict)
+    outputs: dict[int, dict[int, HostCell]] = field(default_factory=dict)  # job index -> microbatch -> its output
     fused: FusedLoss | None = None                            # fused path: set before its jobs are dispatched
-    first_grads: list[Slot] | None = None                     # transparent backward: from autograd
+    first_grads: list[HostCell] | None = None                 # transparent backward: from autograd
 
     @property
     def fused_loss(self) -> FusedLoss:
@@ -159,7 +159,7 @@ class Call:
                                "set `Call.fused` before dispatching a fused-path call")
         return self.fused
 
-    def input_slot(self, job: Job, microbatch: int) -> Slot:
+    def input_cell(self, job: Job, microbatch: int) -> HostCell:
         """What ``job`` reads for ``microbatch`` (an index into the call's batch, one of ``job.microbatches``):
         the previous job's output, else the first output gradient (the first backward stage of a transparent
         call), else the call's input."""
@@ -172,8 +172,8 @@ class Call:
             return self.first_grads[microbatch]
         return self.inputs[microbatch]
 
-    def job_outputs(self, job: Job) -> list[Slot]:
-        """``job``'s output slots, in microbatch order."""
+    def job_outputs(self, job: Job) -> list[HostCell]:
+        """``job``'s output cells, in microbatch order."""
         outputs = self.outputs[job.index]
         return [outputs[microbatch] for microbatch in job.microbatches]
 

@@ -13,8 +13,8 @@ them:
 
 Averaging (:class:`Averaging`): the engine sends each step group's gradients as soon as they are final,
 deepest first, so the communication overlaps the backward stages still running. It has two drivers, one per
-thread a step's gradients can be final on: ``StepQueue.average`` (``stepping.py``) on the caller's thread, when
-a hook must see the averaged gradients in ``param.grad`` before the step, and ``QueuedStep`` (``queued_step.py``)
+thread a step's gradients can be final on: ``StepQueue.average`` (``step/caller.py``) on the caller's thread, when
+a hook must see the averaged gradients in ``param.grad`` before the step, and ``QueuedStep`` (``step/queued.py``)
 on the optimizer thread otherwise, each group averaged just before it steps. The parameters of a part are
 packed into flat buckets of at most ``bucket_bytes`` per dtype, summed with ``all_reduce`` and divided by the
 world size. A parameter no process has a gradient for keeps ``grad=None`` (so weight decay and momentum leave

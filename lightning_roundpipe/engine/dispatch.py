@@ -4,8 +4,8 @@
 j mod N, the counter continuing across calls and iterations), the gradient window the jobs of the current
 optimizer step add into, the events the next jobs wait on (each layer's buffers back on the host, each layer's
 weights updated by the last queued step), and the round size of a training call. It hands jobs over and waits
-for their host slots; it knows nothing of autograd (``autograd.py``) or of the optimizer step
-(``stepping.py``).
+for their host cells; it knows nothing of autograd (``autograd.py``) or of the optimizer step
+(``step/caller.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, Slot
+from lightning_roundpipe.engine.call import Call, CallContext, FusedLoss, HostCell
 from lightning_roundpipe.engine.device import AbortSignal, HostEvent
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, microbatch_sizes, split
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import Task
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.planning.partition import Plan, Planner
@@ -86,7 +86,7 @@ class Dispatcher:
         return window
 
     def wait(self, event: HostEvent) -> None:
-        """Wait on this thread until what ``event`` guards may be read here (a downloaded slot: also until its
+        """Wait on this thread until what ``event`` guards may be read here (a downloaded cell: also until its
         copies have run on the GPU)."""
         with self._surfaced():
             event.wait(self._abort)
@@ -140,7 +140,7 @@ class Dispatcher:
                 layers = {stage.start for stage in plan.backward} | {plan.fused.start}
         call = Call(
             step=self.step, index=self._calls_in_step, plan=plan, context=context, sizes=sizes,
-            inputs=[Slot.ready(chunk) for chunk in chunks],
+            inputs=[HostCell.ready(chunk) for chunk in chunks],
             input_requires_grad=[leaf.requires_grad for leaf in differentiable_leaves(inputs)],
             checkpoint_layers=frozenset(layers),
         )
@@ -153,14 +153,14 @@ class Dispatcher:
         self.next_job += len(jobs)
         self.dispatch(call, jobs, first_output_grads=None)
         outputs = []
-        for slot in call.job_outputs(jobs[-1]):
-            self.wait(slot.event)
-            outputs.append(single_argument(slot.value))  # a stage's output slot holds the next layer's input
+        for cell in call.job_outputs(jobs[-1]):
+            self.wait(cell.event)
+            outputs.append(single_argument(cell.value))  # a stage's output cell holds the next layer's input
         return outputs
 
-    def run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[Slot]:
+    def run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[HostCell]:
         """Dispatch the backward jobs of ``call`` from the gradients of its outputs (per microbatch); returns the
-        slots of its inputs' gradients."""
+        cells of its inputs' gradients."""
         jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self.next_job)
         self.next_job += len(jobs)
         self.dispatch(call, jobs, first_output_grads=output_grads)
@@ -190,17 +190,17 @@ class Dispatcher:
                              "(every target ignored?)")
         fused = call.fused = FusedLoss(
             loss_fn=loss_fn, targets=targets, scales=[w / total for w in weights], backward_scale=scale,
-            losses=[Slot(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
+            losses=[HostCell(f"the loss of microbatch {m}") for m in range(call.num_microbatches)])
         round_size = self.round_size(call.plan, call.num_microbatches)
         jobs = training_rounds(call.plan, self.num_devices, call.num_microbatches,
                                round_size or call.num_microbatches, self.next_job)
         self.next_job += len(jobs)
         self.dispatch(call, jobs, first_output_grads=None)
         losses = []
-        for slot, weight in zip(fused.losses, fused.scales, strict=True):
-            self.wait(slot.event)
+        for cell, weight in zip(fused.losses, fused.scales, strict=True):
+            self.wait(cell.event)
             if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
-                losses.append(slot.value * weight)
+                losses.append(cell.value * weight)
         return torch.stack(losses).sum()
 
     # ------------------------------------------------------------------ rounds
@@ -245,18 +245,18 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ jobs
     def dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
-        """Make the host slots ``jobs`` exchange (all of them first: a job's reader may be enqueued before it),
+        """Make the host cells ``jobs`` exchange (all of them first: a job's reader may be enqueued before it),
         then hand each job to its device's worker with the events it waits on."""
         for job in jobs:
-            call.outputs[job.index] = {m: Slot(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
+            call.outputs[job.index] = {m: HostCell(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
                                        for m in job.microbatches}
         if first_output_grads is not None:
-            call.first_grads = [Slot.ready(g) for g in first_output_grads]
+            call.first_grads = [HostCell.ready(g) for g in first_output_grads]
         for job in jobs:
             for microbatch in job.microbatches:
-                call.input_slot(job, microbatch).expect_reader()
+                call.input_cell(job, microbatch).expect_reader()
             if job.kind is StageKind.FORWARD and call.checkpoint_layers:
-                self._make_checkpoint_slots(call, job)
+                self._make_checkpoint_cells(call, job)
         for job in jobs:
             task = self._task(call, job)
             self.workers[job.device].put(task)
@@ -275,15 +275,15 @@ class Dispatcher:
                     buffer_done[layer] = self._buffer_ready[layer] = HostEvent(
                         f"the buffers of layer {layer} from stage {job.label} (job {job.index})")
         upload_done = HostEvent(f"the parameter upload of stage {job.label} (job {job.index})")
-        grad_slots: list[tuple[int, int]] = []
+        grad_positions: list[tuple[int, int]] = []
         ticket = -1
         if differentiates:
             # the window sums each parameter's gradients in this order (deepest layer first), whatever
             # order the jobs finish in: see GradWindow
-            grad_slots = [(layer, position) for layer in reversed(job.layers)
+            grad_positions = [(layer, position) for layer in reversed(job.layers)
                           for position, param in enumerate(self.trunk.states[layer].params) if param.requires_grad]
             ticket = self.window.job_started(upload_done, [self.trunk.states[layer].params[position]
-                                                           for layer, position in grad_slots], job.layers)
+                                                           for layer, position in grad_positions], job.layers)
         else:
             self.window.job_read_only(upload_done, job.layers)
         weights_ready = tuple({id(event): event for layer in job.layers
@@ -292,21 +292,21 @@ class Dispatcher:
             job=job, call=call, window=self.window, weights_ready=weights_ready,
             buffer_waits=buffer_waits, buffer_done=buffer_done, upload_done=upload_done,
             done=HostEvent(f"stage {job.label} (job {job.index})"),
-            needs_grad=differentiates, grad_slots=grad_slots, ticket=ticket,
+            needs_grad=differentiates, grad_positions=grad_positions, ticket=ticket,
         )
 
-    def _make_checkpoint_slots(self, call: Call, job: Job) -> None:
-        """Slots for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
+    def _make_checkpoint_cells(self, call: Call, job: Job) -> None:
+        """Cells for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch
         order, because the backward job that reads them may be enqueued first by another worker."""
         for microbatch in job.microbatches:
-            source = call.input_slot(job, microbatch)
+            source = call.input_cell(job, microbatch)
             for layer in job.layers:
                 if layer in call.checkpoint_layers:
                     checkpoint = call.checkpoints[(layer, microbatch)] = (
                         source if layer == job.layers.start
-                        else Slot(f"the checkpoint of layer {layer} microbatch {microbatch}"))
+                        else HostCell(f"the checkpoint of layer {layer} microbatch {microbatch}"))
                     checkpoint.expect_reader()  # the backward stage that recomputes from it
                 if self.trunk.states[layer].buffers:
-                    snapshot = call.snapshots[(layer, microbatch)] = Slot(
+                    snapshot = call.snapshots[(layer, microbatch)] = HostCell(
                         f"the buffer snapshot of layer {layer} microbatch {microbatch}")
                     snapshot.expect_reader()

@@ -2,7 +2,7 @@
 
 The parts (the package docstring says how they work together): ``ring.py``, the threads start makes and close
 stops; ``lifecycle.py``, started, failed, closed; ``dispatch.py``, calls into jobs on the ring; ``autograd.py``,
-a call in the caller's autograd graph; ``stepping.py`` and ``queued_step.py``, an optimizer step on the caller's
+a call in the caller's autograd graph; ``step/caller.py`` and ``step/queued.py``, an optimizer step on the caller's
 and on the optimizer's thread; ``follow.py``, state the module is given between calls; ``figures.py``, what it
 reports. The planner's feedback (``_replan``) stays here.
 """
@@ -29,11 +29,11 @@ from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
 from lightning_roundpipe.engine.lifecycle import Lifecycle
 from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
 from lightning_roundpipe.engine.stage import StageRunner
-from lightning_roundpipe.engine.stepping import StepQueue
+from lightning_roundpipe.engine.step.caller import StepQueue
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources, layer_sizes, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import Plan

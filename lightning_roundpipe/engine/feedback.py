@@ -23,8 +23,8 @@ import torch
 from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.device import Device
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.stage import StageCopy, Task
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 from lightning_roundpipe.planning.partition import LayerCost, Planner, autocast_copy_bytes
@@ -280,7 +280,7 @@ class Measurements:
             start, end = span.bounds()
             bounds[microbatch] = (bounds.get(microbatch, (start, end))[0], end)
             stage_copy.compute_time += end - start
-            self.timeline.add_span(job.device, job.index, job.label, microbatch, kind, start, end)
+            self.timeline.add_span(kind, job.label, start, end, device=job.device, job=job.index, microbatch=microbatch)
         if stage_copy.device is not None:
             stage_copy.device.counters.compute_seconds += stage_copy.compute_time
         for layer, span in layer_spans:

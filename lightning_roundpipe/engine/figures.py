@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lightning_roundpipe.engine.device import Device
-from lightning_roundpipe.engine.optim import HostOptimizer
+from lightning_roundpipe.engine.step.thread import HostOptimizer
 from lightning_roundpipe.observe.trace import Timeline
 
 _TOTALS = ("compute", "uploaded", "optimizer", "exposed", "download")

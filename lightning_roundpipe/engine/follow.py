@@ -18,9 +18,9 @@ from torch import nn
 
 from lightning_roundpipe.engine.batchnorm import check_trunk as check_batchnorms
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.pinned import PinnedStorages
 from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 
 

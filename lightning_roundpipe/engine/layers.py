@@ -38,7 +38,7 @@ def single_argument(layer_input: LayerInput) -> Any:
 
 
 @dataclass(frozen=True)
-class TensorSlot:
+class TensorPath:
     """Where a parameter or buffer sits inside a layer: ``layer.get_submodule(module_path)._parameters[name]``."""
 
     module_path: str
@@ -47,12 +47,12 @@ class TensorSlot:
 
 @dataclass
 class LayerState:
-    """The parameters and buffers one layer reads, each listed once even if used at several slots."""
+    """The parameters and buffers one layer reads, each listed once even if registered at several paths."""
 
     params: list[nn.Parameter] = field(default_factory=list)
-    param_slots: list[list[TensorSlot]] = field(default_factory=list)
+    param_paths: list[list[TensorPath]] = field(default_factory=list)
     buffers: list[torch.Tensor] = field(default_factory=list)
-    buffer_slots: list[list[TensorSlot]] = field(default_factory=list)
+    buffer_paths: list[list[TensorPath]] = field(default_factory=list)
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -217,25 +217,25 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
 def _collect_state(layer: nn.Module) -> tuple[LayerState, Registration]:
     state = LayerState()
     registration = Registration()
-    # per kind: a module's own table (every slot, also a tensor's second one), the lists it fills, and
+    # per kind: a module's own table (every entry, also a tensor's second one), the lists it fills, and
     # where each tensor already sits in them
-    kinds: tuple[tuple[str, list[Any], list[list[TensorSlot]], dict[int, int]], ...] = (
-        ("_parameters", state.params, state.param_slots, {}),
-        ("_buffers", state.buffers, state.buffer_slots, {}),
+    kinds: tuple[tuple[str, list[Any], list[list[TensorPath]], dict[int, int]], ...] = (
+        ("_parameters", state.params, state.param_paths, {}),
+        ("_buffers", state.buffers, state.buffer_paths, {}),
     )
     for path, module in layer.named_modules(remove_duplicate=False):
         registration.record(module._modules)
-        for table, tensors, slots, position in kinds:
+        for table, tensors, paths, position in kinds:
             entries = getattr(module, table)
             registration.record(entries)
             for name, tensor in entries.items():
                 if tensor is None:
                     continue
-                if id(tensor) not in position:  # a tensor registered at several slots is listed once
+                if id(tensor) not in position:  # a tensor registered at several paths is listed once
                     position[id(tensor)] = len(tensors)
                     tensors.append(tensor)
-                    slots.append([])
-                slots[position[id(tensor)]].append(TensorSlot(path, name))
+                    paths.append([])
+                paths[position[id(tensor)]].append(TensorPath(path, name))
     registration.record_tensors([*state.params, *state.buffers])
     return state, registration
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_roundpipe.engine.call import Slot
+from lightning_roundpipe.engine.call import HostCell
 from lightning_roundpipe.engine.device import AbortSignal, Device, HostEvent
 from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.stage import Recomputed, StageCopy, StageRunner, Task
@@ -32,16 +32,16 @@ from lightning_roundpipe.planning.schedule import StageKind
 
 
 @dataclass
-class InputSlots:
-    """The host slots one microbatch of a job reads [4]."""
+class InputCells:
+    """The host cells one microbatch of a job reads [4]."""
 
-    layer_input: Slot | None  # the (args, kwargs) of the stage's first layer; backward: output gradients
-    checkpoints: list[tuple[int, Slot]] = field(default_factory=list)  # backward: per recompute start, its input
-    snapshots: list[tuple[int, Slot]] = field(default_factory=list)    # backward: buffers the forward saw
+    layer_input: HostCell | None  # the (args, kwargs) of the stage's first layer; backward: output gradients
+    checkpoints: list[tuple[int, HostCell]] = field(default_factory=list)  # backward: per recompute start, its input
+    snapshots: list[tuple[int, HostCell]] = field(default_factory=list)    # backward: buffers the forward saw
 
-    def all(self) -> list[Slot]:
+    def all(self) -> list[HostCell]:
         first = [self.layer_input] if self.layer_input is not None else []
-        return [*first, *(slot for _, slot in self.checkpoints), *(slot for _, slot in self.snapshots)]
+        return [*first, *(cell for _, cell in self.checkpoints), *(cell for _, cell in self.snapshots)]
 
 
 @dataclass
@@ -94,40 +94,40 @@ class StageOperations:
         self.runner.upload_stage(self.device, task, stage_copy)
         task.upload_done.set()
         task.window.upload_finished()  # an async step may now publish what this upload read
-        self._timeline.add(self.device.index, task.job.index, task.job.label, -1, "upload_params", start)
+        self._timeline.add("upload_params", task.job.label, start, device=self.device.index, job=task.job.index)
 
     # ------------------------------------------------------------------ activation stream
-    def input_slots(self, task: Task, microbatch: int) -> InputSlots:
-        """The host slots the job's ``microbatch`` reads: its layer input and, for a backward job, the
+    def input_cells(self, task: Task, microbatch: int) -> InputCells:
+        """The host cells the job's ``microbatch`` reads: its layer input and, for a backward job, the
         checkpoints its recompute groups start from and the buffer snapshots the forward saw."""
         call, job = task.call, task.job
-        slots = InputSlots(call.input_slot(job, microbatch))
+        cells = InputCells(call.input_cell(job, microbatch))
         if job.kind is StageKind.BACKWARD:
             starts = [job.layers.start] if self.runner.recompute == "stage" else list(job.layers)
-            slots.checkpoints = [  # layer 0 recomputes from the call's own input
+            cells.checkpoints = [  # layer 0 recomputes from the call's own input
                 (layer, call.checkpoints[(layer, microbatch)] if layer != 0 else call.inputs[microbatch])
                 for layer in starts]
-            slots.snapshots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
+            cells.snapshots = [(layer, call.snapshots[(layer, microbatch)]) for layer in job.layers
                                if (layer, microbatch) in call.snapshots]
-        return slots
+        return cells
 
-    def upload_inputs(self, task: Task, microbatch: int, slots: InputSlots) -> DeviceInputs:
-        """[4] ``slots`` to the device, for the compute stream; each slot is consumed once copied."""
+    def upload_inputs(self, task: Task, microbatch: int, cells: InputCells) -> DeviceInputs:
+        """[4] ``cells`` to the device, for the compute stream; each cell is consumed once copied."""
         device, job = self.device, task.job
         start = self._timeline.now()
         target = task.call.fused_loss.targets[microbatch] if job.kind is StageKind.FUSED else None
         layer_input, checkpoints, snapshots, target = upload_to(
-            (slots.layer_input.value if slots.layer_input is not None else None,
-             {layer: slot.value for layer, slot in slots.checkpoints},
-             {layer: slot.value for layer, slot in slots.snapshots}, target),
+            (cells.layer_input.value if cells.layer_input is not None else None,
+             {layer: cell.value for layer, cell in cells.checkpoints},
+             {layer: cell.value for layer, cell in cells.snapshots}, target),
             device.torch_device, device.act_stream, device.compute_stream)
-        for slot in slots.all():
-            slot.consume()  # copied: the host copy is dropped once its last counted reader has it
+        for cell in cells.all():
+            cell.consume()  # copied: the host copy is dropped once its last counted reader has it
         inputs = DeviceInputs(layer_input, checkpoints, snapshots, target)
         inputs.nbytes = tree_nbytes([layer_input, checkpoints, snapshots, target])
         device.residency.allocate(inputs.nbytes, f"the inputs of {job.label} microbatch {microbatch}")
         device.counters.uploaded_activation_bytes += inputs.nbytes
-        self._timeline.add(device.index, job.index, job.label, microbatch, "upload_acts", start)
+        self._timeline.add("upload_acts", job.label, start, device=device.index, job=job.index, microbatch=microbatch)
         return inputs
 
     # ------------------------------------------------------------------ compute stream
@@ -190,7 +190,7 @@ class StageOperations:
 
     # ------------------------------------------------------------------ download stream
     def download(self, task: Task, stage_copy: StageCopy, microbatch: int, outputs: DeviceOutputs) -> None:
-        """The microbatch's results into their host slots, which set the events other jobs wait for [4]."""
+        """The microbatch's results into their host cells, which set the events other jobs wait for [4]."""
         device, job, call = self.device, task.job, task.call
         start = self._timeline.now()
         stress = device.stress
@@ -208,7 +208,7 @@ class StageOperations:
         # downloaded: the device outputs are released (the stage's copy is released later)
         device.stress_mode.poison_released(
             [outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss], stage_copy.tensors())
-        self._timeline.add(device.index, job.index, job.label, microbatch, "download", start)
+        self._timeline.add("download", job.label, start, device=device.index, job=job.index, microbatch=microbatch)
 
     def finish(self, task: Task, stage_copy: StageCopy) -> None:
         """[8]: gradients into the window, buffers to the host, measurements resolved, memory released."""
@@ -237,7 +237,7 @@ class StageOperations:
         stage_copy.buffers.clear()
         if task.needs_grad:
             task.window.job_finished()
-        self._timeline.add(device.index, job.index, job.label, -1, "release", start)
+        self._timeline.add("release", job.label, start, device=device.index, job=job.index)
 
     def _download_gradients(self, task: Task, stage_copy: StageCopy) -> None:
         """The job's gradients into the step's window: every copy enqueued at once (into the reused staging
@@ -245,8 +245,8 @@ class StageOperations:
         device = self.device
         start = self._timeline.now()
         # one per slot the window expects of this job, in its order; None where no gradient reached a copy
-        slots = [stage_copy.params[layer][position].grad for layer, position in task.grad_slots]
-        grads = [grad for grad in slots if grad is not None]
+        per_slot = [stage_copy.params[layer][position].grad for layer, position in task.grad_positions]
+        grads = [grad for grad in per_slot if grad is not None]
         staging = self.grad_staging
         if staging is not None:
             host = staging.views(grads)
@@ -257,7 +257,7 @@ class StageOperations:
         device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
         device.download_stream.synchronize()
         downloaded = iter(host)
-        task.window.deliver(task.ticket, [None if grad is None else next(downloaded) for grad in slots],
+        task.window.deliver(task.ticket, [None if grad is None else next(downloaded) for grad in per_slot],
                             borrowed=staging is not None)
         if staging is not None:  # the window has its copies: the next job may overwrite the staging buffer
             device.stress_mode.poison_released(host)

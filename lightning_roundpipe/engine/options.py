@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_roundpipe.engine.host_step import HOST_KERNELS, HostKernels
-from lightning_roundpipe.engine.step_groups import STREAMING_STEPS, StreamingStep
+from lightning_roundpipe.engine.step.groups import STREAMING_STEPS, StreamingStep
+from lightning_roundpipe.engine.step.kernels import HOST_KERNELS, HostKernels
 from lightning_roundpipe.planning.partition import Plan
 
 Recompute = Literal["stage", "layer"]
@@ -103,7 +103,7 @@ class EngineOptions:
     iteration k runs on W(k-2) and W(k) = step(W(k-1), g(k)), so the host step overlaps device work."""
 
     streaming_step: StreamingStep = "auto"
-    """How the host step is cut (``step_groups.py``). ``"auto"``: a ``torch.optim`` optimizer (but LBFGS)
+    """How the host step is cut (``step/groups.py``). ``"auto"``: a ``torch.optim`` optimizer (but LBFGS)
     without step hooks steps stage by stage: each backward stage's parameters as soon as their gradients are
     final, while the rest of the backward runs (after clipping or ``on_before_optimizer_step``, when
     something reads every gradient first: shallowest stage first), and each later upload waits only for the
@@ -121,7 +121,7 @@ class EngineOptions:
     0.01% of the elements differ, by about one ulp). fp32/fp64 parameters only; ``fused=True`` is set in
     the step's own copy of the param groups, so the optimizer's ``param_groups``, ``state_dict()`` and
     state stay as plain training makes them. The pre-flight log shows the measured step time
-    (:mod:`lightning_roundpipe.engine.host_step`)."""
+    (:mod:`lightning_roundpipe.engine.step.kernels`)."""
 
     recompute: Recompute = "stage"
     """Recomputation grain of backward stages: ``"stage"`` keeps one input per backward stage, ``"layer"``

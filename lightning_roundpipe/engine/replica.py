@@ -34,7 +34,7 @@ import operator
 import torch
 from torch import nn
 
-from lightning_roundpipe.engine.layers import LayerState, TensorSlot
+from lightning_roundpipe.engine.layers import LayerState, TensorPath
 
 _OWN = frozenset({"_parameters", "_buffers", "_modules", "training"})
 """Instance attributes a replica keeps its own: its tensor and child tables, and its training flag."""
@@ -128,7 +128,7 @@ class Binding:
     """One device's replica of one host layer, and where its tensors go.
 
     The replica comes from :func:`make_replica`, and is bound once per job: the tensor dictionaries of its
-    slots are looked up once, here, and :meth:`sync_attributes` skips a submodule whose host attributes and
+    tensors' paths are looked up once, here, and :meth:`sync_attributes` skips a submodule whose host attributes and
     own attributes are still the very objects of its last sync. Made again (the stage runner drops it)
     when the trunk collects the layer's state again.
     """
@@ -139,16 +139,16 @@ class Binding:
         self.replica = make_replica(host)
         self.pairs = module_pairs(self.replica, host)
         self.modules = [copied for copied, _ in self.pairs]  # in modules() order, as the training flags are
-        self._param_tables = [self._tables(slots, "_parameters") for slots in state.param_slots]
-        self._buffer_tables = [self._tables(slots, "_buffers") for slots in state.buffer_slots]
+        self._param_tables = [self._tables(paths, "_parameters") for paths in state.param_paths]
+        self._buffer_tables = [self._tables(paths, "_buffers") for paths in state.buffer_paths]
         # per pair, after its last full sync: the host attributes given, and the replica's own attributes
         self._synced: list[tuple[dict, dict] | None] = [None] * len(self.pairs)
 
-    def _tables(self, slots: list[TensorSlot], kind: str) -> list[tuple[dict, str]]:
+    def _tables(self, paths: list[TensorPath], kind: str) -> list[tuple[dict, str]]:
         tables = []
-        for slot in slots:
-            module = self.replica.get_submodule(slot.module_path) if slot.module_path else self.replica
-            tables.append((getattr(module, kind), slot.name))
+        for where in paths:
+            module = self.replica.get_submodule(where.module_path) if where.module_path else self.replica
+            tables.append((getattr(module, kind), where.name))
         return tables
 
     def bind(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
@@ -192,11 +192,11 @@ class Binding:
         return snapshot
 
     def rebound_buffers(self, state: LayerState, buffers: list[torch.Tensor]) -> list[str]:
-        """The buffer slots that no longer hold the tensors :meth:`bind` put there (``buffers``): the layer
+        """The buffer entries that no longer hold the tensors :meth:`bind` put there (``buffers``): the layer
         assigned new tensors to them in its forward instead of updating them in place."""
         rebound = []
-        for tables, slots, tensor in zip(self._buffer_tables, state.buffer_slots, buffers, strict=True):
-            for (table, name), slot in zip(tables, slots, strict=True):
+        for tables, paths, tensor in zip(self._buffer_tables, state.buffer_paths, buffers, strict=True):
+            for (table, name), where in zip(tables, paths, strict=True):
                 if table.get(name) is not tensor:
-                    rebound.append(f"{slot.module_path}.{slot.name}" if slot.module_path else slot.name)
+                    rebound.append(f"{where.module_path}.{where.name}" if where.module_path else where.name)
         return rebound

@@ -21,9 +21,9 @@ from lightning_roundpipe.engine.device import AbortSignal, Device, cuda_memory_b
 from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.figures import PipelineFigures
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.optim import HostOptimizer
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.step.thread import HostOptimizer
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.observe.trace import Timeline

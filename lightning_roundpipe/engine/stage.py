@@ -27,8 +27,8 @@ from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.call import Call, PipelineError
 from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, as_layer_input, single_argument
-from lightning_roundpipe.engine.optim import GradWindow
 from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.timing import Span
 from lightning_roundpipe.engine.transfer import (
     clone_tree,
@@ -59,8 +59,9 @@ class Task:
     upload_done: HostEvent
     done: HostEvent
     needs_grad: bool          # the job differentiates (fused, backward)
-    # its gradients' slots in the step's window, (layer, position in the layer's params), and its ticket there
-    grad_slots: list[tuple[int, int]] = field(default_factory=list)
+    # where each of its slots in the step's window takes its gradient from: (layer, position in the layer's
+    # params); and its ticket there
+    grad_positions: list[tuple[int, int]] = field(default_factory=list)
     ticket: int = -1
     # per layer, from bind to unbind: the replica's attributes as bound, and the buffers bound into it
     bound: dict[int, tuple[replicas.AttributeSnapshot, list[torch.Tensor]]] = field(default_factory=dict)
@@ -115,7 +116,7 @@ class StageRunner:
         self.recompute = recompute
         self._deferred_batchnorm = deferred_batchnorm
         # per layer, the BatchNorms whose running statistics forward and fused jobs commit once per call
-        self._norms = ([batchnorm.norm_slots(layer, state) for layer, state in zip(trunk.layers, trunk.states,
+        self._norms = ([batchnorm.norm_buffers(layer, state) for layer, state in zip(trunk.layers, trunk.states,
                                                                                    strict=True)]
                        if deferred_batchnorm else [[] for _ in trunk.layers])
         self.timeline = timeline
@@ -134,7 +135,7 @@ class StageRunner:
             for bindings in self._bindings:
                 bindings.pop(layer, None)
             if self._deferred_batchnorm:
-                self._norms[layer] = batchnorm.norm_slots(self.trunk.layers[layer], self.trunk.states[layer])
+                self._norms[layer] = batchnorm.norm_buffers(self.trunk.layers[layer], self.trunk.states[layer])
 
     def replica(self, device: Device, layer: int) -> nn.Module:
         return self._binding(device, layer).replica

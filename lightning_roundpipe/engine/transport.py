@@ -14,7 +14,7 @@ than one per upload, and devices read it:
   wait for the step's weights run (2 bytes per parameter on the host, for bfloat16 and float16). A
   master written outside a step (a callback swapping in averaged weights, ``load_state_dict``) is seen by
   its version counter and cast again at its next upload, so sync mode stays exact;
-* async mode: the copy *is* the published copy of ``optim.py`` (refreshed at publish), so one copy
+* async mode: the copy *is* the async step's published copy (``step/__init__.py``, refreshed at publish), so one copy
   serves both jobs and costs nothing extra; the other trainable weights keep a published copy in their
   own dtype.
 
@@ -59,10 +59,10 @@ def autocast_only_weights(trunk: Trunk, dtype: torch.dtype) -> list[set[int]]:
 def layer_autocast_only_weights(layer: nn.Module, state: LayerState, dtype: torch.dtype) -> set[int]:
     """:func:`autocast_only_weights` of one layer. Autocast casts float32 tensors only (a float64 weight, of a
     module made float64 mid-training say, stays float64 under autocast), so only float32 weights qualify."""
-    return {id(param) for param, slots in zip(state.params, state.param_slots, strict=True)
+    return {id(param) for param, paths in zip(state.params, state.param_paths, strict=True)
             if param.dtype == torch.float32 and param.element_size() > dtype.itemsize and all(
-                slot.name in ("weight", "bias")
-                and type(layer.get_submodule(slot.module_path)).forward in _AUTOCAST_FORWARDS for slot in slots)}
+                where.name in ("weight", "bias")
+                and type(layer.get_submodule(where.module_path)).forward in _AUTOCAST_FORWARDS for where in paths)}
 
 
 def layer_device_bytes(state: LayerState, low_precision: set[int], transport: torch.dtype | None) -> tuple[int, int]:
@@ -138,7 +138,7 @@ def upload_copy_bytes(trunk: Trunk, *, async_step: bool, transport: torch.dtype 
 class UploadSources:
     """The host tensors devices upload each trunk parameter from.
 
-    ``async_step``: trainable weights are read from a published copy (see ``optim.py``), never from the
+    ``async_step``: trainable weights are read from a published copy (see ``step/__init__.py``), never from the
     masters the optimizer writes. ``transport``: the low-precision dtype of autocast-only weights (see the
     module docstring), or None to upload every weight as stored.
     """

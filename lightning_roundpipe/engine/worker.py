@@ -9,7 +9,7 @@ microbatches::
     param upload  [1] wait released[k-2]   [2] wait weights   [3] wait buffers
                   upload params -> params_ready ----------------------+
                                                                       |
-    act upload    per m: [4] wait the host slots of input m           |
+    act upload    per m: [4] wait the host cells of input m           |
                          upload input m -> inputs_uploaded[m] --+     |
                                                                 |     |
     compute       [5] wait params_ready <-----------------------|-----+
@@ -19,7 +19,7 @@ microbatches::
                   unbind -> job_computed ----------------+      |
                                                          |      |
     download      per m: [7] wait computed[m] <----------|------+
-                         download m -> its host slots set ==> [4] of the jobs (or the caller) reading them
+                         download m -> its host cells set ==> [4] of the jobs (or the caller) reading them
                   [8] wait job_computed <----------------+
                   finish -> released[k] ==> [1] of job k+2 on this device
 
@@ -27,25 +27,25 @@ microbatches::
     its memory. The worker enqueues job k+1's upload before job k's compute (prefetch), so the upload
     overlaps job k's compute once job k-1 is released.
 [2] The weights of the last optimizer step queued before the job: sync mode waits until the step has
-    written them, async mode until it has published its copy (see ``optim.py``), each only for the
-    parameters this stage uploads (the step runs stage by stage: ``step_groups.py``). A host wait,
+    written them, async mode until it has published its copy (see ``step/__init__.py``), each only for the
+    parameters this stage uploads (the step runs stage by stage: ``step/groups.py``). A host wait,
     timed: it is the part of the step the pipeline does not hide.
 [3] A job that writes buffers (forward, fused) uploads them once the previous job writing the same
     layers' buffers has copied them back to the host (its [8]).
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
-    backward job, its checkpoints and buffer snapshots: host slots another device's download fills.
+    backward job, its checkpoints and buffer snapshots: host cells another device's download fills.
 [4'] A backward job's microbatch is two uploads and two computes: its checkpoints and snapshots upload,
     and its deepest recompute group (the whole stage at stage grain) recomputes, *ahead* of its output
     gradient, which uploads after them; the backward proper waits for it. The recompute then overlaps the
     previous stage's work instead of following it (a device runs a microbatch's recompute right after the
     previous microbatch's backward, as the paper's simulator does).
-    Each slot is consumed after its copy, which drops the host value after its last counted reader. On a
+    Each cell is consumed after its copy, which drops the host value after its last counted reader. On a
     GPU the copy is only enqueued then (no host sync): the host memory outlives it (see ``upload``).
 [5] Parameters and buffers are on the device: bind them into the device's layer replicas.
 [6] Microbatch m computes once its own inputs are there. They have their own stream, so a long
     parameter prefetch never delays them, and input m+1 uploads while m computes.
-[7] The host slots are filled once their copies are: on a CPU stand-in the download stream synchronizes
-    first; on a GPU each slot carries a CUDA event recorded after its copies, which the reading upload
+[7] The host cells are filled once their copies are: on a CPU stand-in the download stream synchronizes
+    first; on a GPU each cell carries a CUDA event recorded after its copies, which the reading upload
     stream waits for on the GPU ([4]) and a host reader (the caller) synchronizes. A stage boundary thus
     costs no host sync on a GPU, only GPU-side event waits.
 [8] Every microbatch has computed and the replicas are unbound: the job's gradients go into the
@@ -64,7 +64,7 @@ microbatch computes, what its layers save for backward is held in the device's r
 
 In stress mode (``EngineOptions.stress``, CPU stand-ins only) every copy lands late (see ``device.py``)
 and what the engine releases is poisoned where it is released: a microbatch's device inputs after its
-compute, its device outputs after their download, a stage's copy at [8], and a downloaded host slot
+compute, its device outputs after their download, a stage's copy at [8], and a downloaded host cell
 after its last counted reader's copy [4]. Tensors the outputs or the stage's copy still share are kept.
 """
 
@@ -86,7 +86,7 @@ from lightning_roundpipe.engine.device import (
     join_until,
 )
 from lightning_roundpipe.engine.feedback import Measurements
-from lightning_roundpipe.engine.operations import DeviceInputs, DeviceOutputs, InputSlots, StageOperations
+from lightning_roundpipe.engine.operations import DeviceInputs, DeviceOutputs, InputCells, StageOperations
 from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
 from lightning_roundpipe.planning.schedule import StageKind
 
@@ -224,24 +224,24 @@ class Worker:
         job, device, operations = task.job, self.device, self.operations
         where = f"stage {job.label} (job {job.index}) microbatch {microbatch} on device {device.index}"
         handoff = _Handoff()
-        slots = operations.input_slots(task, microbatch)
+        cells = operations.input_cells(task, microbatch)
         compute = device.compute_stream
         if job.kind is StageKind.BACKWARD:
             # [4'] the recompute needs only the checkpoints, on the host long before: it runs ahead of the
             # output gradient, so that only the backward proper waits for the previous stage
-            recompute_inputs = InputSlots(None, slots.checkpoints, slots.snapshots)
+            recompute_inputs = InputCells(None, cells.checkpoints, cells.snapshots)
             compute.wait_event(self._enqueue_input_upload(task, microbatch, recompute_inputs, handoff, where))  # [6]
 
             def recompute() -> None:
                 handoff.recomputed = operations.recompute(task, stage_copy, microbatch, handoff.take_inputs())
 
             compute.submit(_named(recompute, lambda: f"recomputing {where}", device))
-            gradients = InputSlots(slots.layer_input)
+            gradients = InputCells(cells.layer_input)
             compute.wait_event(self._enqueue_input_upload(task, microbatch, gradients, handoff, where,
                                                           gradients=True))
             take = handoff.take_recomputed
         else:
-            compute.wait_event(self._enqueue_input_upload(task, microbatch, slots, handoff, where))  # [6]
+            compute.wait_event(self._enqueue_input_upload(task, microbatch, cells, handoff, where))  # [6]
             take = handoff.take_inputs
 
         def run() -> None:  # the inputs are passed on, not held here: the compute releases them
@@ -255,17 +255,17 @@ class Worker:
 
         device.download_stream.submit(_named(download, lambda: f"downloading the outputs of {where}", device))
 
-    def _enqueue_input_upload(self, task: Task, microbatch: int, slots: InputSlots, handoff: _Handoff,
+    def _enqueue_input_upload(self, task: Task, microbatch: int, cells: InputCells, handoff: _Handoff,
                               where: str, *, gradients: bool = False) -> HostEvent:
-        """[4] on the activation stream: ``slots`` to the device, into ``handoff.inputs`` (``gradients``: a
+        """[4] on the activation stream: ``cells`` to the device, into ``handoff.inputs`` (``gradients``: a
         backward job's output gradients, uploaded after its recompute inputs, into ``handoff.gradients``);
         returns the event after the copies (``inputs_uploaded[m]``)."""
         acts = self.device.act_stream
-        for slot in slots.all():
-            acts.wait_event(slot.event)  # [4]
+        for cell in cells.all():
+            acts.wait_event(cell.event)  # [4]
 
         def upload() -> None:
-            inputs = self.operations.upload_inputs(task, microbatch, slots)
+            inputs = self.operations.upload_inputs(task, microbatch, cells)
             if gradients:
                 handoff.gradients = inputs
             else:

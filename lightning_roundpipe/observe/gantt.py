@@ -133,13 +133,13 @@ def draw_timeline(events: Iterable[TimelineEvent], path: str | os.PathLike[str],
     optimizer, time in ms from the first event. ``num_devices`` also shows devices that recorded nothing."""
     events = sorted(events, key=lambda e: e.start)
     origin = events[0].start if events else 0.0
-    devices = sorted({e.device for e in events if e.device >= 0} | set(range(num_devices or 0)))
-    has_optimizer = any(e.device < 0 for e in events)
+    devices = sorted({e.device for e in events if e.device is not None} | set(range(num_devices or 0)))
+    has_optimizer = any(e.device is None for e in events)
     rows = [f"device {d}" for d in devices] + ([HOST_OPTIMIZER] if has_optimizer else [])
     row_of = {d: i for i, d in enumerate(devices)}
     bars = []
     for e in events:
-        row = row_of.get(e.device, len(devices))
+        row = len(devices) if e.device is None else row_of[e.device]  # the host's row last
         lane = _LANE_OF_KIND.get(e.kind, "main")
         text = f"{e.label}.{e.microbatch}" if e.kind in COMPUTE_KINDS else e.label if e.kind == "optimizer" else ""
         bars.append(_Bar(row, lane, (e.start - origin) * 1e3, (e.end - origin) * 1e3, e.kind, text))

@@ -13,7 +13,7 @@ a time, so events of one track never overlap)::
     upload_acts                   activation uploads    (device d, "activations upload")
     forward, fused, backward      compute               (device d, "compute")
     download, release             downloads, gradients  (device d, "download")
-    optimizer                     the host optimizer step (device -1, "host optimizer")
+    optimizer                     the host optimizer step (on the host: no device, "host optimizer")
 
 Compute events are device time (``engine/timing.py``): on a GPU the span the GPU ran the microbatch, measured
 with CUDA events and placed on the host clock, added once the job has finished; other events are the host
@@ -47,27 +47,27 @@ _STREAM_OF_KIND = {
     "download": "download", "release": "download",
 }
 HOST_OPTIMIZER = "host optimizer"
-"""The track of device ``-1``: optimizer steps on the host."""
+"""The track of the host's optimizer steps (events without a device)."""
 COMMUNICATION = "communication"
 """The host track of the data-parallel collectives: events of kind ``allreduce`` (the step's gradients averaged
 across processes) and ``broadcast`` (a sharded optimizer's updated weights sent by their owners)."""
 COMMUNICATION_KINDS = frozenset({"allreduce", "broadcast"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TimelineEvent:
-    """One operation: on ``device`` (-1 for the host optimizer), for ``job`` (its ring index and label).
+    """One operation of ``kind``, named ``label`` (a job's label, ``"step 4"``), from ``start`` to ``end``
+    (seconds since the timeline's origin): on ``device`` (``None``: on the host), for ``job`` (its ring index;
+    ``None``: no job, a host event), for ``microbatch`` (``None``: the whole job, a parameter upload or a
+    release, or a host event)."""
 
-    ``microbatch`` is -1 for per-job operations (parameter upload, release); ``start`` and ``end`` are
-    seconds since the timeline's origin."""
-
-    device: int
-    job: int
-    label: str
-    microbatch: int
     kind: str
+    label: str
     start: float
     end: float
+    device: int | None = None
+    job: int | None = None
+    microbatch: int | None = None
 
 
 def stream_of(kind: str) -> str:
@@ -78,10 +78,10 @@ def stream_of(kind: str) -> str:
 
 def event_name(event: TimelineEvent) -> str:
     """``"F3 mb1"`` for a microbatch's operation, ``"F3 params"`` / ``"F3 release"`` for a job's, and
-    the label itself (``"step 4"``) for an optimizer step."""
-    if event.kind == "optimizer":
+    the label itself (``"step 4"``, ``"average step 4 [0-1]"``) for a host event."""
+    if event.device is None or event.kind == "optimizer":
         return event.label
-    if event.microbatch >= 0:
+    if event.microbatch is not None:
         return f"{event.label} mb{event.microbatch}"
     return f"{event.label} {'params' if event.kind == 'upload_params' else event.kind}"
 
@@ -117,18 +117,22 @@ class Timeline:
     def now(self) -> float:
         return time.perf_counter() - self._origin
 
-    def add(self, device: int, job: int, label: str, microbatch: int, kind: str, start: float) -> None:
+    def add(self, kind: str, label: str, start: float, *, device: int | None = None, job: int | None = None,
+            microbatch: int | None = None) -> None:
+        """An operation from ``start`` (:meth:`now` when it began) until now (see :class:`TimelineEvent`)."""
         if self.enabled:
-            event = TimelineEvent(device, job, label, microbatch, kind, start, self.now())
+            event = TimelineEvent(kind=kind, label=label, start=start, end=self.now(), device=device, job=job,
+                                  microbatch=microbatch)
             with self._lock:
                 self._events.append(event)
 
-    def add_span(self, device: int, job: int, label: str, microbatch: int, kind: str, start: float,
-                 end: float) -> None:
+    def add_span(self, kind: str, label: str, start: float, end: float, *, device: int | None = None,
+                 job: int | None = None, microbatch: int | None = None) -> None:
         """An event measured elsewhere and added later (a device-time span, ``engine/timing.py``): ``start``
         and ``end`` on the host clock, ``time.perf_counter()`` seconds."""
         if self.enabled:
-            event = TimelineEvent(device, job, label, microbatch, kind, start - self._origin, end - self._origin)
+            event = TimelineEvent(kind=kind, label=label, start=start - self._origin, end=end - self._origin,
+                                  device=device, job=job, microbatch=microbatch)
             with self._lock:
                 self._events.append(event)
 
@@ -153,31 +157,36 @@ class Timeline:
 
 
 # ---------------------------------------------------------------------------- Chrome trace format
-def _tracks(events: Sequence[TimelineEvent], num_devices: int | None) -> dict[tuple[int, str], int]:
+def _tracks(events: Sequence[TimelineEvent], num_devices: int | None) -> dict[tuple[int | None, str], int]:
     """``(device, stream) -> tid`` for every device (all of ``range(num_devices)`` if given), every
-    stream of :data:`STREAMS`, any unknown kinds' tracks, and the host optimizer (tid 0, last)."""
-    devices = {e.device for e in events if e.device >= 0}
+    stream of :data:`STREAMS`, any unknown kinds' tracks, and the host's (device ``None``): the host
+    optimizer (tid 0, last), and the communication track if there are such events."""
+    devices = {e.device for e in events if e.device is not None}
     if num_devices is not None:
         devices |= set(range(num_devices))
-    extra = sorted({stream_of(e.kind) for e in events if e.device >= 0} - set(STREAMS))
-    tracks: dict[tuple[int, str], int] = {}
+    extra = sorted({stream_of(e.kind) for e in events if e.device is not None} - set(STREAMS))
+    tracks: dict[tuple[int | None, str], int] = {}
     for device in sorted(devices):
         for stream in (*STREAMS, *extra):
             tracks[(device, stream)] = len(tracks) + 1
-    tracks[(-1, HOST_OPTIMIZER)] = 0
-    if any(e.device < 0 and e.kind in COMMUNICATION_KINDS for e in events):
-        tracks[(-1, COMMUNICATION)] = len(tracks)
+    tracks[(None, HOST_OPTIMIZER)] = 0
+    if any(e.device is None and e.kind in COMMUNICATION_KINDS for e in events):
+        tracks[(None, COMMUNICATION)] = len(tracks)
     return tracks
 
 
 def host_stream(kind: str) -> str:
-    """The host track of an event of ``kind`` (device ``-1``)."""
+    """The host track of an event of ``kind`` (one without a device)."""
     return COMMUNICATION if kind in COMMUNICATION_KINDS else HOST_OPTIMIZER
 
 
-def track_name(device: int, stream: str) -> str:
+def track_name(device: int | None, stream: str) -> str:
     """``"device 0 · compute"``, ``"host optimizer"``, ``"communication"``."""
-    return stream if device < 0 else f"device {device} · {stream}"
+    return stream if device is None else f"device {device} · {stream}"
+
+
+_ABSENT = -1
+"""How a Chrome trace's ``args`` write an event's ``device``, ``job`` or ``microbatch`` of ``None``."""
 
 
 def chrome_trace(events: Iterable[TimelineEvent], *, process_name: str = "roundpipe",
@@ -195,24 +204,24 @@ def chrome_trace(events: Iterable[TimelineEvent], *, process_name: str = "roundp
     for (device, stream), tid in sorted(tracks.items(), key=lambda item: item[1]):
         trace.append({"ph": "M", "pid": 0, "tid": tid, "ts": 0, "name": "thread_name",
                       "args": {"name": track_name(device, stream)}})
-        sort_index = tid if device >= 0 else len(tracks) + tid  # the host tracks below the devices
+        sort_index = tid if device is not None else len(tracks) + tid  # the host tracks below the devices
         trace.append({"ph": "M", "pid": 0, "tid": tid, "ts": 0, "name": "thread_sort_index",
                       "args": {"sort_index": sort_index}})
     busy: dict[int, float] = {}
     for e in events:
-        stream = host_stream(e.kind) if e.device < 0 else stream_of(e.kind)
+        stream = host_stream(e.kind) if e.device is None else stream_of(e.kind)
         start = round((e.start - origin) * 1e6, 3)
         end = round((e.end - origin) * 1e6, 3)
         trace.append({
-            "ph": "X", "pid": 0, "tid": tracks[(e.device if e.device >= 0 else -1, stream)],
+            "ph": "X", "pid": 0, "tid": tracks[(e.device, stream)],
             "ts": start, "dur": max(0.0, round(end - start, 3)), "name": event_name(e), "cat": e.kind,
-            "args": {"device": e.device, "job": e.job, "label": e.label, "microbatch": e.microbatch,
-                     "kind": e.kind},
+            "args": {"device": _written(e.device), "job": _written(e.job), "label": e.label,
+                     "microbatch": _written(e.microbatch), "kind": e.kind},
         })
-        if e.kind in COMPUTE_KINDS:
+        if e.kind in COMPUTE_KINDS and e.device is not None:
             busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
     idle = {track_name(d, "compute"): round(1.0 - busy.get(d, 0.0) / span, 4) if span > 0 else 0.0
-            for d, _ in sorted(k for k in tracks if k[0] >= 0 and k[1] == "compute")}
+            for d, _ in sorted((d, s) for d, s in tracks if d is not None and s == "compute")}
     return {
         "traceEvents": trace,
         "displayTimeUnit": "ms",
@@ -271,7 +280,16 @@ def load_chrome_trace(path_or_file: str | os.PathLike[str] | IO[str]) -> list[Ti
         if item.get("ph") != "X" or "kind" not in args:
             continue
         start = item["ts"] / 1e6
-        events.append(TimelineEvent(int(args["device"]), int(args["job"]), str(args["label"]),
-                                    int(args["microbatch"]), str(args["kind"]), start,
-                                    start + item.get("dur", 0.0) / 1e6))
+        events.append(TimelineEvent(kind=str(args["kind"]), label=str(args["label"]), start=start,
+                                    end=start + item.get("dur", 0.0) / 1e6, device=_read(args["device"]),
+                                    job=_read(args["job"]), microbatch=_read(args["microbatch"])))
     return sorted(events, key=lambda e: e.start)
+
+
+def _written(value: int | None) -> int:
+    return _ABSENT if value is None else value
+
+
+def _read(value: Any) -> int | None:
+    """A trace's ``args`` value back: ``None`` for :data:`_ABSENT` (or a ``null``)."""
+    return None if value is None or int(value) == _ABSENT else int(value)

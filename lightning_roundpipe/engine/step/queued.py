@@ -1,12 +1,12 @@
 """One optimizer step, cut into step groups, run on the optimizer thread.
 
-:class:`~lightning_roundpipe.engine.stepping.StepQueue` decides on the caller's thread what a step is (its
+:class:`~lightning_roundpipe.engine.step.caller.StepQueue` decides on the caller's thread what a step is (its
 groups, the hyperparameters as they are at that call, the gradients lent from ``param.grad``) and queues a
 :class:`QueuedStep`, built from one :class:`StepRequest`; the optimizer thread
-(:class:`~lightning_roundpipe.engine.optim.HostOptimizer`) runs it, group by group as their
-gradients become final (``step_groups.py``), with what data parallel adds to each group: the averaging over
+(:class:`~lightning_roundpipe.engine.step.thread.HostOptimizer`) runs it, group by group as their
+gradients become final (``groups.py``), with what data parallel adds to each group: the averaging over
 the processes, and the sharded optimizer's broadcasts of the updated weights. In async mode it also publishes
-each group's weights for the next uploads (``optim.py``).
+each group's weights for the next uploads (``__init__.py`` says when).
 
 It lives apart from the engine because it is the part of a step that runs on the optimizer thread: it reads
 nothing of the engine's, only what it was handed when the step was queued, and what the engine learns from it
@@ -26,8 +26,9 @@ from torch import nn
 from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataParallel
 from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, step_with_groups
-from lightning_roundpipe.engine.step_groups import StepGroup
+from lightning_roundpipe.engine.step.groups import StepGroup
+from lightning_roundpipe.engine.step.thread import HostOptimizer, step_with_groups
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 
@@ -37,7 +38,7 @@ SENT_AHEAD = 1
 
 @dataclass(frozen=True)
 class StepRequest:
-    """What the caller's thread hands a :class:`QueuedStep` (``stepping.py`` builds it; the fields are described
+    """What the caller's thread hands a :class:`QueuedStep` (``caller.py`` builds it; the fields are described
     there and in :class:`QueuedStep`)."""
 
     # the step: what it steps, with which gradients and hyperparameters, and how
@@ -226,7 +227,7 @@ class QueuedStep:
         if self.averaging is None:
             return self._local_gradients(group)
         grads = self.averaging.receive(group.params)
-        self.timeline.add(-1, -1, f"average step {self.number} {group.label}", 0, "allreduce", self._sent_at[index])
+        self.timeline.add("allreduce", f"average step {self.number} {group.label}", self._sent_at[index])
         return grads
 
     def _label(self, group: StepGroup) -> str:
@@ -249,7 +250,7 @@ class QueuedStep:
         group = self.groups[index]
         start = time.perf_counter()
         in_flight.finish()
-        self.timeline.add(-1, -1, f"broadcast step {self.number} {group.label}", 0, "broadcast", started)
+        self.timeline.add("broadcast", f"broadcast step {self.number} {group.label}", started)
         if not self.async_step:  # the low-precision copies the next uploads read, from every owner's update
             with self.host.timed(self._label(group)):
                 self.sources.refresh(group.params)

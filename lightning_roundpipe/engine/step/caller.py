@@ -1,11 +1,11 @@
 """The caller's-thread half of an optimizer step: what a step is, decided where the gradients live.
 
 :class:`StepQueue` runs on the thread that calls ``RoundPipeEngine.step``: it checks the optimizer's parameters
-against the trunk, cuts the step into step groups (``step_groups.py``), closes the dispatcher's gradient window,
+against the trunk, cuts the step into step groups (``groups.py``), closes the dispatcher's gradient window,
 makes the gradients final in ``param.grad`` when a hook must see them (published, or averaged over the
 processes: the caller's-thread driver of :class:`~lightning_roundpipe.engine.dataparallel.Averaging`), and
-queues a :class:`~lightning_roundpipe.engine.queued_step.QueuedStep`, the optimizer-thread half, built from one
-:class:`~lightning_roundpipe.engine.queued_step.StepRequest`. It also keeps what the caller's thread must know of
+queues a :class:`~lightning_roundpipe.engine.step.queued.QueuedStep`, the optimizer-thread half, built from one
+:class:`~lightning_roundpipe.engine.step.queued.StepRequest`. It also keeps what the caller's thread must know of
 the steps in flight: the gradient tensors lent to them, the last step's end, and a step stopped part-way.
 """
 
@@ -24,10 +24,11 @@ from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
 from lightning_roundpipe.engine.device import HostEvent
 from lightning_roundpipe.engine.dispatch import Dispatcher
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.optim import GradWindow, HostOptimizer, snapshot_param_groups
 from lightning_roundpipe.engine.options import EngineOptions
-from lightning_roundpipe.engine.queued_step import QueuedStep, StepRequest
-from lightning_roundpipe.engine.step_groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
+from lightning_roundpipe.engine.step.groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
+from lightning_roundpipe.engine.step.queued import QueuedStep, StepRequest
+from lightning_roundpipe.engine.step.thread import HostOptimizer, snapshot_param_groups
+from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.observe.trace import Timeline
 
@@ -127,7 +128,7 @@ class StepQueue:
         return outside, unstepped
 
     def step_groups(self, optimizer: torch.optim.Optimizer, outside: list[nn.Parameter]) -> list[StepGroup]:
-        """How the next step of ``optimizer`` is cut (``step_groups.py``): by backward stage, shallowest first, or
+        """How the next step of ``optimizer`` is cut (``groups.py``): by backward stage, shallowest first, or
         whole; the optimizer's parameters ``outside`` the trunk step first, in a group of their own."""
         refusal = streaming_refusal(optimizer, self.options.streaming_step)
         if refusal != self._streaming_said:
@@ -229,7 +230,7 @@ class StepQueue:
             window.wait_complete()
         window.publish(lent)  # trainable trunk parameters the optimizer does not step
         averaging.finish()
-        timeline.add(-1, -1, f"average step {self.dispatcher.step}", 0, "allreduce",
+        timeline.add("allreduce", f"average step {self.dispatcher.step}",
                      timeline.now() if started is None else started)
 
     def _lent_now(self) -> frozenset[int]:

@@ -1,6 +1,6 @@
 """The host optimizer's kernels: torch's fused CPU step where it is safe, and the step's measured cost.
 
-The engine steps the user's optimizer on the host (:mod:`.optim`). On CPU parameters, torch runs
+The engine steps the user's optimizer on the host (:mod:`.thread`). On CPU parameters, torch runs
 ``Adam``, ``AdamW`` and ``SGD`` as a loop of one tensor operation after another unless the optimizer was
 built with ``fused=True`` (one pass over each tensor). Measured with torch 2.13
 (``benchmarks/host_optimizer.py``: 5 steps, fp32 and fp64, under ``ATEN_CPU_CAPABILITY`` avx512, avx2 and
@@ -25,7 +25,7 @@ Hence the engine option ``host_optimizer``:
 
 Either way only a group the user left to torch (``fused`` and ``foreach`` unset) of exactly those classes
 switches (:func:`fused_refusal`), and only in the step's own copy of the groups
-(:func:`~.optim.step_with_groups`): the user's ``param_groups`` and ``state_dict()`` stay as built. Both
+(:func:`~.thread.step_with_groups`): the user's ``param_groups`` and ``state_dict()`` stay as built. Both
 paths keep the same state (``step`` a 0-dim fp32 CPU tensor, ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq``
 and ``momentum_buffer`` like the parameter), so either steps state the other made: a checkpoint saved here
 resumes under plain Lightning, and the other way round.
@@ -109,7 +109,7 @@ def _gradients_allow(optimizer: Any, group: dict) -> bool:
 
 
 def use_fused(optimizer: Any, groups: list[dict], host_kernels: str) -> list[dict]:
-    """``groups`` (the step's own copies, :func:`~.optim.snapshot_param_groups`) with ``fused=True`` set in
+    """``groups`` (the step's own copies, :func:`~.thread.snapshot_param_groups`) with ``fused=True`` set in
     those ``host_optimizer=host_kernels`` steps with torch's fused CPU kernel. Run on the optimizer thread,
     once the gradients are in place."""
     for group in groups:
