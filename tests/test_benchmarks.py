@@ -59,7 +59,8 @@ def test_every_benchmark_runs_in_smoke_mode_in_a_smoke_test():
         else:
             source = _smoke_test_source(where)
             assert source is not None, f"{where} is gone or not marked smoke"
-            assert f'"{script}"' in source and '"--smoke"' in source, f"{where} does not run {script} --smoke"
+            # ast.unparse writes string constants with repr()
+            assert repr(script) in source and repr("--smoke") in source, f"{where} does not run {script} --smoke"
 
 
 @pytest.mark.smoke
