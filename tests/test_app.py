@@ -132,7 +132,6 @@ def test_impossible_values_fail_before_training_naming_the_key(overrides, key, t
     assert key in str(error.value)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("experiment", _options("experiment"))
 def test_every_experiment_preset_runs(experiment, tmp_path):
     cfg = _compose(f"experiment={experiment}", "trainer.fast_dev_run=true", "sample_tokens=8", *TINY)

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -41,6 +43,7 @@ def _gpu_check():
     return module
 
 
+@pytest.mark.smoke
 def test_the_gpu_check_runs_every_section_in_smoke_mode(tmp_path):
     """``benchmarks/gpu.py --smoke`` runs every section on CPU, from any folder, so the GPU check is debugged
     before a GPU is at hand; what needs CUDA says so."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import datetime
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -90,11 +91,13 @@ class Benchmark:
     that only set sizes or durations, each as written, e.g. ``"--width 1448"``: ``--smoke`` sets its own); its output
     must match each of ``expect`` (regular expressions, searched line by line). ``grows``: the exit status may be
     1, the benchmark's own verdict that something grew (a smoke run is too short for that verdict to mean anything;
-    the verdict line must still be printed)."""
+    the verdict line must still be printed). ``json``: the run also writes ``--json FILE``, whose object must hold
+    these keys (what a reader of the results looks up)."""
 
     expect: tuple[str, ...]
     sized: tuple[str, ...] = ()
     grows: bool = False
+    json: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,17 +200,19 @@ COMMANDS: dict[str, Check] = {
     "python benchmarks/sync_async.py [--quick] --layers 8 --width 1448": Benchmark(
         (r"^\| configuration \| variant \| ms/step \|", r"^\| clip 1\.0 \| async, streaming_step off \|",
          r"^Verdict, no clipping: sync/async \d\.\d\d \(target >= 0\.95\) (MET|NOT MET)$",
-         r"^With clipping: sync/async \d"), sized=("--quick", "--layers 8", "--width 1448")),
+         r"^With clipping: sync/async \d"), sized=("--quick", "--layers 8", "--width 1448"),
+        json=("config", "streaming_step", "strategy_streaming_step", "sizing", "calibration", "summary", "clip_bound",
+              "rounds", "seconds")),
     "python benchmarks/overhead.py [--quick]": Benchmark(
         (r"^variant +ms/step +tokens/s", r"^\(c\) roundpipe, 1 device", r"^Verdict: \(c\)/\(b\) = \d"),
-        sized=("--quick",)),
+        sized=("--quick",), json=("config", "summary", "rounds", "seconds")),
     "python benchmarks/memory.py [--quick] [--transport off]": Benchmark(
         (r"^Device memory \(engine accounting", r"^Host bytes per parameter", r"^total +\d+\.\d\d +\d+\.\d\d$",
          r"^uploaded B/param/step", r"^Verdict: device peaks within the limit; host: sync \d"),
-        sized=("--quick",)),
+        sized=("--quick",), json=("config", "parameters", "parameter_bytes", "limit", "results")),
     "python benchmarks/soak.py [--steps 2000]": Benchmark(
         (r"^ +step +seconds +rss MiB +fds +threads", r"^ +8 ", r"^verdict: .*(no thread left after teardown|GREW)"),
-        sized=("--steps 2000",), grows=True),
+        sized=("--steps 2000",), grows=True, json=("samples", "problems")),
     # README: the GPU check
     "python benchmarks/gpu.py --out $OUT/gpu_results.json": NotRun(_GPU),
     "python benchmarks/gpu.py --smoke": Covered(_GPU_SMOKE, ('"--smoke"', '"gpu.py"')),
@@ -466,6 +471,9 @@ def _check_benchmark(command: str, check: Benchmark, tmp_path: pathlib.Path) -> 
         at = next((i for i in range(len(arguments)) if arguments[i:i + len(sized.split())] == sized.split()), None)
         assert at is not None, (sized, command)
         del arguments[at:at + len(sized.split())]
+    if check.json:
+        assert '"--json"' in source, f"{words[1]} has no option --json"
+        arguments += ["--json", "results.json"]
     result = subprocess.run([sys.executable, str(script), *arguments, "--smoke"], capture_output=True, text=True,
                             cwd=tmp_path, timeout=300)
     assert result.returncode in ((0, 1) if check.grows else (0,)), result.stderr[-3000:]
@@ -474,6 +482,10 @@ def _check_benchmark(command: str, check: Benchmark, tmp_path: pathlib.Path) -> 
     assert not absent, f"{command} --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"
     for picture in [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--plot"]:
         assert (tmp_path / picture).stat().st_size > 0, picture
+    if check.json:
+        written = json.loads((tmp_path / "results.json").read_text())
+        absent = [key for key in check.json if key not in written]
+        assert not absent, f"{command} --smoke --json wrote no {absent}: {sorted(written)}"
 
 
 def _check_compose(command: str, check: Compose) -> None:
@@ -533,7 +545,9 @@ def _check_the_suite() -> None:
 # expected of the resumed run: it checkpoints into its own folder, and resumes mid-epoch
 @pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:.*your dataloader is not resumable",
                             "ignore:a batch of 4 samples is smaller than `num_microbatches=6`")  # SMOKE's 4 val windows
-@pytest.mark.parametrize("command", list(COMMANDS), ids=lambda command: re.sub(r"\W+", "_", command)[:60])
+@pytest.mark.parametrize("command", [  # a benchmark's run is its --smoke mode: `pytest -m smoke` runs them all
+    pytest.param(command, marks=[pytest.mark.smoke] if isinstance(check, Benchmark) else []) for command, check in
+    COMMANDS.items()], ids=lambda command: re.sub(r"\W+", "_", command)[:60])
 def test_the_documented_command_runs(command, workspace, monkeypatch, tmp_path):
     check = COMMANDS[command]
     if isinstance(check, Benchmark):
