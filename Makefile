@@ -17,10 +17,12 @@ $(PY):
 .PHONY: install test
 install: $(PY)
 
-test: $(PY)  # static checks first (seconds), then the suite
+# static checks first (seconds), then every test, on every core with pytest-xdist (at most 4 workers, for memory),
+# a test file to a worker so that its processes start once; the 15 slowest tests are printed
+test: $(PY)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=15
 
 .PHONY: train demo
 train: $(PY)  # the main job: Hydra app, embedded default (a small GPT on the Python standard library)

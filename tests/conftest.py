@@ -28,6 +28,21 @@ def _sigint_handler() -> Generator[None, None, None]:
         signal.signal(signal.SIGINT, handler)
 
 
+# The files that take a minute or more, most first (each launches processes: rings in several processes, the app,
+# benchmarks, a wheel in a fresh venv). `make test` runs the suite on every core with pytest-xdist, a file to a
+# worker (`--dist loadfile`, so a file's processes start once); a worker takes the next file when it is done,
+# so the longest files must start first or one of them ends the run alone.
+LONGEST_FIRST = ("test_scaleout.py", "test_dataparallel.py", "test_app.py", "test_readme_commands.py",
+                 "test_examples.py", "test_reassigned_state.py", "test_faults.py", "test_startup_hook.py",
+                 "test_transparency.py", "test_strategy.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the files longest first (:data:`LONGEST_FIRST`); the tests of a file keep their order."""
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     """A Ctrl-C that lands inside ``Trainer.fit`` reaches pytest as a ``SystemExit(1)``: Lightning catches the

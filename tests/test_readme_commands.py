@@ -536,8 +536,12 @@ def _check_the_suite() -> None:
     assert ci[-1] == "make test", ci
     recipe = _make_dry_run("test")
     assert recipe.returncode == 0, recipe.stderr
-    assert recipe.stdout.splitlines()[-3:] == [".venv/bin/ruff check .", ".venv/bin/mypy",
-                                              ".venv/bin/python -m pytest -q"], recipe.stdout  # every test
+    *_, ruff, mypy, pytest = recipe.stdout.splitlines()
+    assert [ruff, mypy] == [".venv/bin/ruff check .", ".venv/bin/mypy"], recipe.stdout
+    assert pytest.startswith(".venv/bin/python -m pytest -q"), recipe.stdout
+    # every test: nothing deselected (workers and reporting options only)
+    options = pytest.removeprefix(".venv/bin/python -m pytest").split()
+    assert not {"-m", "-k", "--deselect", "--ignore", "--lf", "-x"} & set(options), pytest
     tests_section = (REPO / "README.md").read_text().split("\n## Tests\n", 1)[1]
     assert tests_section.lstrip().startswith("`make test` runs"), tests_section[:200]
 
