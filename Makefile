@@ -22,7 +22,7 @@ install: $(PY)
 test: $(PY)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15
 
 .PHONY: train demo
 train: $(PY)  # the main job: Hydra app, embedded default (a small GPT on the Python standard library)

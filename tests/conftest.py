@@ -30,11 +30,11 @@ def _sigint_handler() -> Generator[None, None, None]:
 
 # The files that take a minute or more, most first (each launches processes: rings in several processes, the app,
 # benchmarks, a wheel in a fresh venv). `make test` runs the suite on every core with pytest-xdist, a file to a
-# worker (`--dist loadfile`, so a file's processes start once); a worker takes the next file when it is done,
-# so the longest files must start first or one of them ends the run alone.
-LONGEST_FIRST = ("test_scaleout.py", "test_dataparallel.py", "test_app.py", "test_readme_commands.py",
-                 "test_examples.py", "test_reassigned_state.py", "test_faults.py", "test_startup_hook.py",
-                 "test_transparency.py", "test_strategy.py")
+# worker (`--dist loadfile`, so a file's processes start once, in this order: `--no-loadscope-reorder`); a worker
+# takes the next file when it is done, so the longest files must start first or one of them ends the run alone.
+LONGEST_FIRST = ("test_scaleout.py", "test_app.py", "test_startup_hook.py", "test_readme_commands.py",
+                 "test_examples.py", "test_dataparallel.py", "test_transparency.py", "test_random_streams.py",
+                 "test_deferred_batchnorm.py", "test_strategy.py", "test_stress.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -106,10 +106,9 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, async_step: bool,
-             clip: bool, shard: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                           timeout=timedelta(seconds=TIMEOUT))
+def _train(rank: int, average: bool, lose_rank_1: bool, async_step: bool, clip: bool, shard: bool) -> dict:
+    """One run of ``STEPS`` steps on this process's ring, in the process group already joined; what it ends with
+    (or the error it raised, for the parent to read)."""
     gate = _Gate()
     all_reduce = dist.all_reduce
 
@@ -150,29 +149,54 @@ def _process(rank: int, store: str, out: str, average: bool, lose_rank_1: bool, 
             optimizer.load_state_dict(full)
             data_parallel.drop_unowned_state(optimizer)
             result["kept_after_load"] = sorted(index for index, param in enumerate(params) if param in optimizer.state)
-        if rank == 0:
-            torch.save(result, out)
+        return result
     except BaseException as error:  # noqa: BLE001 - the parent reads what happened
+        return {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+    finally:
+        dist.all_reduce = all_reduce
+
+
+def _process(rank: int, store: str, out: str, runs: dict[str, dict[str, bool]]) -> None:
+    """Each of ``runs`` (name: :func:`_train`'s keywords) in turn, in one process group: starting the processes
+    (importing torch in each) costs more than a run."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=TIMEOUT))
+    try:
+        results = {}
+        for name, keywords in runs.items():
+            results[name] = _train(rank, **{**RUN_DEFAULTS, **keywords})
+            if "error" in results[name]:
+                break  # the process group may be broken
         if rank == 0:
-            torch.save({"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}, out)
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, *, average: bool = True, lose_rank_1: bool = False, async_step: bool = False,
-         clip: bool = False, shard: bool = False) -> dict:
+RUN_DEFAULTS = {"average": True, "lose_rank_1": False, "async_step": False, "clip": False, "shard": False}
+
+
+def _run_all(tmp_path: Path, runs: dict[str, dict[str, bool]]) -> dict[str, dict]:
+    """Start ``WORLD`` processes that do ``runs`` one after another; each run's result (or error) by name."""
     out = tmp_path / "rank0.pt"
-    context = mp.start_processes(_process, args=(str(tmp_path / "store"), str(out), average, lose_rank_1,
-                                                 async_step, clip, shard),
+    context = mp.start_processes(_process, args=(str(tmp_path / "store"), str(out), runs),
                                  nprocs=WORLD, join=False, start_method="spawn")
     for process in context.processes:
-        process.join(TIMEOUT * 2)
+        process.join(TIMEOUT * 2 * len(runs))
     alive = [process.pid for process in context.processes if process.is_alive()]
     for process in context.processes:
         if process.is_alive():
             process.kill()
     assert not alive, f"processes {alive} were still running"
-    return torch.load(out, weights_only=False)
+    results = torch.load(out, weights_only=False)
+    for name in runs:
+        assert name in results, f"run {name!r} did not happen: an earlier run failed: {results}"
+    return results
+
+
+def _run(tmp_path: Path, **keywords: bool) -> dict:
+    """One run in processes of its own (the lost process: it ends them)."""
+    return _run_all(tmp_path, {"run": keywords})["run"]
 
 
 def _reference(ranks: list[int], clip: bool = False, optimizer_state: list | None = None) -> dict[str, torch.Tensor]:
@@ -214,9 +238,20 @@ def _async_reference(ranks: list[int]) -> dict[str, torch.Tensor]:
     return delayed_update_reference(_model(), _optimizer, STEPS, mean_gradients)[0]
 
 
+# every healthy run, started once for the module (the lost process has processes of its own)
+RUNS = {"averaged": {}, "clip": {"clip": True}, "alone": {"average": False}, "async": {"async_step": True},
+        **{f"sharded-{mode}": {"shard": True, "clip": mode == "clip", "async_step": mode == "async"}
+           for mode in ("sync", "clip", "async")}}
+
+
 @pytest.fixture(scope="module")
-def averaged(tmp_path_factory) -> dict:
-    return _run(tmp_path_factory.mktemp("averaged"))
+def runs(tmp_path_factory) -> dict[str, dict]:
+    return _run_all(tmp_path_factory.mktemp("runs"), RUNS)
+
+
+@pytest.fixture
+def averaged(runs) -> dict:
+    return runs["averaged"]
 
 
 def test_two_rings_average_their_gradients_as_plain_pytorch_does(averaged):
@@ -231,35 +266,35 @@ def test_two_rings_average_their_gradients_as_plain_pytorch_does(averaged):
     assert torch.equal(ours["2.unused"], torch.ones(3, dtype=torch.float64))
 
 
-def test_clipping_sees_the_averaged_gradients(tmp_path):
-    run = _run(tmp_path, clip=True)
+def test_clipping_sees_the_averaged_gradients(runs):
+    run = runs["clip"]
     assert "error" not in run, run.get("trace")
     assert_states_float64_equal(run["state"], _reference([0, 1], clip=True))
     assert run["waited"] and all(run["waited"]), run["waited"]  # sent while the backward ran, here too
 
 
-def test_without_averaging_a_ring_learns_from_its_own_share_only(averaged, tmp_path):
+def test_without_averaging_a_ring_learns_from_its_own_share_only(averaged, runs):
     """The negative control: each process on its own gives rank 0's data only, far from the averaged run."""
-    alone = _run(tmp_path, average=False)
+    alone = runs["alone"]
     assert "error" not in alone, alone.get("trace")
     assert_states_float64_equal(alone["state"], _reference([0]))
     moved = max((averaged["state"][name] - alone["state"][name]).abs().max().item() for name in alone["state"])
     assert moved > 1e-4
 
 
-def test_async_rings_equal_the_delayed_update_with_averaged_gradients(tmp_path):
-    run = _run(tmp_path, async_step=True)
+def test_async_rings_equal_the_delayed_update_with_averaged_gradients(runs):
+    run = runs["async"]
     assert "error" not in run, run.get("trace")
     assert_states_float64_equal(run["state"], _async_reference([0, 1]))
 
 
 @pytest.mark.parametrize("mode", ["sync", "clip", "async"])
-def test_a_sharded_optimizer_takes_the_same_steps_with_part_of_the_state(averaged, tmp_path, mode):
+def test_a_sharded_optimizer_takes_the_same_steps_with_part_of_the_state(averaged, runs, mode):
     """shard_optimizer: each process keeps AdamW's state of the parameters it owns only and broadcasts them once
     stepped; the weights equal plain PyTorch's (the optimizer thread averaging and stepping by part; clipping,
     averaged on the caller's thread; the async delayed update). The state a checkpoint gathers on process 0 equals
     plain PyTorch's optimizer state, and a process that loads it keeps only what it owns."""
-    run = _run(tmp_path, shard=True, clip=mode == "clip", async_step=mode == "async")
+    run = runs[f"sharded-{mode}"]
     assert "error" not in run, run.get("trace")
     reference_state: list = []
     reference = (_async_reference([0, 1]) if mode == "async"
@@ -311,33 +346,45 @@ def _average_gradients(data_parallel: DataParallel, params: list[nn.Parameter]) 
         data_parallel.start(params).finish()
 
 
-def _average_known(rank: int, store: str, out: str, reduce_dtype: str | None) -> None:
-    """Average two float32 gradients whose values each process draws from its own seed."""
+def _average_known(rank: int, store: str, out: str, reduce_dtypes: list[str | None]) -> None:
+    """Average two float32 gradients whose values each process draws from its own seed, in each reduction dtype."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=TIMEOUT))
     try:
-        params = [nn.Parameter(torch.zeros(n)) for n in (1000, 37)]
-        for index, param in enumerate(params):
-            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * rank + index))
-        data_parallel = DataParallel(WORLD, rank, timeout=TIMEOUT,
-                                     reduce_dtype=None if reduce_dtype is None else getattr(torch, reduce_dtype))
-        _average_gradients(data_parallel, params)
+        results = {}
+        for reduce_dtype in reduce_dtypes:
+            params = [nn.Parameter(torch.zeros(n)) for n in (1000, 37)]
+            for index, param in enumerate(params):
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 * rank + index))
+            data_parallel = DataParallel(WORLD, rank, timeout=TIMEOUT,
+                                         reduce_dtype=None if reduce_dtype is None else getattr(torch, reduce_dtype))
+            _average_gradients(data_parallel, params)
+            results[reduce_dtype] = {"grads": [param.grad for param in params], "sent": data_parallel.sent_bytes}
         if rank == 0:
-            torch.save({"grads": [param.grad for param in params], "sent": data_parallel.sent_bytes}, out)
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("reduce_dtype", [None, "bfloat16"])
-def test_gradients_travel_in_the_reduction_dtype(tmp_path, reduce_dtype):
+REDUCE_DTYPES = [None, "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def averaged_known(tmp_path_factory) -> dict[str | None, dict]:
+    """Both reduction dtypes, averaged by one pair of processes."""
+    folder = tmp_path_factory.mktemp("known")
+    mp.start_processes(_average_known, args=(str(folder / "store"), str(folder / "rank0.pt"), REDUCE_DTYPES),
+                       nprocs=WORLD, join=True, start_method="spawn")
+    return torch.load(folder / "rank0.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("reduce_dtype", REDUCE_DTYPES)
+def test_gradients_travel_in_the_reduction_dtype(averaged_known, reduce_dtype):
     """float32: the mean is (g0 + g1) / 2 computed in float32, bitwise. bfloat16: half the bytes, and each
     element within bfloat16's rounding of the exact mean: each gradient and the sum are rounded to nearest once
     (relative error at most 2**-8 each: bfloat16 keeps 8 significant bits), so |ours - mean| <= 2**-8 (|g0| +
     |g1|) (plus 1% for the float32 steps)."""
-    out = tmp_path / "rank0.pt"
-    mp.start_processes(_average_known, args=(str(tmp_path / "store"), str(out), reduce_dtype), nprocs=WORLD,
-                       join=True, start_method="spawn")
-    result = torch.load(out, weights_only=False)
+    result = averaged_known[reduce_dtype]
     drawn = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + index))
               for index, n in enumerate((1000, 37))] for rank in range(WORLD)]
     elements = 1037
