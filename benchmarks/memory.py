@@ -198,8 +198,8 @@ class HostAccountant(pl.Callback):
         engine = self.engine
         for param in self.params:
             _add(seen, counts, "parameters", param)
-        for category, copies in (("low-precision copies", engine._sources._low),
-                                 ("published (full precision)", engine._sources._published)):
+        for category, copies in (("low-precision copies", engine._ring.sources._low),
+                                 ("published (full precision)", engine._ring.sources._published)):
             for copy in list(copies.values()):
                 _add(seen, counts, category, copy)
         states = list(self.optimizer.state.values())

@@ -354,7 +354,7 @@ def test_pinned_memory_follows_replaced_tensors(monkeypatch):
     model = _blocks().eval()
     with torch.no_grad(), RoundPipeEngine(model, 2, EngineOptions(num_microbatches=1, num_stages=3)) as engine:
         # as with a CUDA device in the ring; the CPU stand-ins read the same memory
-        engine.follower.start_pinning(engine._sources)
+        engine.follower.start_pinning(engine._ring.sources)
         old = model[0][1].running_mean.untyped_storage().data_ptr()
         assert ("register", old) in fake.calls
         model[0][1].running_mean = torch.randn(16)  # the module drops the old tensor

@@ -23,7 +23,7 @@ from lightning_roundpipe.engine.dataparallel import DataParallel
 from lightning_roundpipe.engine.device import AbortSignal, Device
 from lightning_roundpipe.engine.dispatch import Dispatcher
 from lightning_roundpipe.engine.errors import PipelineError
-from lightning_roundpipe.engine.feedback import Measurements, estimate_autocast_copies
+from lightning_roundpipe.engine.feedback import estimate_autocast_copies
 from lightning_roundpipe.engine.figures import cuda_memory_figures
 from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
@@ -31,10 +31,9 @@ from lightning_roundpipe.engine.lifecycle import Lifecycle
 from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
-from lightning_roundpipe.engine.stage import StageRunner
 from lightning_roundpipe.engine.step.caller import StepQueue
 from lightning_roundpipe.engine.step.window import GradWindow
-from lightning_roundpipe.engine.transport import UploadSources, layer_sizes, transport_torch_dtype
+from lightning_roundpipe.engine.transport import layer_sizes, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import Plan
 
@@ -77,9 +76,6 @@ class RoundPipeEngine:
         self._life = Lifecycle(self._abort, lambda: self.close(finish_steps=False), lambda: self.torn_step)
         self._failures_surfaced = self._life.surfaced  # waits woken by a failure raise it
         self._ring: Ring | None = None           # made by start(): the threads and what they share
-        self._sources: UploadSources | None = None  # the ring's, for the planner's feedback
-        self._runner: StageRunner | None = None
-        self._measurements: Measurements | None = None  # the ring's: what the planner learns after each step
         self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
         self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
@@ -97,7 +93,6 @@ class RoundPipeEngine:
         ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
                                        budget=self.device_budget, base_seed=self.base_seed, transport=self.transport,
                                        num_microbatches=self.num_microbatches, measure_times=not self.deterministic)
-        self._sources, self._runner, self._measurements = ring.sources, ring.runner, ring.measurements
         if self.options.pin_memory and ring.has_cuda:
             self.follower.start_pinning(ring.sources)
         ring.measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
@@ -306,7 +301,8 @@ class RoundPipeEngine:
         changed = self.follower.changed_layers()
         if changed:
             self.synchronize()
-            self.follower.follow_layers(changed, self._started_part(self._runner), self._started_part(self._sources),
+            ring = self._started_part(self._ring)
+            self.follower.follow_layers(changed, ring.runner, ring.sources,
                                         self.dispatcher.window)
             self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
 
@@ -317,7 +313,7 @@ class RoundPipeEngine:
         seed the random layers of the next steps), the ring position, the planner's plan and what it has learned,
         and the activation measurements it has not been given yet. Call it between steps, after
         :meth:`synchronize`, so that every measurement of the steps so far is in."""
-        measurements = self._measurements
+        measurements = self._ring.measurements if self._ring is not None else None
         return {
             "version": 1,
             "step": self.dispatcher.step,
@@ -351,11 +347,11 @@ class RoundPipeEngine:
     def _replan(self, closed: GradWindow) -> None:
         """After each step, what the planner learns (:meth:`Measurements.replan`)."""
         with self._failures_surfaced():
-            self._started_part(self._measurements).replan(self.planner, closed, self.layer_device_bytes)
+            self._started_part(self._ring).measurements.replan(self.planner, closed, self.layer_device_bytes)
 
     def _estimate_autocast_copies(self, context: CallContext) -> None:
         """Before anything is measured: room for autocast's weight copies (:func:`estimate_autocast_copies`)."""
-        estimate_autocast_copies(self.planner, self.trunk, self._started_part(self._sources),
+        estimate_autocast_copies(self.planner, self.trunk, self._started_part(self._ring).sources,
                                  context.autocast_dtype(self.torch_devices[0].type))
 
     def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
