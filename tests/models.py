@@ -27,10 +27,13 @@ class SharedLog(list):
 
 
 def bn_model(seed: int = 0) -> nn.Sequential:
+    # No bias before a BatchNorm: the normalization removes it, so its true gradient is 0 and AdamW would make
+    # its trajectory (and the running means it shifts) rounding noise scaled by lr / eps, ~1e-9 apart in float64
+    # between two kernels' summation orders (one and two threads), where float64 checks allow 1e-12.
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(),
-        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(),
+        nn.Linear(6, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(),
+        nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(),
         nn.Linear(16, 4),
     )
 

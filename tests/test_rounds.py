@@ -79,9 +79,8 @@ def _train_engine(model, batch, samples, loss_fn, weight_fn, devices, options, o
 def test_rounds_equal_plain_pytorch_in_float64(model_name, devices, round_size, recompute):
     """5 microbatches in rounds of 1, 2 or 3 (the last round shorter): the BatchNorm statistics go through the
     rounds in microbatch order, and every round's gradients reach the step. SGD with momentum: rounds sum the
-    microbatches' gradients in another order (round by round), and AdamW would turn that rounding noise on a
-    parameter whose true gradient is zero (the bias before a BatchNorm) into differences far above float64's
-    rounding; the float32 test below runs AdamW against the bound that allows for it."""
+    microbatches' gradients in another order (round by round); the float32 test below runs AdamW, which
+    scales rounding noise up, against the bound that allows for it."""
     model, batch, samples, loss_fn, weight_fn = transparency_case(model_name)
     sizes = split_sizes(samples, 5)
     reference_state, reference_losses = _train_reference(model, model_name, batch, samples, loss_fn, sizes,

@@ -168,8 +168,8 @@ def test_a_call_outside_autocast_uploads_full_precision():
     rounded = clone(model)
     with torch.no_grad():
         for layer in (rounded[0], rounded[3], rounded[6]):
-            layer.weight.copy_(layer.weight.bfloat16())
-            layer.bias.copy_(layer.bias.bfloat16())
+            for parameter in layer.parameters():
+                parameter.copy_(parameter.bfloat16())
     for async_step, reference in ((False, model), (True, rounded)):
         options = EngineOptions(num_microbatches=2, num_stages=2, async_step=async_step, transport_dtype="bfloat16")
         with torch.no_grad(), RoundPipeEngine(model, 2, options) as engine:
