@@ -335,35 +335,47 @@ def test_the_trunk_check_sees_each_kind_of_change_and_nothing_else():
 class FakeCudart:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.registered: dict[int, int] = {}  # start -> bytes
 
     def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
         self.calls.append(("register", pointer))
+        self.registered[pointer] = nbytes
         return 0
 
     def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
         self.calls.append(("unregister", pointer))
+        del self.registered[pointer]
         return 0
+
+    def pins(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage lies in a registered range (ranges are whole pages, see pinned.py)."""
+        storage = tensor.untyped_storage()
+        return any(start <= storage.data_ptr() and storage.data_ptr() + storage.nbytes() <= start + size
+                   for start, size in self.registered.items())
 
 
 def test_pinned_memory_follows_replaced_tensors(monkeypatch):
     """Without a GPU: a fake CUDA runtime records registrations. A buffer replaced between calls: its new
-    memory is registered, the old unregistered, and the old memory stays allocated until then (registered
-    memory freed and handed out again would stay registered under its new owner)."""
+    memory is registered, the old let go (its pages unregistered unless a tensor still used shares them), and the
+    old memory stays allocated until then (registered memory freed and handed out again would stay registered
+    under its new owner, or be unmapped under the registration)."""
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     model = _blocks().eval()
     with torch.no_grad(), RoundPipeEngine(model, 2, EngineOptions(num_microbatches=1, num_stages=3)) as engine:
         # as with a CUDA device in the ring; the CPU stand-ins read the same memory
         engine.follower.start_pinning(engine._ring.sources)
-        old = model[0][1].running_mean.untyped_storage().data_ptr()
-        assert ("register", old) in fake.calls
+        old_tensor = model[0][1].running_mean
+        old = old_tensor.untyped_storage().data_ptr()
+        assert fake.pins(old_tensor) and old in engine.follower.pinned._registered
         model[0][1].running_mean = torch.randn(16)  # the module drops the old tensor
-        assert ("unregister", old) not in fake.calls and old in engine.follower.pinned._registered
+        assert fake.pins(old_tensor) and old in engine.follower.pinned._registered
+        del old_tensor
         engine(torch.randn(8, 6))
         new = model[0][1].running_mean.untyped_storage().data_ptr()
-        assert fake.calls[-2:] == [("unregister", old), ("register", new)]
-        assert old not in engine.follower.pinned._registered
-    assert ("unregister", new) in fake.calls  # released at close
+        assert fake.pins(model[0][1].running_mean) and new in engine.follower.pinned._registered
+        assert old not in engine.follower.pinned._registered or old == new  # the heap may reuse the address
+    assert fake.registered == {}  # released at close
 
 
 def test_pinned_storages_keep_only_what_is_still_used(monkeypatch):
@@ -373,8 +385,8 @@ def test_pinned_storages_keep_only_what_is_still_used(monkeypatch):
     storages = PinnedStorages()
     storages.pin([kept, dropped])
     storages.keep_only([kept[1:]])  # a view: the same storage
-    assert [kind for kind, pointer in fake.calls if pointer == dropped.untyped_storage().data_ptr()] == [
-        "register", "unregister"]
+    # the dropped storage is let go (its page may stay registered for the kept one: tests/test_pinned.py)
+    assert fake.pins(kept) and dropped.untyped_storage().data_ptr() not in storages._registered
     storages.release()
-    assert fake.calls[-1] == ("unregister", kept.untyped_storage().data_ptr())
+    assert fake.registered == {}
 

@@ -27,6 +27,11 @@ A recorded event then also records a CUDA event, and a stream that waits for it 
 wait on the GPU: the host thread learns that the work was *enqueued*, the GPU orders the *execution*,
 and no host thread blocks on the GPU except the transfer threads where a host buffer must be complete
 (see :mod:`lightning_roundpipe.engine.worker`).
+
+Every host wait on the GPU sleeps: the CUDA events a host thread may wait for are made with ``blocking=True``
+(``cudaEventBlockingSync``), and :meth:`Stream.synchronize` waits for such an event rather than calling
+``cudaStreamSynchronize``. Under CUDA's default scheduling a process with fewer contexts than CPUs busy-waits
+in a plain stream or event synchronize, a core per waiting thread, which the host optimizer step needs.
 """
 
 from __future__ import annotations
@@ -151,6 +156,12 @@ def _writable(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.inference_mode() if tensor.is_inference() else torch.no_grad()
 
 
+def host_waitable_event() -> torch.cuda.Event:
+    """A CUDA event a host thread may wait for: its ``synchronize()`` sleeps until the GPU reaches it
+    (``cudaEventBlockingSync``) instead of spinning on a core (see the module docstring)."""
+    return torch.cuda.Event(blocking=True)
+
+
 class Stream:
     """A device stream: operations run in order on the stream's own host thread.
 
@@ -166,6 +177,7 @@ class Stream:
         self._random = random.Random(seed)
         self._device = device if device is not None and device.type == "cuda" else None
         self.cuda_stream = torch.cuda.Stream(device=self._device) if self._device is not None else None
+        self._reached: torch.cuda.Event | None = None  # what synchronize() waits for (CUDA; made at first use)
         self.stress = stress and self.cuda_stream is None  # CPU stand-ins only
         self._landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # stress: late copies (source, target)
         self._landing_since = 0.0
@@ -193,7 +205,7 @@ class Stream:
         stream = self.cuda_stream
 
         def record_on_gpu() -> None:
-            event.cuda_event = torch.cuda.Event()
+            event.cuda_event = host_waitable_event()
             event.cuda_event.record(stream)
             event.set()
 
@@ -201,11 +213,11 @@ class Stream:
         return event
 
     def mark(self) -> torch.cuda.Event | None:
-        """A CUDA event recorded at this point of the stream, without waiting for it (None on CPU stand-ins).
-        Called only from operations on this stream."""
+        """A CUDA event recorded at this point of the stream, without waiting for it (None on CPU stand-ins); a
+        host thread that synchronizes it sleeps. Called only from operations on this stream."""
         if self.cuda_stream is None:
             return None
-        event = torch.cuda.Event()
+        event = host_waitable_event()
         event.record(self.cuda_stream)
         return event
 
@@ -224,10 +236,14 @@ class Stream:
         self._queue.put(wait)
 
     def synchronize(self) -> None:
-        """Block this stream's host thread until its GPU work has run (no-op on CPU). Called only from
-        operations on this stream, where a host buffer must be complete before others read it."""
+        """Block this stream's host thread until its GPU work has run (no-op on CPU), sleeping rather than
+        spinning (the module docstring). Called only from operations on this stream, where a host buffer must be
+        complete before others read it."""
         if self.cuda_stream is not None:
-            self.cuda_stream.synchronize()
+            if self._reached is None:  # one per stream, reused: only this stream's thread records and waits on it
+                self._reached = host_waitable_event()
+            self._reached.record(self.cuda_stream)
+            self._reached.synchronize()
         elif self.stress:
             self._land()
 
@@ -341,6 +357,14 @@ def join_until(thread: threading.Thread, deadline: float) -> str | None:
     return thread.name if thread.is_alive() else None
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: a CUDA device given without one (``"cuda"``) is the current one, so that
+    ``"cuda"`` and ``"cuda:0"`` compare equal when the current device is 0."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def cuda_memory_budget(device: torch.device, sharing: int) -> int:
     """What one ring member may use of ``device`` when no ``device_memory_limit`` is given: what this
     process can still allocate there (free memory plus torch's cached blocks, capped by a per-process
@@ -429,8 +453,7 @@ class Device:
                 f"device {torch_device} is not supported: RoundPipe drives CUDA GPUs and CPU devices (simulated, "
                 "running the same schedule)"
             )
-        if torch_device.type == "cuda" and torch_device.index is None:
-            torch_device = torch.device("cuda", torch.cuda.current_device())
+        torch_device = with_index(torch_device)
         self.index = index
         self.torch_device = torch_device
         self.is_cuda = torch_device.type == "cuda"
@@ -450,6 +473,28 @@ class Device:
         cuda_compute = self.compute_stream.cuda_stream
         self.compute_timer: StreamTimer = (CudaStreamTimer(cuda_compute) if cuda_compute is not None
                                            else HostStreamTimer())
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Whether the GPU has run all the work enqueued on this device's streams by ``deadline``
+        (``time.monotonic()``); at once on a CPU stand-in. After an abort a copy from pinned host memory may still
+        be running when the threads have ended: the memory is unregistered only once it has. Polls without
+        spinning; bounded, so a GPU that never finishes cannot hang the caller. False also after a CUDA error
+        (the context is then unusable: the caller keeps its memory registered rather than raise while closing)."""
+        if not self.is_cuda:
+            return True
+        try:
+            reached = []
+            for stream in self.streams:
+                event = host_waitable_event()
+                event.record(stream.cuda_stream)
+                reached.append(event)
+            while not all(event.query() for event in reached):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+        except RuntimeError:  # a CUDA error (an earlier kernel's, say)
+            return False
+        return True
 
     def stop(self) -> None:
         """Let the four stream threads end (see :meth:`Stream.stop`)."""

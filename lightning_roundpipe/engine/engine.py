@@ -125,8 +125,10 @@ class RoundPipeEngine:
         timeout = self.options.wait_timeout
         if (finish_steps if finish_jobs is None else finish_jobs) and self._abort.error is None:
             self.dispatcher.finish_dispatched_jobs(time.monotonic() + timeout)
-        if self._started_part(self._ring).stop(self._abort, timeout):
-            self.follower.pinned.release()  # a thread still inside a copy may read pinned memory: kept registered then
+        ring = self._started_part(self._ring)
+        # a thread still inside a copy, or a copy still running on a GPU, may read pinned memory: kept registered then
+        if ring.stop(self._abort, timeout) and ring.wait_gpus_idle(timeout):
+            self.follower.pinned.release()
 
     @property
     def unreported_failure(self) -> BaseException | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_roundpipe.engine.device import AbortSignal, Device, cuda_memory_budget, memory_advice
+from lightning_roundpipe.engine.device import AbortSignal, Device, cuda_memory_budget, memory_advice, with_index
 from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.figures import PipelineFigures
 from lightning_roundpipe.engine.layers import Trunk
@@ -102,6 +102,18 @@ class Ring:
             )
         return not still_running
 
+    def wait_gpus_idle(self, timeout: float) -> bool:
+        """After :meth:`stop`: whether every ring GPU has run the work its streams were given within ``timeout``
+        (a copy from pinned memory may still run after an abort); a ``RuntimeWarning`` otherwise."""
+        deadline = time.monotonic() + timeout
+        busy = [device.index for device in self.devices if not device.wait_idle(deadline)]
+        if busy:
+            warnings.warn(
+                f"RoundPipe closed its engine but ring member(s) {busy} still had GPU work running after "
+                f"`wait_timeout={timeout:g}` s (or a CUDA error); the host memory pinned for uploads stays "
+                "registered, as a copy may still read it.", RuntimeWarning, stacklevel=3)
+        return not busy
+
 
 def ring_devices(devices: int | Sequence[torch.device | str]) -> list[torch.device]:
     """The ring's devices: ``devices`` CPU stand-ins for a number, else the devices given."""
@@ -134,8 +146,7 @@ def initial_plan(trunk: Trunk, torch_devices: list[torch.device], options: Engin
 def cuda_budget(torch_devices: list[torch.device]) -> int:
     """The per-ring-member budget from what the GPUs have free; members sharing a GPU split it."""
     budgets = []
-    for device in torch_devices:
-        if device.type == "cuda":
-            sharing = sum(other == device for other in torch_devices)
-            budgets.append(cuda_memory_budget(device, sharing))
+    gpus = [with_index(device) for device in torch_devices if device.type == "cuda"]  # "cuda" is "cuda:0" there
+    for device in gpus:
+        budgets.append(cuda_memory_budget(device, gpus.count(device)))
     return min(budgets)

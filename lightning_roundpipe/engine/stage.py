@@ -159,14 +159,17 @@ class StageRunner:
                          and task.call.context.autocast_dtype(device.torch_device.type) == sources.transport)
         uploaded = 0
         widen: list[tuple[int, int, torch.dtype]] = []  # (layer, position, dtype): async copies run outside autocast
+        # a backward job recomputes each layer on the buffer snapshots its forward saw (bound before the layer
+        # runs) and writes no buffer: the live buffers, which another job may be writing back, are not uploaded
+        upload_buffers = task.kind is not StageKind.BACKWARD
         for layer in task.job.layers:
             state = self.trunk.states[layer]
             host = [sources.source(param, layer, low_precision) for param in state.params]
             params = [copy_tensor(source, device.torch_device, non_blocking=asynchronous) for source in host]
-            buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous)
-                       for buffer in state.buffers]
+            host_buffers = list(state.buffers) if upload_buffers else []
+            buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous) for buffer in host_buffers]
             if device.stress:  # the copies land late, at the synchronize below
-                device.param_stream.copy_late(host + list(state.buffers), params + buffers)
+                device.param_stream.copy_late(host + host_buffers, params + buffers)
             if not low_precision:
                 widen += [(layer, position, param.dtype) for position, (param, copied)
                           in enumerate(zip(state.params, params, strict=True)) if copied.dtype != param.dtype]
@@ -197,7 +200,10 @@ class StageRunner:
     def bind(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
         for layer in task.job.layers:
             binding = self._binding(device, layer)
-            binding.bind(stage_copy.params[layer], stage_copy.buffers[layer])
+            # a backward job uploads no buffer: its replicas keep the host's until the recompute binds snapshots
+            backward = task.kind is StageKind.BACKWARD
+            buffers = list(self.trunk.states[layer].buffers) if backward else stage_copy.buffers[layer]
+            binding.bind(stage_copy.params[layer], buffers)
             # the flags first: the attribute snapshot then holds them, and the next job's sync finds them unchanged
             binding.set_training_flags(task.call.context.training[layer])
             attributes = binding.sync_attributes()

@@ -10,11 +10,17 @@ as soon as the operation returns. Both resolve through the same code (``feedback
 so the CPU tests run the path a GPU takes.
 
 Spans are on the host clock (``time.perf_counter()``, the clock of the timeline) so a trace can show them
-next to host events. A CUDA span is placed there by an anchor: the timer's first operation records one event
-on the stream and waits for it (once per stream, before any timed work), and the host time right after that
-wait is the anchor's; every later event is the anchor's host time plus its GPU-measured distance from the
-anchor. The error is the latency of that one wait (microseconds) plus the drift between the GPU's clock and
-the host's over the run (parts per million).
+next to host events. A CUDA span is placed there by an anchor: the timer records one event on the stream and
+waits for it, before the operation it times, and the host time right after that wait is the anchor's; each
+event of the span is the anchor's host time plus its GPU-measured distance from the anchor. The timer renews
+its anchor every :data:`ANCHOR_RENEWAL_SECONDS`: ``elapsed_time`` is a float32 of milliseconds, whose step
+grows with the distance (0.25 ms an hour from the anchor, 8 ms a day), so a never-renewed anchor would blur
+the placement, and the differences between two streams' spans the planner reads, as a run ages; within a
+minute of its anchor an event is placed to 2 microseconds (half a float32 step at 60,000 ms). The error is
+that rounding, the latency of the anchor's wait (microseconds) and the drift between the GPU's clock and the
+host's since the anchor (parts per million). A span's own length, end minus start, is measured between its
+two events directly. The waits sleep (blocking events, see ``device.py``): one short stall of the stream's
+thread a minute.
 
 :class:`StreamTimer` is what a device's compute stream is timed with (``Device.compute_timer``); tests
 replace it with a fake device clock to show that the planner and the metrics read these spans.
@@ -23,6 +29,7 @@ replace it with a fake device clock to show that the planner and the metrics rea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,6 +78,10 @@ class HostStreamTimer:
         return HostSpan(started, time.perf_counter())
 
 
+ANCHOR_RENEWAL_SECONDS = 60.0
+"""A CUDA timer's anchor is renewed at the first operation this long after it was taken (module docstring)."""
+
+
 @dataclass(frozen=True)
 class _Anchor:
     """An event of the stream, and the host time at which it had completed."""
@@ -81,7 +92,7 @@ class _Anchor:
 
 @dataclass(frozen=True)
 class CudaSpan:
-    """Two timing events on a CUDA stream, placed on the host clock through the stream's anchor."""
+    """Two timing events on a CUDA stream, placed on the host clock through the anchor taken before them."""
 
     start: torch.cuda.Event
     end: torch.cuda.Event
@@ -96,24 +107,28 @@ class CudaSpan:
 
 
 class CudaStreamTimer:
-    """CUDA devices: timing events recorded on ``stream`` around each operation (see the module docstring)."""
+    """CUDA devices: timing events recorded on ``stream`` around each operation (see the module docstring).
+    ``clock``: the host clock spans are placed on (the timeline's)."""
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    def __init__(self, stream: torch.cuda.Stream, clock: Callable[[], float] = time.perf_counter) -> None:
         self._stream = stream
-        self._anchor: _Anchor | None = None  # made by the first start(), on the stream's thread
+        self._clock = clock
+        self._anchor: _Anchor | None = None  # made by start(), on the stream's thread, and renewed there
 
-    def start(self) -> torch.cuda.Event:
-        if self._anchor is None:
-            anchor = self._record()
-            anchor.synchronize()  # once per stream: the host time at which its GPU clock reading completed
-            self._anchor = _Anchor(anchor, time.perf_counter())
-        return self._record()
+    def start(self) -> tuple[torch.cuda.Event, _Anchor]:
+        anchor = self._anchor
+        if anchor is None or self._clock() - anchor.host_time >= ANCHOR_RENEWAL_SECONDS:
+            event = self._record()
+            event.synchronize()  # the host time at which the stream's GPU clock reading completed
+            anchor = self._anchor = _Anchor(event, self._clock())
+        return self._record(), anchor
 
-    def stop(self, started: torch.cuda.Event) -> CudaSpan:
-        assert self._anchor is not None, "stop() before start()"
-        return CudaSpan(started, self._record(), self._anchor)
+    def stop(self, started: tuple[torch.cuda.Event, _Anchor]) -> CudaSpan:
+        start, anchor = started
+        return CudaSpan(start, self._record(), anchor)
 
     def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        # timing events; blocking ones, so that the anchor's wait and a span's end.synchronize() sleep
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record(self._stream)
         return event

@@ -247,7 +247,8 @@ def upload_to(tree: Any, device: torch.device, stream: CopyStream, consumer: Cop
         stream.synchronize()
     if consumer.cuda_stream is not None:
         for tensor in tree_tensors(copied):
-            tensor.record_stream(consumer.cuda_stream)
+            if tensor.is_cuda:  # (all of them: copied to the device) record_stream has no CPU kernel
+                tensor.record_stream(consumer.cuda_stream)
     return copied
 
 
@@ -267,5 +268,6 @@ def download_to_host(tree: Any, stream: CopyStream, *, pin: bool) -> tuple[Any, 
         stream.synchronize()
     else:
         for tensor in released:
-            tensor.record_stream(stream.cuda_stream)
+            if tensor.is_cuda:  # a layer may return a CPU tensor (in a NoGrad, say): no CPU kernel, nothing to keep
+                tensor.record_stream(stream.cuda_stream)
     return host, copied

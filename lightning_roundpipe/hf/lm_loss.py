@@ -16,10 +16,15 @@ the gradients themselves, instead of several ``N x V`` tensors; the price is one
 extra ``hidden @ weight.T`` matmul in the backward.
 
 Chunk size: on CUDA, from the memory the device still has for this process
-(:func:`chunk_rows_for_memory`: an eighth of it, 32 to 4096 rows, a power of two);
-elsewhere a fixed 64 MiB of float32 logits (:func:`chunk_rows`). Fewer, larger
-chunks also mean fewer passes over the ``(V, H)`` weight gradient, which each
-chunk's ``grad_logits.T @ hidden`` adds into.
+(:func:`chunk_rows_for_memory`: an eighth of it, 32 to 4096 rows, a power of two),
+measured at the first call for a device, vocabulary and compute dtype and kept for
+the process (:func:`run_chunk_rows`); elsewhere a fixed 64 MiB of float32 logits
+(:func:`chunk_rows`). Fewer, larger chunks also mean fewer passes over the ``(V, H)``
+weight gradient, which each chunk's ``grad_logits.T @ hidden`` adds into.
+
+The chunking sets the order in which the weight gradient is summed, so a size that
+followed the free memory from call to call would make results depend on what else
+held memory at that moment: fixed at the first call, a run is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNK_ROWS", "MEMORY_SHARE", "MIN_CHUNK_ROWS", "chunk_rows",
-           "chunk_rows_for_memory", "chunked_lm_loss", "default_chunk_rows"]
+           "chunk_rows_for_memory", "chunked_lm_loss", "default_chunk_rows", "run_chunk_rows"]
 
 #: Budget for one chunk's float32 logits off CUDA (64 MiB), where device memory is not measured.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -76,6 +81,23 @@ def default_chunk_rows(device: torch.device, vocab_size: int, compute_dtype: tor
     from lightning_roundpipe.engine.device import cuda_memory_budget
 
     return chunk_rows_for_memory(cuda_memory_budget(device, sharing=1), vocab_size, compute_dtype)
+
+
+_RUN_CHUNK_ROWS: dict[tuple[torch.device, int, torch.dtype], int] = {}
+""":func:`run_chunk_rows`' sizes on CUDA, by (device, vocabulary, compute dtype): each the first call's."""
+
+
+def run_chunk_rows(device: torch.device, vocab_size: int, compute_dtype: torch.dtype) -> int:
+    """:func:`default_chunk_rows`, measured on CUDA at the first call for this device, vocabulary and compute
+    dtype and the same for the rest of the process (see the module docstring). Safe from several threads:
+    the first size stored wins."""
+    if device.type != "cuda":
+        return default_chunk_rows(device, vocab_size, compute_dtype)  # a fixed size already
+    key = (device, vocab_size, compute_dtype)
+    rows = _RUN_CHUNK_ROWS.get(key)
+    if rows is None:
+        rows = _RUN_CHUNK_ROWS.setdefault(key, default_chunk_rows(device, vocab_size, compute_dtype))
+    return rows
 
 
 def _math_dtype(compute_dtype: torch.dtype) -> torch.dtype:
@@ -192,8 +214,8 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Ten
     e.g. ``loss.sum() / (labels != ignore_index).sum()``.
 
     ``chunk_bytes`` bounds one chunk's float32 logits; by default
-    (:func:`default_chunk_rows`) chunks are sized from the free memory on CUDA and
-    hold 64 MiB of float32 logits elsewhere.
+    (:func:`run_chunk_rows`) chunks are sized from the free memory on CUDA at the
+    first call, then kept, and hold 64 MiB of float32 logits elsewhere.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
@@ -212,7 +234,7 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Ten
     compute_dtype = (torch.get_autocast_dtype(dev)
                      if torch.is_autocast_enabled(dev) and hidden.dtype != torch.float64
                      else hidden.dtype)
-    rows = (default_chunk_rows(hidden.device, weight.shape[0], compute_dtype) if chunk_bytes is None
+    rows = (run_chunk_rows(hidden.device, weight.shape[0], compute_dtype) if chunk_bytes is None
             else chunk_rows(weight.shape[0], chunk_bytes))
     loss = _ChunkedLMLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                 labels.reshape(-1).long(), ignore_index, rows, compute_dtype)
