@@ -889,6 +889,8 @@ def main() -> int:
     parser.add_argument("--cap-gib", type=float, default=24.0, help="the consumer-GPU memory cap")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all sections together")
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
+    parser.add_argument("--environment-from", help="take the environment section (transfer ceilings, matmul rate) "
+                                                   "from this results file of an earlier run instead of measuring it")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # a child: these sections, comma-separated
     parser.add_argument("--section-timeout", type=float, default=SMOKE_CAP_S, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -899,6 +901,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.unlink()  # sections read the ceilings from this run's file only
+    if args.environment_from:  # ... or from the file named here (benchmarks/gpu_first_run.sh measures them first)
+        results["environment"] = json.loads(Path(args.environment_from).read_text())["environment"]
+        out.write_text(json.dumps(results, indent=1))
     selected = args.only or list(SECTIONS)
     if args.smoke:
         groups = [[name for name in group if name in selected] for group in SMOKE_GROUPS]
