@@ -67,7 +67,7 @@ EOF
     say "$1 rc=$2 (${3}s)"
 }
 
-# python_step STEP TIMEOUT: runs the Python on stdin after PRELUDE (save() writes $OUT/STEP.json as it goes)
+# python_step STEP TIMEOUT [cuda]: runs the Python on stdin after PRELUDE (save() writes $OUT/STEP.json as it goes)
 PRELUDE='
 import json, os, sys, time
 OUT, STEP, DRY_RUN = os.environ["OUT"], os.environ["STEP"], os.environ["DRY_RUN"] == "1"
@@ -87,10 +87,16 @@ import torch
 CUDA = torch.cuda.is_available() and not DRY_RUN
 save(torch=torch.__version__, cuda=CUDA)
 '
+# (a third argument `cuda`: the step needs CUDA, so a dry run writes its skip without starting Python)
 python_step() {
     local step=$1 limit=$2 body began rc
     body=$(cat)
     began=$(date +%s)
+    if [[ $DRY_RUN == 1 && ${3:-} == cuda ]]; then
+        printf '{"step": "%s", "skipped": "no CUDA (dry run)"}\n' "$step" >"$OUT/$step.json"
+        finish "$step" 0 0
+        return
+    fi
     STEP=$step timeout "$limit" "$PY" -c "$PRELUDE$body" >>"$LOG" 2>&1
     rc=$?
     finish "$step" "$rc" $(( $(date +%s) - began ))
@@ -109,7 +115,7 @@ gpu_py() {
 say "gpu_first_run: OUT=$OUT dry_run=$DRY_RUN"
 gpu_py environment 40 --only environment --budget 35
 
-python_step pinning 25 <<'EOF'
+python_step pinning 25 cuda <<'EOF'
 if not CUDA:
     save(skipped="no CUDA")
     sys.exit(0)
@@ -197,7 +203,7 @@ if not all(RESULT[mode]["bitwise"] for mode in ("sync", "async")):
     save(error="bf16 transport differs from fp32 uploads with one microbatch (expected bitwise equal)")
 EOF
 
-python_step waits 20 <<'EOF'
+python_step waits 20 cuda <<'EOF'
 if not CUDA:
     save(skipped="no CUDA")
     sys.exit(0)
