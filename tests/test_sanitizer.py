@@ -46,20 +46,23 @@ def test_a_correct_run_reports_no_race_and_checks_every_stream_thread(async_step
     assert roundpipe_threads() == []
 
 
-def test_a_read_ordered_on_the_host_only_is_reported_from_the_compute_thread(monkeypatch, roundpipe_threads):
+def test_a_read_ordered_on_the_host_only_is_reported_from_the_compute_thread(roundpipe_threads):
     """The injected bug: the compute streams wait for upload events on the host only. On CPU the values are still
     right (the host wait orders them); on a GPU the kernels would not wait for the copies."""
-    ordered_wait = Stream.wait_event
-
-    def host_only(stream: Stream, event: HostEvent | None) -> None:
-        if event is None or not stream.name.endswith("compute"):
-            ordered_wait(stream, event)
-        else:  # HostEvent.wait_until: the host waits; no stream-level ordering
-            stream.submit(lambda: event.wait_until(time.monotonic() + 60.0))
-
-    monkeypatch.setattr(Stream, "wait_event", host_only)
     with HappensBefore() as checker:
-        _train(EngineOptions(num_microbatches=2, num_stages=2), steps=1)
+        ordered_wait = Stream.wait_event  # the checker's: it sees the other streams' waits
+
+        def host_only(stream: Stream, event: HostEvent | None) -> None:
+            if event is None or not stream.name.endswith("compute"):
+                ordered_wait(stream, event)
+            else:  # HostEvent.wait_until: the host waits; no stream-level ordering
+                stream.submit(lambda: event.wait_until(time.monotonic() + 60.0))
+
+        Stream.wait_event = host_only  # type: ignore[method-assign]
+        try:
+            _train(EngineOptions(num_microbatches=2, num_stages=2), steps=1)
+        finally:
+            Stream.wait_event = ordered_wait  # type: ignore[method-assign]
     assert checker.reports, "the unordered reads went unreported"
     assert all("thread roundpipe-dev" in report for report in checker.reports)
     uploads = [report for report in checker.reports if report.startswith(

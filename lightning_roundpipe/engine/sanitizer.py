@@ -143,6 +143,7 @@ class HappensBefore(_Checker):
         self._originals: dict[tuple[type, str], Any] = {}
 
     # -- installation: Stream.record, .mark and .synchronize say what is complete; HostEvent.set/wait carry it
+    # (and Stream.wait_event, which enqueues no wait for an event set already)
     def __enter__(self) -> HappensBefore:
         global _installed
         if _installed is not None:
@@ -150,7 +151,7 @@ class HappensBefore(_Checker):
         from lightning_roundpipe.engine.device import HostEvent, Stream
 
         checker = self
-        record, mark, synchronize = Stream.record, Stream.mark, Stream.synchronize
+        record, mark, synchronize, wait_event = Stream.record, Stream.mark, Stream.synchronize, Stream.wait_event
         event_set, event_wait = HostEvent.set, HostEvent.wait
 
         def recorded(stream: Stream, *args: Any, **kwargs: Any) -> HostEvent:
@@ -167,6 +168,13 @@ class HappensBefore(_Checker):
             synchronize(stream)
             checker._publish()
 
+        def waited(stream: Stream, event: HostEvent | None) -> None:
+            # a CPU stand-in enqueues no wait for an event set already: the stream is ordered after it all the same
+            set_already = event is not None and event.is_set()
+            wait_event(stream, event)
+            if set_already and (event.cuda_event is None or stream.cuda_stream is None):  # type: ignore[union-attr]
+                stream.submit(lambda: checker._acquire(event))
+
         def set_and_snapshot(event: HostEvent) -> None:
             checker._release(event)
             event_set(event)
@@ -176,8 +184,8 @@ class HappensBefore(_Checker):
             checker._acquire(event)
 
         for owner, name, replacement in ((Stream, "record", recorded), (Stream, "mark", marked),
-                                         (Stream, "synchronize", synchronized), (HostEvent, "set", set_and_snapshot),
-                                         (HostEvent, "wait", wait_and_merge)):
+                                         (Stream, "synchronize", synchronized), (Stream, "wait_event", waited),
+                                         (HostEvent, "set", set_and_snapshot), (HostEvent, "wait", wait_and_merge)):
             self._originals[(owner, name)] = owner.__dict__[name]
             setattr(owner, name, replacement)
         _installed = self
