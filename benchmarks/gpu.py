@@ -21,8 +21,11 @@ Sections:
   registration that fails on purpose on the main thread followed by a kernel there (does CUDA's sticky
   last-error reach the next launch?).
 * ``pytest``: ``python -m pytest -q -m gpu tests/test_gpu.py``.
-* ``sanitizer``: one transparency case (fp32, one device) under ``TORCH_CUDA_SANITIZER=1``, which flags
-  unsynchronized cross-stream accesses.
+* ``sanitizer``: the fp32 transparency cases (one ring member; one GPU visited twice) under torch's CUDA
+  sanitizer, which flags unsynchronized cross-stream accesses, entered in every engine thread
+  (``engine/sanitizer.py``: its mode is per thread, so enabled on the main thread alone it would check none of
+  the engine's kernels); it reports how many operators each kind of thread had checked. In ``--smoke``, the
+  happens-before checker of the CPU stand-ins over a small stress-mode run.
 * ``fits_baseline`` / ``fits_sync`` / ``fits_async``: a model that fits the capped GPU (Llama-3.2-1B's shape):
   Lightning's single-device strategy with per-block activation checkpointing and fused AdamW on the GPU,
   against RoundPipe sync and async with fused AdamW on the host. All bf16-mixed with fp32 weights and the
@@ -67,7 +70,8 @@ SMOKE_CAP_S = 60.0
 # the smoke run shares one process per group: importing Lightning and transformers once keeps it under a minute
 SMOKE_GROUPS = (("environment",), ("pytest",), ("sanitizer",),
                 ("fits_baseline", "fits_sync", "fits_async", "big_async", "published", "big_sync"))
-SANITIZER_CASE = "tests/test_gpu.py::test_training_equals_plain_pytorch_on_the_gpu[one-fp32]"
+SANITIZER_CASES = [f"tests/test_gpu.py::test_training_equals_plain_pytorch_on_the_gpu[{ring}-fp32]"
+                   for ring in ("one", "ring-0-0")]
 
 # (hidden, intermediate, layers, heads, kv heads, vocab); all tie the head to the embedding, as Llama 3.2 does
 SHAPES = {
@@ -267,6 +271,16 @@ def _step_recorder(tokens: int, warmup: int, cuda_sync: bool, cuda_figures: bool
     return StepRecorder()
 
 
+def _matmul_mode(precision: str) -> str:
+    """The precision and how matmuls accumulate, for the tables: fp16 accumulation (the ``fp16_accumulation``
+    option, ``torch.backends.cuda.matmul.allow_fp16_accumulation``) changes fp16 matmuls only, so under bf16 the
+    accumulation is fp32 whatever the flag says."""
+    import torch
+
+    fp16 = precision.startswith("16") and getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False)
+    return f"{precision}, {'fp16' if fp16 else 'fp32'} accumulation"
+
+
 def _apply_cap(args) -> int | None:
     """Cap this process's GPU memory at ``--cap-gib`` (a consumer GPU). RoundPipe's automatic device budget
     honours the fraction, so no ``device_memory_limit`` is passed."""
@@ -368,6 +382,7 @@ def _train_lightning(section: str, args, *, strategy_kind: str) -> dict:
                 _token_batches(model.config.vocab_size, batch, sequence, warmup + timed))
     result = {"model": sizes["label"], **sizes, "sequence": sequence, "batch": batch,
               "microbatches": None if strategy_kind == "baseline" else microbatches, "precision": "bf16-mixed",
+              "numerics": _matmul_mode("bf16-mixed"),
               "optimizer": optimizer, "strategy": strategy_kind, "cap_gib": None if cap is None else args.cap_gib,
               **_summary(recorder.steps, model, sequence, args), **_device_memory(args),
               "host_peak_rss_gib": _host_peak_rss_gib()}
@@ -548,14 +563,76 @@ def section_pytest(args) -> dict:
 
 
 def section_sanitizer(args) -> dict:
-    if not _cuda(args):  # the sanitizer needs CUDA from the first tensor on: the case runs (and skips) without it
-        result = _pytest(args, [SANITIZER_CASE], _child_env())
-        result["sanitizer"] = "off: no CUDA"
-        return result
-    result = _pytest(args, [SANITIZER_CASE], _child_env(TORCH_CUDA_SANITIZER="1"))
-    result["sanitizer"] = "TORCH_CUDA_SANITIZER=1"
-    result["races_reported"] = sum("data race" in line for line in result.get("tail", []))
+    """Race checks over the engine's own threads (``engine/sanitizer.py``): on a GPU torch's CUDA sanitizer,
+    enabled here and entered by every stream thread, over the fp32 transparency cases (one ring member, and one
+    GPU visited twice); on CPU (smoke) the happens-before checker over a small stress-mode engine run. Either way
+    the operators each thread handed to the checker are counted, so a check that reached no engine thread fails."""
+    from lightning_roundpipe.engine import sanitizer
+
+    if _cuda(args):
+        from torch.cuda import _sanitizer as csan
+
+        csan.enable_cuda_sanitizer()
+        result = _pytest_in_process(SANITIZER_CASES)
+        checker = sanitizer.cuda_sanitizer()
+        result["sanitizer"] = "torch's CUDA sanitizer (CSAN), entered in every engine thread"
+    else:
+        with sanitizer.HappensBefore() as checker:
+            _small_engine_run()
+        result = {"sanitizer": "CPU stand-ins: the happens-before checker (CSAN needs CUDA)",
+                  "races_reported": len(checker.reports), "reports": checker.reports[:5]}
+    assert checker is not None, "the CUDA sanitizer is not enabled"
+    by_kind: dict[str, int] = {}
+    for thread, count in checker.ops_by_thread.items():
+        kind = thread.rsplit("-", 1)[-1] if thread.startswith("roundpipe-") else (
+            "main" if thread == "MainThread" else "other (autograd's device threads)")
+        by_kind[kind] = by_kind.get(kind, 0) + count
+    result["ops_checked_by_thread"] = by_kind
+    if not by_kind.get("compute"):
+        result["error"] = "no operator of a compute stream thread was checked: the checks missed the engine"
+    elif result["races_reported"]:
+        result["error"] = f"{result['races_reported']} possible data race(s) reported"
     return result
+
+
+def _pytest_in_process(cases: list[str]) -> dict:
+    """``pytest -m gpu cases`` in this process (where the sanitizer is on), with the reported races counted."""
+    import pytest
+
+    failures: list[str] = []
+
+    class Failures:
+        def pytest_runtest_logreport(self, report) -> None:
+            if report.failed:
+                failures.append(report.longreprtext)
+
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "-m", "gpu", *cases], plugins=[Failures()])
+    races = sum(text.count("CSAN detected a possible data race") for text in failures)
+    result = {"returncode": int(code), "races_reported": races, "failures": [text[-1500:] for text in failures[:3]]}
+    if int(code) != 0 and not races:
+        result["error"] = f"pytest exit code {int(code)}"
+    return result
+
+
+def _small_engine_run() -> None:
+    """Three SGD steps of a small model on two CPU stand-ins in stress mode (late copies, poisoned releases)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_roundpipe import EngineOptions, RoundPipeEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = EngineOptions(num_microbatches=2, num_stages=2, stress=True)
+    with RoundPipeEngine(model, ["cpu", "cpu"], options) as engine:
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            inputs, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            engine.forward_backward(inputs, target, F.cross_entropy)
+            engine.step(optimizer)
+        engine.synchronize()
 
 
 def section_fits_baseline(args) -> dict:
@@ -664,7 +741,8 @@ def section_published(args) -> dict:
     wrapped.synchronize()
     return {"version": version, "model": sizes["label"], **sizes, "sequence": sequence, "batch": batch,
             "microbatches": microbatches, "mode": "async (its only fast mode)", "model_memory_limit_gb": limit_gb,
-            "precision": "bf16 weights and compute, fp32 master weights", "optimizer": "its C++ Adam on the host",
+            "precision": "bf16 weights and compute, fp32 master weights", "numerics": _matmul_mode("bf16"),
+            "optimizer": "its C++ Adam on the host",
             "loss": "its torch.compile'd chunked loss", "extension_build_s": build_s, "mask_shim": shim,
             "cap_gib": args.cap_gib, **_summary(steps, model, sequence, args), **_device_memory(args),
             "host_peak_rss_gib": _host_peak_rss_gib()}
@@ -688,7 +766,7 @@ def run_sections(names: list[str], args) -> int:
     for name in names:
         _current_section = name
         start = time.perf_counter()
-        if name not in ("pytest", "sanitizer"):  # those only start pytest: no torch here
+        if name != "pytest":  # it only starts pytest: no torch here
             import torch
 
             torch.set_num_threads(1 if args.smoke else max(1, (os.cpu_count() or 4) - 2))
@@ -761,8 +839,8 @@ def _cell(value, digits: int = 2) -> str:
 
 
 def _table(results: dict) -> str:
-    header = ("section", "status", "s", "model", "tokens/s", "MFU", "busy", "H2D GB/s", "of ceil", "grad dl s",
-              "opt s", "reserved GiB", "accounted GiB", "retries")
+    header = ("section", "status", "s", "model", "numerics", "tokens/s", "MFU", "busy", "H2D GB/s", "of ceil",
+              "grad dl s", "opt s", "reserved GiB", "accounted GiB", "retries")
     rows = [header]
     for name in SECTIONS:
         if name not in results:
@@ -772,7 +850,8 @@ def _table(results: dict) -> str:
         status = _status(entry)
         tokens = result.get("tokens_per_s", entry.get("partial", {}).get("tokens_per_s"))
         h2d = result.get("h2d_gb_per_s")  # the environment's is a table of ceilings, shown below
-        rows.append((name, status, _cell(entry.get("seconds"), 0), result.get("model", ""), _cell(tokens, 0),
+        rows.append((name, status, _cell(entry.get("seconds"), 0), result.get("model", ""), result.get("numerics", ""),
+                     _cell(tokens, 0),
                      _cell(result.get("mfu"), 3), _cell(result.get("gpu_busy_share")),
                      _cell(h2d if isinstance(h2d, float) else None), _cell(result.get("h2d_share_of_registered_ceiling")),
                      _cell(result.get("grad_download_s")), _cell(result.get("host_optimizer_s")),
@@ -786,10 +865,13 @@ def _table(results: dict) -> str:
                      f"H2D GB/s {json.dumps(environment.get('h2d_gb_per_s'))}; D2H GB/s "
                      f"{json.dumps(environment.get('d2h_gb_per_s'))}; ulimit -l {environment.get('ulimit_l')}; "
                      f"A6 {json.dumps(environment.get('a6_probe'))}")
-    for name in ("pytest", "sanitizer"):
-        summary = results.get(name, {}).get("result", {}).get("summary")
-        if summary:
-            lines.append(f"{name}: {summary}")
+    summary = results.get("pytest", {}).get("result", {}).get("summary")
+    if summary:
+        lines.append(f"pytest: {summary}")
+    checked = results.get("sanitizer", {}).get("result", {})
+    if checked.get("ops_checked_by_thread"):
+        lines.append(f"sanitizer ({checked.get('sanitizer')}): {checked.get('races_reported')} race(s) reported; "
+                     f"operators checked by thread: {json.dumps(checked['ops_checked_by_thread'])}")
     lines.append("ratios: " + json.dumps(results.get("comparisons", {})))
     return "\n".join(lines)
 
@@ -807,6 +889,8 @@ def main() -> int:
     parser.add_argument("--cap-gib", type=float, default=24.0, help="the consumer-GPU memory cap")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all sections together")
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
+    parser.add_argument("--environment-from", help="take the environment section (transfer ceilings, matmul rate) "
+                                                   "from this results file of an earlier run instead of measuring it")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # a child: these sections, comma-separated
     parser.add_argument("--section-timeout", type=float, default=SMOKE_CAP_S, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -817,6 +901,12 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         out.unlink()  # sections read the ceilings from this run's file only
+    if args.environment_from:  # ... or from the file named here (benchmarks/gpu_first_run.sh measures them first)
+        try:
+            results["environment"] = json.loads(Path(args.environment_from).read_text())["environment"]
+            out.write_text(json.dumps(results, indent=1))
+        except (OSError, ValueError, KeyError) as error:  # without the ceilings, MFU and ceiling shares are n/a
+            print(f"no environment section in {args.environment_from} ({error!r}): figures that need it are n/a")
     selected = args.only or list(SECTIONS)
     if args.smoke:
         groups = [[name for name in group if name in selected] for group in SMOKE_GROUPS]

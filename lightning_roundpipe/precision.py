@@ -58,6 +58,38 @@ def resolve_transport(options: EngineOptions, plugin: Precision) -> EngineOption
     return options
 
 
+FP16_ACCUMULATION = "allow_fp16_accumulation"
+"""The attribute of ``torch.backends.cuda.matmul`` the ``fp16_accumulation`` option sets."""
+
+
+def enable_fp16_accumulation(plugin: Precision, device_type: str, matmul: Any = None) -> Callable[[], None]:
+    """Turn fp16 accumulation on for fp16 matmuls (cuBLAS; ``matmul``: ``torch.backends.cuda.matmul``) and return
+    what restores the setting found: it is process-global, so it must not outlive the run. Raises
+    :class:`OptionError` where it cannot apply: a precision other than ``16-mixed`` (only fp16 matmuls accumulate
+    in fp16), devices other than CUDA GPUs, or a torch without the flag."""
+    precision_name = getattr(plugin, "precision", type(plugin).__name__)
+    if autocast_dtype_name(plugin) != "float16":
+        raise OptionError("fp16_accumulation", f"needs precision='16-mixed' (the Trainer's is {precision_name!r}): "
+                                               "it changes only fp16 matmuls; use Trainer(precision='16-mixed') or "
+                                               "drop the option")
+    if device_type != "cuda":
+        raise OptionError("fp16_accumulation", f"needs CUDA GPUs (a cuBLAS setting), and the ring's devices are "
+                                               f"{device_type!r}; use accelerator='gpu' or drop the option")
+    matmul = torch.backends.cuda.matmul if matmul is None else matmul
+    try:
+        previous = getattr(matmul, FP16_ACCUMULATION)
+    except AttributeError:
+        raise OptionError("fp16_accumulation", f"needs torch.backends.cuda.matmul.{FP16_ACCUMULATION}, which torch "
+                                               f"{torch.__version__} does not have; upgrade torch or drop the "
+                                               "option") from None
+    setattr(matmul, FP16_ACCUMULATION, True)
+
+    def restore() -> None:
+        setattr(matmul, FP16_ACCUMULATION, previous)
+
+    return restore
+
+
 def backward_scale(plugin: Precision, module: LightningModule | None) -> float:
     """What Lightning would multiply a returned loss by before its backward: the 16-bit loss scale, and
     ``1 / accumulate_grad_batches`` in automatic optimization. ``pipeline_loss`` runs the backward inside

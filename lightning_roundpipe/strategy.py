@@ -116,6 +116,8 @@ class RoundPipeStrategy(RingProcessStrategy):
         timeline_dir: where the timeline goes (default: ``default_root_dir``); giving it switches ``timeline`` on.
         timeline_steps: the timeline keeps the last this many optimizer steps (``None``: all).
         preflight: the memory plan at setup: ``"refuse"`` what does not fit, ``"warn"``, or ``"off"``.
+        fp16_accumulation: CUDA, ``16-mixed`` only: fp16 matmuls accumulate in fp16 (faster, less precise; see
+            ``StrategyOptions.fp16_accumulation``), for the run's duration.
         freeze_plan: never replan from measured times.
         replan_hysteresis: adopt a new plan only when predicted this fraction faster.
         deferred_batchnorm: BatchNorm running statistics updated once per batch from all its microbatches
@@ -142,7 +144,8 @@ class RoundPipeStrategy(RingProcessStrategy):
                  rings_per_node: int = 1, shard_optimizer: bool = False, reduce_dtype: ReduceDtype = "auto",
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
-                 preflight: PreflightMode = "refuse", freeze_plan: bool = False, replan_hysteresis: float = 0.1,
+                 preflight: PreflightMode = "refuse", fp16_accumulation: bool = False,
+                 freeze_plan: bool = False, replan_hysteresis: float = 0.1,
                  deferred_batchnorm: bool = False, seed: int | None = None, jitter: float = 0.0, stress: bool = False,
                  wait_timeout: float = 600.0,
                  accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
@@ -153,6 +156,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, shard_optimizer=shard_optimizer,
             reduce_dtype=reduce_dtype, log_pipeline_metrics=log_pipeline_metrics, timeline=timeline,
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
+            fp16_accumulation=fp16_accumulation,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
@@ -165,6 +169,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         self._patches: list[InstancePatch] = []
         self._fused_backward_done = False
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
+        self._restore_matmul: Callable[[], None] | None = None  # undoes fp16_accumulation's process-global flag
 
     # ------------------------------------------------------------------ the host as root device
     @property
@@ -205,6 +210,8 @@ class RoundPipeStrategy(RingProcessStrategy):
         devices = self.ring_devices or self.parallel_devices or [torch.device("cpu")]
         fitting = trainer.state.fn == TrainerFn.FITTING
         options, mode = precision.resolve_transport(self.engine_options, self.precision_plugin), self.options.preflight
+        if self.options.fp16_accumulation and self._restore_matmul is None:  # restored in _release
+            self._restore_matmul = precision.enable_fp16_accumulation(self.precision_plugin, devices[0].type)
         # pre-flight, before any thread starts: a layer too large for the device budget first (the planner
         # would refuse it tersely), then, with the plan and the optimizers known, the whole memory plan
         self.memory_plan = None
@@ -256,6 +263,9 @@ class RoundPipeStrategy(RingProcessStrategy):
         if self.engine is not None:
             self.engine.close(finish_steps=finish_steps, finish_jobs=finish_steps and finish_jobs)
             self._write_timeline()
+        if self._restore_matmul is not None:  # once the last job has run
+            self._restore_matmul()
+            self._restore_matmul = None
         for patch in self._patches:
             patch.remove()
         self._patches = []

@@ -100,6 +100,13 @@ class StrategyOptions:
     ``strategy.memory_plan``. ``"refuse"``: raise ``HostMemoryError`` or ``DeviceMemoryError`` naming what
     does not fit, by how much and what to change. ``"warn"``: warn and train anyway. ``"off"``: no plan."""
 
+    fp16_accumulation: bool = False
+    """CUDA under ``precision="16-mixed"`` only: fp16 matmuls accumulate in fp16 instead of fp32
+    (``torch.backends.cuda.matmul.allow_fp16_accumulation``, set for the run and restored at teardown; it is
+    process-global), about twice the matmul rate on consumer GPUs, at fp16's precision for every sum (a 10-bit
+    mantissa: a dot product of length K loses about log2(K) of those bits, and a partial sum past 65504 becomes
+    inf). Refused on CPU devices, under another precision and with a torch that lacks the flag."""
+
     def __post_init__(self) -> None:
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
             raise OptionError("pipeline", f"must be a dotted attribute path such as 'net' or 'model.blocks', or "
@@ -130,6 +137,7 @@ class StrategyOptions:
         if self.preflight not in PREFLIGHT_MODES:
             raise OptionError("preflight", f"must be one of {', '.join(map(repr, PREFLIGHT_MODES))}, "
                                            f"got {self.preflight!r}")
+        check_flag("fp16_accumulation", self.fp16_accumulation)
 
 
     def ring_members(self, num_devices: int, whose: str = "the Trainer's") -> list[int]:

@@ -12,6 +12,8 @@ Each runs once, where it is checked best (:data:`SMOKE_RUNS`):
 from __future__ import annotations
 
 import ast
+import json
+import os
 import pathlib
 import re
 import subprocess
@@ -81,3 +83,55 @@ def test_scaleout_smoke_prints_its_three_sections(tmp_path):
     lines = result.stdout.splitlines()
     absent = [pattern for pattern in expected if not any(re.search(pattern, line) for line in lines)]
     assert not absent, f"scaleout.py --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"
+
+
+FIRST_RUN_STEPS = ("environment", "pinning", "gpu_tests", "sanitizer", "transport", "waits", "throughput")
+
+
+def _first_run_timeouts(script: str) -> dict[str, int]:
+    """Each step's timeout as the script's header table states it."""
+    return {name: int(seconds) for name, seconds in re.findall(r"^#   (\w+) +(\d+) ", script, flags=re.MULTILINE)}
+
+
+def test_the_first_gpu_run_states_its_timeouts_and_uses_them():
+    """At most 460 s of timeouts in all (8 minutes on the device with its start), and the steps use the stated ones."""
+    script = (BENCHMARKS / "gpu_first_run.sh").read_text()
+    timeouts = _first_run_timeouts(script)
+    assert set(timeouts) == {*FIRST_RUN_STEPS, "summary"}
+    assert sum(timeouts.values()) <= 460
+    used = dict(re.findall(r"^(?:gpu_py|python_step) (\w+) (\d+)", script, flags=re.MULTILINE))
+    used["gpu_tests"] = re.search(r"^timeout (\d+) \"\$PY\" -m pytest", script, flags=re.MULTILINE).group(1)
+    used["summary"] = re.search(r"^timeout (\d+) \"\$PY\" - <<", script, flags=re.MULTILINE).group(1)
+    assert {name: int(seconds) for name, seconds in used.items()} == {k: v for k, v in timeouts.items()
+                                                                      if k != "throughput"}
+    # the throughput step: its own timeout, plus what the earlier steps left, within the 460 s
+    assert f"limit=$(( left < {timeouts['throughput']} ? {timeouts['throughput']} : left ))" in script
+    assert f"left=$(( {460 - timeouts['summary']} - ($(date +%s) - START) ))" in script
+
+
+@pytest.mark.smoke
+def test_the_first_gpu_run_dry_run_reports_every_step(tmp_path):
+    """``bash benchmarks/gpu_first_run.sh --dry-run`` runs every step on CPU: what needs CUDA says it skipped, the
+    rest runs (the sanitizer's CPU checker over the engine's threads, the bf16 transport check on CPU stand-ins,
+    gpu.py in --smoke), and each step leaves its JSON."""
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(BENCHMARKS / "gpu_first_run.sh"), "--dry-run"], capture_output=True, text=True,
+                            timeout=400, cwd=tmp_path, env={**os.environ, "OUT": str(out), "PY": sys.executable})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "first_run.json").read_text())
+    assert summary["dry_run"] is True
+    assert tuple(summary["steps"]) == FIRST_RUN_STEPS
+    for name, entry in summary["steps"].items():
+        assert entry["rc"] == 0 and entry["status"] in ("ok", "skipped") and not entry["errors"], (name, entry)
+        assert json.loads((out / f"{name}.json").read_text())["rc"] == 0
+    steps = summary["steps"]
+    assert steps["pinning"]["status"] == steps["waits"]["status"] == steps["gpu_tests"]["status"] == "skipped"
+    assert steps["gpu_tests"]["counts"]["skipped"] >= 1
+    assert steps["sanitizer"]["result"]["races_reported"] == 0
+    assert steps["sanitizer"]["result"]["ops_checked_by_thread"]["compute"] > 0
+    for mode in ("sync", "async"):
+        transport = steps["transport"]["result"][mode]
+        assert transport["bitwise"] and transport["uploaded_ratio"] < 1.0, transport
+    sections = steps["throughput"]["sections"]
+    assert set(sections) == {"fits_sync", "fits_async", "big_async", "big_sync"}
+    assert all(section["tokens_per_s"] > 0 and section["numerics"] for section in sections.values()), sections

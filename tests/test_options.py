@@ -181,6 +181,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "timeline_dir": ("{tmp}/trace", "{tmp}/trace"),
     "timeline_steps": ("5", 5),
     "preflight": ("warn", "warn"),
+    "fp16_accumulation": ("true", True),
     "num_microbatches": ("4", 4),
     "num_stages": ("6", 6),
     "round_size": ("whole", "whole"),

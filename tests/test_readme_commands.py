@@ -218,6 +218,11 @@ COMMANDS: dict[str, Check] = {
     "python benchmarks/gpu.py --smoke": Covered(_GPU_SMOKE, ('"--smoke"', '"gpu.py"')),
     "python -m pytest -q -m gpu tests/test_gpu.py": Covered(_GPU_SMOKE, ('sections["pytest"]',)),
     "python -m pytest -m gpu tests/test_gpu.py": Covered(_GPU_SMOKE, ('sections["pytest"]',)),
+    "bash benchmarks/gpu_first_run.sh": NotRun("needs a CUDA GPU (8 minutes); its --dry-run runs every step on CPU"),
+    "bash benchmarks/gpu_first_run.sh --dry-run": Covered(
+        "tests/test_benchmarks.py::test_the_first_gpu_run_dry_run_reports_every_step",
+        ('"gpu_first_run.sh"', '"--dry-run"')),
+    "python benchmarks/gpu.py --only published": NotRun(_GPU),
     # examples/README.md
     "python examples/train.py": Run(),
     "python examples/plain_lightning.py": Covered(

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_roundpipe.engine.errors import EngineAborted, OutOfDeviceMemory
+from lightning_roundpipe.engine.sanitizer import thread_checks
 from lightning_roundpipe.engine.timing import CudaStreamTimer, HostStreamTimer, StreamTimer
 from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE, Plan
@@ -281,7 +282,7 @@ class Stream:
         if self._device is not None:
             torch.cuda.set_device(self._device)  # per thread: the current device of RNG, streams, memory
         context = torch.cuda.stream(self.cuda_stream) if self.cuda_stream is not None else contextlib.nullcontext()
-        with context:
+        with thread_checks(), context:  # race checks in this thread too, when a checker is on (sanitizer.py)
             while True:
                 operation = self._queue.get()
                 if operation is _STOP:
