@@ -27,8 +27,11 @@ backward that made them until ``zero_grad``, whenever user code could read them,
   streams as without the hook, and once it is done (``optimizer_step`` waits for it anyway) the gradients it
   applied go into ``param.grad``, into the very tensors ``param.grad`` held, as autograd accumulates in place.
   Only a batch that does not step (gradient accumulation) waits for its backward, there being no step to
-  show them after. Async mode has no such point (the step runs on while the next batch starts): a hook after
-  the step makes each backward wait there, as a hook before it does;
+  show them after. Async mode has no such point: what Lightning would show there is this batch's gradients,
+  the ones the step applies, and they are final only once this backward is over, which nothing else waits
+  for (the step runs on while the next batch starts). Showing older ones, or none, would be a silent
+  difference, so a hook after the step makes each backward wait there, as a hook before it does (the step
+  still overlaps the next iteration);
 * otherwise (and for objects that declare ``roundpipe_reads_gradients = False``) the gradients go from the
   pipeline to the optimizer thread without a wait; sync mode still shows the step's gradients after it.
 

@@ -274,9 +274,12 @@ def _non_stepping(accumulate: int, batches_per_epoch: int = 4, epochs: int = 2) 
 
 
 class _LogsLoss(pl.Callback):
-    roundpipe_reads_gradients = False  # overrides a gradient hook, reads no gradient
+    roundpipe_reads_gradients = False  # overrides gradient hooks, reads no gradient
 
     def on_after_backward(self, trainer, pl_module):
+        pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pass
 
 
@@ -290,6 +293,10 @@ def test_only_user_code_that_may_read_gradients_makes_the_strategy_wait(tmp_path
                          logger=pl.loggers.CSVLogger(tmp_path), enable_model_summary=False,
                          callbacks=callbacks, limit_train_batches=2, default_root_dir=tmp_path)
     trainer.fit(Classifier(), _data(16))
+    assert waits.batches == []
+    # async mode would wait for every backward for a hook after the step (below), but not for one that says
+    _fit(Classifier(), RoundPipeStrategy(num_microbatches=2, async_step=True), [_LogsLoss(), waits], devices=2,
+         limit_train_batches=2)
     assert waits.batches == []
     # a hook before the step may read each backward's gradients: every backward is waited for
     _fit(_recording_module(("on_after_backward",))(), RoundPipeStrategy(num_microbatches=2), [waits],
