@@ -65,9 +65,9 @@ the next batch is dispatched, so the devices never wait for weights; the wait is
 min..max, against the faster async variant of the configuration (``async`` or ``async, streaming_step off``,
 the one with more samples/s over the rounds): sync is held to async at its best.
 
-Targets. Without clipping: sync/async >= 0.95, with and without the timer callback. With clipping, sync must have every gradient before it can
-clip and step any parameter, so part of the step is exposed whatever the runtime does: the figure is shown
-against this bound.
+Targets. Without clipping: sync/async >= 0.95, with and without the timer callback. With clipping, sync must
+have every gradient before it can clip and step any parameter, so part of the step is exposed whatever the
+runtime does: the figure is shown against this bound.
 
 The bound with clipping. Let the step's groups be the plan's backward stages and the fused stage (their
 layers), stepped in forward order once every gradient is there (``t = 0``): group ``g`` is done at ``c_g``,
@@ -397,6 +397,18 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], variants: tuple[str, ...]
     return summary
 
 
+def run_order(variants: tuple[str, ...], swap: bool) -> list[str]:
+    """``variants`` in the order they run in a round: with ``swap`` (every second round) each timer variant runs
+    before its twin rather than after it, so that neither gains from going first."""
+    order = list(variants)
+    if swap:
+        for timed in TIMED:
+            if timed in order and timed.removesuffix("_timer") in order:
+                at = order.index(timed)
+                order[at - 1], order[at] = order[at], order[at - 1]
+    return order
+
+
 def timer_verdict(rounds: list[dict[str, dict[str, Any]]], ref: str) -> dict[str, float]:
     """Print and return the timer callback's verdict (no clipping): per round, sync/async with the callback on
     both, each variant with the callback against itself without, and sync with it against async (``ref``, the
@@ -450,7 +462,7 @@ def main() -> None:
         parser.error("need --layers >= 2 and 1 <= --layers-per-stage < --layers")
     args.plan = make_plan(args.layers, args.layers_per_stage)
     variants = ("sync", "async", *(("sync_off", "async_off") if STREAMING else ()), *(() if args.quick or args.smoke else ("sync_nosync",)))
-    # each timer variant right after its twin without the callback: the pair runs under the same load
+    # each timer variant beside its twin without the callback, so that the pair runs under the same load
     timed = tuple(v for variant in variants for v in (variant, f"{variant}_timer") if v in NAMES)
     per_config = {"no clip": timed, "clip 1.0": variants}
     torch.set_num_threads(args.threads)
@@ -481,7 +493,8 @@ def main() -> None:
     rounds: dict[str, list[dict[str, dict[str, Any]]]] = {config: [] for config in CONFIGS}
     for index in range(args.repeats):
         for config in CONFIGS:
-            row = {variant: run_once(variant, config != "no clip", args) for variant in per_config[config]}
+            row = {variant: run_once(variant, config != "no clip", args)
+                   for variant in run_order(per_config[config], swap=index % 2 == 1)}
             rounds[config].append(row)
             print(f"  round {index + 1}, {config:>8}: " + "  ".join(
                 f"{variant} {1e3 * row[variant]['median_step_s']:6.1f} ms" for variant in per_config[config]),
