@@ -15,6 +15,12 @@ configurations: without clipping, and with ``Trainer(gradient_clip_val=1.0)``:
   whole step between two iterations). Passed as a strategy keyword where the strategy takes it, else set in
   the strategy's ``engine_options`` before ``fit``. ``async, streaming_step off``: the same for async (what
   async was before streaming).
+* ``sync, timer callback`` and ``async, timer callback`` (without clipping only): ``sync`` and ``async`` with a
+  plain user callback that overrides ``on_train_batch_end`` (a timer: it reads no gradient and declares nothing
+  to RoundPipe). Such a hook runs after the step, where Lightning's default strategy shows the step's gradients
+  in ``param.grad``: sync shows them once its step is done, without a wait; async has no such point and waits
+  for each backward (the strategy's docstring says why). Verdict: sync/async with the callback, each against
+  the same variant without it, and sync with the callback against async without it.
 * ``sync, no synchronize()`` (not with ``--quick``): a diagnostic, the strategy less the
   ``engine.synchronize()`` its ``optimizer_step`` makes after every sync step (a subclass that queues the
   step and returns). The engine keeps sync exact without it (uploads wait for the step); the strategy waits
@@ -59,9 +65,9 @@ the next batch is dispatched, so the devices never wait for weights; the wait is
 min..max, against the faster async variant of the configuration (``async`` or ``async, streaming_step off``,
 the one with more samples/s over the rounds): sync is held to async at its best.
 
-Targets. Without clipping: sync/async >= 0.95. With clipping, sync must have every gradient before it can
-clip and step any parameter, so part of the step is exposed whatever the runtime does: the figure is shown
-against this bound.
+Targets. Without clipping: sync/async >= 0.95, with and without the timer callback. With clipping, sync must
+have every gradient before it can clip and step any parameter, so part of the step is exposed whatever the
+runtime does: the figure is shown against this bound.
 
 The bound with clipping. Let the step's groups be the plan's backward stages and the fused stage (their
 layers), stepped in forward order once every gradient is there (``t = 0``): group ``g`` is done at ``c_g``,
@@ -132,7 +138,9 @@ TARGET = 0.95  # sync / async without clipping
 STREAMING = "streaming_step" in {field.name for field in dataclasses.fields(EngineOptions)}
 STRATEGY_STREAMING = "streaming_step" in inspect.signature(RoundPipeStrategy).parameters
 NAMES = {"sync": "sync", "async": "async", "sync_off": "sync, streaming_step off",
-         "async_off": "async, streaming_step off", "sync_nosync": "sync, no synchronize()"}
+         "async_off": "async, streaming_step off", "sync_nosync": "sync, no synchronize()",
+         "sync_timer": "sync, timer callback", "async_timer": "async, timer callback"}
+TIMED = ("sync_timer", "async_timer")  # variants with a user callback on on_train_batch_end; no clipping only
 CONFIGS = ("no clip", "clip 1.0")
 MIN_FORWARD_MS = 0.25
 
@@ -215,6 +223,18 @@ class WithoutSynchronize(RoundPipeStrategy):
         return result
 
 
+class UserTimer(pl.Callback):
+    """A callback as users write one: it times each batch in ``on_train_batch_end``, reads no gradient, and says
+    nothing to RoundPipe (no ``roundpipe_reads_gradients``)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.ends.append(time.perf_counter())
+
+
 class Timer(StepTimer):
     """``overhead.StepTimer``, plus the engine's host-step figures of each step."""
 
@@ -248,7 +268,8 @@ def run_once(variant: str, clip: bool, args: argparse.Namespace) -> dict[str, An
     timer = Timer(args.warmup)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+                         num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[timer, UserTimer()] if variant in TIMED else [timer],
                          gradient_clip_val=1.0 if clip else None)
     trainer.fit(EmulatedModel(args), make_batches(args, steps))
     times = timer.step_seconds()
@@ -357,7 +378,7 @@ def group_parameters(trunk: nn.Sequential, plan: Plan) -> list[int]:
 
 def reference(rounds: list[dict[str, dict[str, Any]]], variants: tuple[str, ...]) -> str:
     """The async variant with the most samples/s (median over rounds): the speed sync is held to."""
-    return max((v for v in variants if v.startswith("async")),
+    return max((v for v in variants if v.startswith("async") and v not in TIMED),
                key=lambda v: statistics.median(r[v]["samples_per_s"] for r in rounds))
 
 
@@ -374,6 +395,37 @@ def summarize(rounds: list[dict[str, dict[str, Any]]], variants: tuple[str, ...]
             "host_step_ms": 1e3 * statistics.median(r["host_step_s"] for r in runs),
             "exposed_ms": 1e3 * statistics.median(r["exposed_s"] for r in runs)}
     return summary
+
+
+def run_order(variants: tuple[str, ...], swap: bool) -> list[str]:
+    """``variants`` in the order they run in a round: with ``swap`` (every second round) each timer variant runs
+    before its twin rather than after it, so that neither gains from going first."""
+    order = list(variants)
+    if swap:
+        for timed in TIMED:
+            if timed in order and timed.removesuffix("_timer") in order:
+                at = order.index(timed)
+                order[at - 1], order[at] = order[at], order[at - 1]
+    return order
+
+
+def timer_verdict(rounds: list[dict[str, dict[str, Any]]], ref: str) -> dict[str, float]:
+    """Print and return the timer callback's verdict (no clipping): per round, sync/async with the callback on
+    both, each variant with the callback against itself without, and sync with it against async (``ref``, the
+    faster async variant) without it; medians over the rounds."""
+    def median_ratio(top: str, bottom: str) -> float:
+        return statistics.median(r[top]["samples_per_s"] / r[bottom]["samples_per_s"] for r in rounds)
+
+    figures = {"sync_vs_async": median_ratio("sync_timer", "async_timer"),
+               "sync_vs_sync_without": median_ratio("sync_timer", "sync"),
+               "async_vs_async_without": median_ratio("async_timer", "async"),
+               "sync_vs_async_without": median_ratio("sync_timer", ref)}
+    ratio = figures["sync_vs_async"]
+    print(f"Verdict, no clipping, a timer callback on on_train_batch_end: sync/async {ratio:.2f} (target >= {TARGET}) "
+          f"{'MET' if ratio >= TARGET else 'NOT MET'}; with it against without: sync "
+          f"{figures['sync_vs_sync_without']:.2f}, async {figures['async_vs_async_without']:.2f}; sync with it "
+          f"against {NAMES[ref]} without it {figures['sync_vs_async_without']:.2f}")
+    return figures
 
 
 def main() -> None:
@@ -410,6 +462,9 @@ def main() -> None:
         parser.error("need --layers >= 2 and 1 <= --layers-per-stage < --layers")
     args.plan = make_plan(args.layers, args.layers_per_stage)
     variants = ("sync", "async", *(("sync_off", "async_off") if STREAMING else ()), *(() if args.quick or args.smoke else ("sync_nosync",)))
+    # each timer variant beside its twin without the callback, so that the pair runs under the same load
+    timed = tuple(v for variant in variants for v in (variant, f"{variant}_timer") if v in NAMES)
+    per_config = {"no clip": timed, "clip 1.0": variants}
     torch.set_num_threads(args.threads)
     quiet()
 
@@ -433,21 +488,24 @@ def main() -> None:
         print(f"Note: the sleeps are {1e3 * sleeps:.0f} ms of the {1e3 * span:.0f} ms span: the stand-in devices' own host "
               "work (copies, gradient sums, hand-offs) is most of it, so the emulation is weak on this machine now")
     print(f"{streaming}. {args.repeats} interleaved rounds x {len(CONFIGS)} configurations x {len(variants)} "
-          f"variants; per run {args.warmup} warm-up + {args.steps} measured steps")
+          f"variants (+ {len(TIMED)} with a timer callback without clipping); per run {args.warmup} warm-up + "
+          f"{args.steps} measured steps")
     rounds: dict[str, list[dict[str, dict[str, Any]]]] = {config: [] for config in CONFIGS}
     for index in range(args.repeats):
         for config in CONFIGS:
-            row = {variant: run_once(variant, config != "no clip", args) for variant in variants}
+            row = {variant: run_once(variant, config != "no clip", args)
+                   for variant in run_order(per_config[config], swap=index % 2 == 1)}
             rounds[config].append(row)
             print(f"  round {index + 1}, {config:>8}: " + "  ".join(
-                f"{variant} {1e3 * row[variant]['median_step_s']:6.1f} ms" for variant in variants), flush=True)
+                f"{variant} {1e3 * row[variant]['median_step_s']:6.1f} ms" for variant in per_config[config]),
+                flush=True)
 
-    summary = {config: summarize(rounds[config], variants) for config in CONFIGS}
+    summary = {config: summarize(rounds[config], per_config[config]) for config in CONFIGS}
     print()
     print("| configuration | variant | ms/step | samples/s | vs async (min..max) | host step ms | exposed ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for config in CONFIGS:
-        for entry in (summary[config][variant] for variant in variants):
+        for entry in (summary[config][variant] for variant in per_config[config]):
             low, high = entry["ratio_vs_async_range"]
             print(f"| {config} | {entry['name']} | {entry['median_ms_per_step']:.1f} | {entry['median_samples_per_s']:.1f} | "
                   f"{entry['ratio_vs_async']:.3f} ({low:.2f}..{high:.2f}) | {entry['host_step_ms']:.1f} | "
@@ -460,6 +518,7 @@ def main() -> None:
     print(f"Host step / async step period (no clip, measured in the runs): {ref['host_step_ms'] / ref['median_ms_per_step']:.0%}")
     ratio = no_clip["sync"]["ratio_vs_async"]
     print(f"Verdict, no clipping: sync/async {ratio:.2f} (target >= {TARGET}) {'MET' if ratio >= TARGET else 'NOT MET'}")
+    summary["timer callback"] = timer_verdict(rounds["no clip"], no_clip["reference"])
     if "async_off" in variants:
         print("  async with streaming_step 'auto' against 'off': "
               f"{statistics.median(r['async']['samples_per_s'] / r['async_off']['samples_per_s'] for r in rounds['no clip']):.2f}"

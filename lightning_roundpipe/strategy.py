@@ -16,13 +16,27 @@ Optimizer contract: the module's parameters are the master weights, stepped on t
 thread, which steps its own references to the gradients and never touches ``param.grad``: only the main
 thread reads or assigns it. The precision plugin's ``optimizer_step``, and in it anything that must see final
 gradients (``on_before_optimizer_step``, clipping), runs on the main thread before the step is queued, so
-``self.log`` works there. Gradients are
-where Lightning's default strategy has them, in ``param.grad`` from the backward that made them until
-``zero_grad``, whenever user code could read them: manual optimization, or a module or callback that
-overrides a hook that sees them (:data:`GRADIENT_HOOKS`). Then the main thread waits for the pipeline's
-backward after each backward; otherwise the gradients go from the pipeline to the optimizer thread without
-a wait. ``zero_grad`` works as usual; zeroing in place (``set_to_none=False``) first lets the step in
-flight finish, as it reads those tensors.
+``self.log`` works there. Gradients are where Lightning's default strategy has them, in ``param.grad`` from the
+backward that made them until ``zero_grad``, whenever user code could read them, at the least cost:
+
+* before the step (manual optimization, ``on_after_backward``, an ``optimizer_zero_grad`` that may keep
+  gradients: :data:`BEFORE_STEP_GRADIENT_HOOKS`): the main thread waits for the pipeline's backward after
+  each backward and gathers its gradients into ``param.grad``;
+* after the step (``on_train_batch_end``, then the next batch's ``on_train_batch_start`` and
+  ``on_before_zero_grad``: :data:`AFTER_STEP_GRADIENT_HOOKS`): in sync mode nothing waits for them. The step
+  streams as without the hook, and once it is done (``optimizer_step`` waits for it anyway) the gradients it
+  applied go into ``param.grad``, into the very tensors ``param.grad`` held, as autograd accumulates in place.
+  Only a batch that does not step (gradient accumulation) waits for its backward, there being no step to
+  show them after. Async mode has no such point: what Lightning would show there is this batch's gradients,
+  the ones the step applies, and they are final only once this backward is over, which nothing else waits
+  for (the step runs on while the next batch starts). Showing older ones, or none, would be a silent
+  difference, so a hook after the step makes each backward wait there, as a hook before it does (the step
+  still overlaps the next iteration);
+* otherwise (and for objects that declare ``roundpipe_reads_gradients = False``) the gradients go from the
+  pipeline to the optimizer thread without a wait; sync mode still shows the step's gradients after it.
+
+``zero_grad`` works as usual; zeroing in place (``set_to_none=False``) first lets the step in flight finish,
+as it reads those tensors.
 
 The rest lives beside it, along Lightning's own seams: options in :mod:`~lightning_roundpipe.strategy_options`,
 trunk discovery in :mod:`~lightning_roundpipe.trunk`, the precision plugin's part of a step in
@@ -66,14 +80,23 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "roundpipe"
 """The checkpoint entry that holds the engine's state (:meth:`RoundPipeEngine.state_dict`)."""
 
-GRADIENT_HOOKS = ("on_after_backward", "on_before_zero_grad", "on_train_batch_start", "on_train_batch_end",
-                  "optimizer_zero_grad")
-"""The hooks in which Lightning's default strategy has gradients in ``param.grad`` (besides
-``on_before_optimizer_step``, which always gets them), and ``optimizer_zero_grad``, whose override may keep
-gradients across steps. When the module or a callback overrides one (not Lightning's own callbacks, which read
-no gradients), the strategy gathers the pipeline's gradients into ``param.grad`` after each backward. A module
-or callback that overrides one without reading gradients can say so with ``roundpipe_reads_gradients = False``
-and spare the wait."""
+BEFORE_STEP_GRADIENT_HOOKS = ("on_after_backward", "optimizer_zero_grad")
+"""Hooks that run between a backward and its step and may read or keep its gradients (``optimizer_zero_grad``:
+an override may keep gradients across steps, which the next backward then adds to): when the module or a
+callback overrides one, the main thread waits for each backward and gathers its gradients into ``param.grad``
+(``on_before_optimizer_step`` and clipping get the final gradients anyway, at the step)."""
+
+AFTER_STEP_GRADIENT_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_before_zero_grad")
+"""Hooks that run after the step (``on_train_batch_start`` and ``on_before_zero_grad`` of the next batch see
+what the previous one left) and see ``param.grad`` under Lightning's default strategy: the step's gradients, or
+the window's so far in a batch that did not step. Sync mode shows them without holding the step or the next
+forward back (only a batch that does not step waits for its backward); async mode waits for each backward."""
+
+GRADIENT_HOOKS = BEFORE_STEP_GRADIENT_HOOKS + AFTER_STEP_GRADIENT_HOOKS
+"""Every hook, besides ``on_before_optimizer_step``, in which Lightning's default strategy has gradients in
+``param.grad``. Overrides by Lightning's own callbacks do not count (they read no gradients); a module or callback
+of the user's that overrides one without reading gradients can say so with ``roundpipe_reads_gradients = False``
+and spare whatever wait remains (async mode, gradient accumulation, the hooks before the step)."""
 
 _NOT_USER_CODE = ("lightning.", "pytorch_lightning.", "lightning_roundpipe.")
 
@@ -168,6 +191,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         self.engine: RoundPipeEngine | None = None
         self._patches: list[InstancePatch] = []
         self._fused_backward_done = False
+        self._stepping = False  # inside optimizer_step's closure: the backward there is shown after its step
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
         self._restore_matmul: Callable[[], None] | None = None  # undoes fp16_accumulation's process-global flag
 
@@ -325,10 +349,10 @@ class RoundPipeStrategy(RingProcessStrategy):
     def _mark_fused_backward(self) -> None:
         self._fused_backward_done = True
 
-    def gradients_read(self) -> bool:
-        """Whether user code may read ``param.grad`` outside ``on_before_optimizer_step``: manual optimization
-        (right after ``manual_backward``, say), or a module or callback hook of :data:`GRADIENT_HOOKS`. Then the
-        gradients are gathered into ``param.grad`` after each backward, as plain training has them."""
+    def gradients_read(self, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> bool:
+        """Whether user code may read ``param.grad`` in ``hooks`` (by default any hook of :data:`GRADIENT_HOOKS`),
+        or anywhere in manual optimization (right after ``manual_backward``, say): a module or callback overrides
+        one of them."""
         module = self.lightning_module
         if module is None:
             return False
@@ -336,13 +360,22 @@ class RoundPipeStrategy(RingProcessStrategy):
             return True
         trainer = _trainer_of(module)
         callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-        return _overrides_gradient_hook(module, pl.LightningModule) or any(
-            _overrides_gradient_hook(callback, pl.Callback) for callback in callbacks)
+        return _overrides_gradient_hook(module, pl.LightningModule, hooks) or any(
+            _overrides_gradient_hook(callback, pl.Callback, hooks) for callback in callbacks)
+
+    def gathers_after_backward(self) -> bool:
+        """Whether the backward running now must be waited for and its gradients gathered into ``param.grad``
+        before it returns: a hook before the step may read them; or a hook after it, where no step will show
+        them without a wait (a batch that does not step, or async mode, whose step runs on meanwhile)."""
+        if self.gradients_read(BEFORE_STEP_GRADIENT_HOOKS):
+            return True
+        shown_after_step = self._stepping and not self.engine_options.async_step
+        return not shown_after_step and self.gradients_read(AFTER_STEP_GRADIENT_HOOKS)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning's Strategy.backward, with the pipeline's gradients gathered into param.grad before
-        # post_backward fires on_after_backward, when user code may read them
+        # post_backward fires on_after_backward, when user code may read them before a step shows them
         module = self.lightning_module
         assert module is not None
         fused = self._fused_backward_done and not closure_loss.requires_grad
@@ -352,7 +385,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if not fused:  # (fused: pipeline_loss already ran the backward inside training_step)
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        if self.engine is not None and not self.engine.closed and self.gradients_read():
+        if self.engine is not None and not self.engine.closed and self.gathers_after_backward():
             self.engine.collect_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         if not fused:
@@ -368,9 +401,15 @@ class RoundPipeStrategy(RingProcessStrategy):
             )
         module = model or self.lightning_module
         assert self.engine is not None and module is not None
-        result = closure()  # the training step and its backward, which feeds the pipeline's gradients
+        self._stepping = True  # the backward in the closure is this step's: a sync step shows its gradients
+        try:
+            result = closure()  # the training step and its backward, which feeds the pipeline's gradients
+        finally:
+            self._stepping = False
         precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result, **kwargs)
         if not self.engine_options.async_step:
+            lent = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]
+                    if param.grad is not None]
             # what Lightning runs next (on_train_batch_end, an epoch's end and start, the next batch's hooks)
             # sees the step done and every buffer copied back, as under its default strategy: a callback may
             # read the weights (SWA's average, EMA) or write them (``param.data = ...``, ``load_state_dict``,
@@ -381,6 +420,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             # and param.grad holds the step's gradients until zero_grad(), as under the default strategy: a
             # step that follows no backward (SWA's BatchNorm epoch) applies them again, as Lightning's would
             self.engine.restore_gradients()
+            _keep_gradient_tensors(lent)
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -451,13 +491,12 @@ def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
         return None
 
 
-def _overrides_gradient_hook(obj: Any, base: type) -> bool:
-    """Whether ``obj`` (a LightningModule or a callback) has user code in a hook of :data:`GRADIENT_HOOKS`: an
-    override defined outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients =
-    False``."""
+def _overrides_gradient_hook(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> bool:
+    """Whether ``obj`` (a LightningModule or a callback) has user code in one of ``hooks``: an override defined
+    outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
     if getattr(obj, "roundpipe_reads_gradients", True) is False:
         return False
-    for hook in GRADIENT_HOOKS:
+    for hook in hooks:
         if hook in vars(obj):
             return True
         for cls in type(obj).__mro__:
@@ -466,6 +505,21 @@ def _overrides_gradient_hook(obj: Any, base: type) -> bool:
                     return True
                 break
     return False
+
+
+def _keep_gradient_tensors(lent: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """After a sync step and ``restore_gradients``: where ``param.grad`` held a tensor when the step was queued
+    (gradients so far, gathered for a hook while accumulating; gradients kept across steps) and the step summed
+    the rest out of place (the step reads what it was lent, so the engine never adds into it), put the sum into
+    that tensor. Autograd accumulates into ``param.grad`` in place, so under the default strategy a reference a
+    hook kept to it sees the step's gradients, and ``param.grad`` is still that tensor. The step is done: nothing
+    reads the tensor any more."""
+    with torch.no_grad():
+        for param, held in lent:
+            now = param.grad
+            if now is not None and now is not held and now.shape == held.shape and now.dtype == held.dtype:
+                held.copy_(now)
+                param.grad = held
 
 
 def register() -> None:

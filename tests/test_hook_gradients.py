@@ -237,35 +237,146 @@ def test_zero_grad_in_place_and_gradients_kept_across_steps_behave_as_in_plain_t
 
 
 # ---------------------------------------------------------------------------- when the strategy waits
+AFTER_STEP = ("on_train_batch_start", "on_before_zero_grad", "on_train_batch_end")
+
+
+class _Waits(pl.Callback):
+    """Records the batches (counted since the fit started) in which the strategy waited for the pipeline's
+    backward to gather its gradients into ``param.grad`` (``RoundPipeEngine.collect_gradients``); pass it to the
+    Trainer as a callback (it numbers the batches, and reads no gradient)."""
+
+    roundpipe_reads_gradients = False
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.batches: list[int] = []
+        self._batch = -1
+        collect = RoundPipeEngine.collect_gradients
+
+        def counted(engine: RoundPipeEngine) -> None:
+            self.batches.append(self._batch)
+            collect(engine)
+
+        monkeypatch.setattr(RoundPipeEngine, "collect_gradients", counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch = trainer.fit_loop.epoch_loop.total_batch_idx
+
+
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> _Waits:
+    return _Waits(monkeypatch)
+
+
+def _non_stepping(accumulate: int, batches_per_epoch: int = 4, epochs: int = 2) -> list[int]:
+    """The batches that do not step (Lightning steps every ``accumulate`` batches and at an epoch's last)."""
+    return [epoch * batches_per_epoch + index for epoch in range(epochs) for index in range(batches_per_epoch)
+            if (index + 1) % accumulate and index + 1 < batches_per_epoch]
+
+
 class _LogsLoss(pl.Callback):
-    roundpipe_reads_gradients = False  # overrides a gradient hook, reads no gradient
+    roundpipe_reads_gradients = False  # overrides gradient hooks, reads no gradient
+
+    def on_after_backward(self, trainer, pl_module):
+        pass
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pass
 
 
-def test_only_user_code_that_may_read_gradients_makes_the_strategy_wait(tmp_path):
+def test_only_user_code_that_may_read_gradients_makes_the_strategy_wait(tmp_path, waits):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
-
-    waited = []
-
-    class Counting(RoundPipeStrategy):
-        def backward(self, *args, **kwargs):
-            waited.append(self.gradients_read())
-            return super().backward(*args, **kwargs)
 
     # Lightning's own callbacks override on_train_batch_end/start and read no gradient; nor does the strategy's
     # metrics callback; a user callback can say it reads none
-    callbacks = [ModelCheckpoint(), TQDMProgressBar(), LearningRateMonitor(), _LogsLoss()]
-    trainer = pl.Trainer(strategy=Counting(num_microbatches=2), accelerator="cpu", devices=2, max_epochs=1,
+    callbacks = [ModelCheckpoint(), TQDMProgressBar(), LearningRateMonitor(), _LogsLoss(), waits]
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2, max_epochs=1,
                          logger=pl.loggers.CSVLogger(tmp_path), enable_model_summary=False,
                          callbacks=callbacks, limit_train_batches=2, default_root_dir=tmp_path)
     trainer.fit(Classifier(), _data(16))
-    assert waited == [False, False]
-    waited.clear()
-    _fit(_recording_module(("on_train_batch_end",))(), Counting(num_microbatches=2), [], devices=2,
+    assert waits.batches == []
+    # async mode would wait for every backward for a hook after the step (below), but not for one that says
+    _fit(Classifier(), RoundPipeStrategy(num_microbatches=2, async_step=True), [_LogsLoss(), waits], devices=2,
          limit_train_batches=2)
-    assert waited == [True] * 4
+    assert waits.batches == []
+    # a hook before the step may read each backward's gradients: every backward is waited for
+    _fit(_recording_module(("on_after_backward",))(), RoundPipeStrategy(num_microbatches=2), [waits],
+         devices=2, limit_train_batches=2)
+    assert waits.batches == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_hooks_after_the_step_wait_only_where_no_step_shows_the_gradients(async_step, accumulate, waits):
+    """A sync step shows its gradients after it without a wait; a batch that does not step must wait for its
+    backward (its hooks see the window's gradients so far), and so does every batch in async mode, whose step
+    runs on while the next batch starts."""
+    strategy = RoundPipeStrategy(num_microbatches=2, num_stages=2, async_step=async_step)
+    _fit(_recording_module(AFTER_STEP)(), strategy, [_recording_callback(AFTER_STEP), waits], devices=2,
+         accumulate_grad_batches=accumulate)
+    assert waits.batches == (list(range(8)) if async_step else _non_stepping(accumulate))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_hooks_after_the_step_see_the_default_strategys_gradients_in_float64(accumulate, fused):
+    """Several microbatches, float64, module and callback hooks after the step only (nothing before it gathers
+    gradients), with and without accumulation: what Lightning shows there, to 1e-12."""
+    settings = dict(accumulate_grad_batches=accumulate, precision="64-true", fused=fused)
+    _, module_ref, callback_ref = _run("auto", 1, AFTER_STEP, **settings)
+    _, seen, callback_seen = _run(RoundPipeStrategy(num_microbatches=3, num_stages=2), 2, AFTER_STEP, **settings)
+    _assert_same(seen, module_ref, bitwise=False, hooks=AFTER_STEP)
+    _assert_same(callback_seen, callback_ref, bitwise=False, hooks=AFTER_STEP)
+
+
+class _KeepsReferences(pl.Callback):
+    """Keeps a reference to each ``param.grad`` from ``on_train_batch_end`` to the next one and records, in every
+    hook after the step, whether ``param.grad`` still is that tensor and what the tensor holds. Under the default
+    strategy autograd accumulates into ``param.grad`` in place and clipping scales it in place, so the kept
+    tensors show the next batches' gradients until ``zero_grad`` replaces them."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor | None] = []
+        self.seen: list[tuple[str, int, list[bool], list[torch.Tensor | None]]] = []
+
+    def _note(self, hook: str, module: pl.LightningModule) -> None:
+        params = list(module.parameters())
+        if not self.kept:
+            return
+        self.seen.append((hook, module.trainer.fit_loop.epoch_loop.total_batch_idx,
+                          [kept is not None and kept is param.grad for kept, param in zip(self.kept, params, strict=True)],
+                          [None if kept is None else kept.clone() for kept in self.kept]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._note("on_train_batch_start", pl_module)
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        self._note("on_before_zero_grad", pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._note("on_train_batch_end", pl_module)
+        self.kept = [param.grad for param in pl_module.parameters()]
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no clipping", "clipping"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_kept_reference_to_param_grad_changes_as_under_the_default_strategy(accumulate, clip):
+    def run(strategy: Any, devices: int) -> _KeepsReferences:
+        keeper = _KeepsReferences()
+        _fit(Classifier("sgd"), strategy, [keeper], devices=devices, accumulate_grad_batches=accumulate,
+             gradient_clip_val=clip, precision="64-true")
+        return keeper
+
+    reference = run("auto", 1)
+    # stress: a kept tensor that were a buffer the engine releases or reuses would be poisoned (NaN) meanwhile
+    ours = run(RoundPipeStrategy(num_microbatches=2, num_stages=2, stress=True, jitter=0.002), 2)
+    assert [entry[:3] for entry in ours.seen] == [entry[:3] for entry in reference.seen]  # the same tensors
+    if accumulate > 1:  # the accumulated step's gradients went into the tensor the hooks kept
+        assert any(all(same) for hook, _, same, _ in reference.seen if hook == "on_train_batch_end")
+    for (hook, batch, _, kept), (_, _, _, expected) in zip(ours.seen, reference.seen, strict=True):
+        for index, (value, want) in enumerate(zip(kept, expected, strict=True)):
+            assert (value is None) == (want is None), f"{hook} of batch {batch}, parameter {index}"
+            if value is not None:
+                assert_float64_equal(value, want, what=f"{hook} of batch {batch}, parameter {index}")
 
 
 # ---------------------------------------------------------------------------- one thread on param.grad
