@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine, RoundPipeStrategy
+from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.options import OptionError
 from lightning_roundpipe.engine.transport import GradStaging, autocast_only_weights
@@ -181,17 +182,22 @@ def test_a_call_outside_autocast_uploads_full_precision():
 
 def test_grad_staging_views_are_shaped_aligned_and_reused():
     staging = GradStaging(pin=False)
+    slot = staging.acquire(AbortSignal(5.0))
     grads = [torch.ones(3, 5, dtype=torch.bfloat16), torch.ones(7), torch.ones(2, dtype=torch.float64)]
-    views = staging.views(grads)
+    views = slot.views(grads)
     assert [(view.shape, view.dtype) for view in views] == [(grad.shape, grad.dtype) for grad in grads]
     pointers = [view.data_ptr() for view in views]
     assert all(pointer % 64 == 0 for pointer in pointers)
     for view, grad in zip(views, grads, strict=True):
         view.copy_(grad * 2)
-    # the second job's views reuse the same memory (no overlap between a job's own views)
-    assert [view.data_ptr() for view in staging.views(grads)] == pointers
+    # the slot's next job reuses the same memory (no overlap between a job's own views)
+    assert [view.data_ptr() for view in slot.views(grads)] == pointers
     assert all(torch.equal(view, grad * 2) for view, grad in zip(views, grads, strict=True))
-    assert staging.nbytes() == 64 + 64 + 64
+    assert staging.nbytes() == 64 + 64 + 64  # exactly what the job needs, no power-of-two rounding
+    other = staging.acquire(AbortSignal(5.0))  # the second slot: its own memory
+    assert other.views(grads)[0].data_ptr() not in pointers
+    slot.release()
+    assert staging.acquire(AbortSignal(5.0)) is slot
 
 
 # ---------------------------------------------------------------------------------------------- pre-flight

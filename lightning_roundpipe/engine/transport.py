@@ -35,7 +35,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.layers import LayerState, Trunk
+from lightning_roundpipe.engine.pinned import PinnedStorages
 
 _AUTOCAST_FORWARDS = frozenset({nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward})
 """Module forwards that use their ``weight`` and ``bias`` in one autocast-listed op (a matmul or a conv)."""
@@ -227,29 +229,96 @@ class UploadSources:
 
 
 class GradStaging:
-    """One host buffer that a device's gradients download into, job after job (pinned for CUDA devices):
-    a non-blocking copy into pinned memory runs at full bus speed, and reusing it spares the page faults
-    of fresh memory every step. The download thread owns it; the gradient window copies out of it before
-    the next job's gradients arrive."""
+    """The host memory a device's gradients download into: a few slots (two by default), one per job whose
+    gradients are on their way into the step's window. The download thread takes a free slot, copies a job's
+    gradients into it, releases the stage and hands the slot to the summing thread (``step/summing.py``),
+    which gives it back once the window has summed out of it. So the next job's downloads overlap this
+    job's sum, and the download thread waits only while every slot is still being summed, which also bounds
+    the host memory gradients in transit take.
+
+    ``reuse`` (CUDA devices, and CPU stand-ins in stress mode, which poison a slot once it is summed): each
+    slot is one buffer reused job after job, so a non-blocking copy into it runs at full bus speed (``pin``:
+    registered with CUDA in place) and no step page-faults fresh memory. A buffer is exactly as large as the
+    largest job it has held (no power-of-two rounding, as torch's caching host allocator would give), and one
+    outgrown is unregistered and freed at once. Otherwise (CPU stand-ins) a slot hands out fresh tensors, which
+    the window keeps as its sums where it can."""
 
     _ALIGN = 64  # bytes: every view starts on a cache line
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, *, reuse: bool = True, pin: bool = False, slots: int = 2) -> None:
+        self.reuse = reuse
         self._pin = pin
-        self._buffer: torch.Tensor | None = None
+        self._pinned = PinnedStorages() if pin else None
+        self._free = [StagingSlot(self) for _ in range(slots)]
+        self._slots = list(self._free)
+        self._lock = threading.Lock()
+        self._available = threading.Event()
+        self._available.set()
+
+    def acquire(self, abort: AbortSignal) -> StagingSlot:
+        """A free slot, once one is (each is given back with :meth:`StagingSlot.release`)."""
+        while True:
+            with self._lock:
+                if self._free:
+                    slot = self._free.pop()
+                    if not self._free:
+                        self._available.clear()
+                    return slot
+            abort.wait(self._available, "a gradient staging slot (every one still being summed on the host)")
+
+    def _give_back(self, slot: StagingSlot) -> None:
+        with self._lock:
+            self._free.append(slot)
+            self._available.set()
+
+    def _allocate(self, nbytes: int, outgrown: torch.Tensor | None) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self._pinned is not None:
+            kept = [slot.buffer for slot in self._slots if slot.buffer is not None and slot.buffer is not outgrown]
+            self._pinned.keep_only(kept)  # the outgrown buffer is unregistered before it is freed
+            if self._pinned.refused is None:
+                self._pinned.pin([buffer])
+        return buffer
+
+    def nbytes(self) -> int:
+        """Host bytes of the reused buffers."""
+        return sum(slot.buffer.numel() for slot in self._slots if slot.buffer is not None)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [slot.buffer for slot in self._slots if slot.buffer is not None]
+
+    def release(self) -> None:
+        """Unregister the buffers (the engine has stopped: no copy reads them any more)."""
+        if self._pinned is not None:
+            self._pinned.release()
+
+
+class StagingSlot:
+    """One slot of a :class:`GradStaging`: host tensors for one job's gradients."""
+
+    def __init__(self, staging: GradStaging) -> None:
+        self._staging = staging
+        self.buffer: torch.Tensor | None = None  # reuse: this slot's buffer
 
     def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host tensors shaped like ``tensors``, carved out of the buffer (grown if too small)."""
+        """Host tensors shaped like ``tensors``: carved out of the slot's buffer (grown if too small) where
+        it is reused, else fresh."""
+        if not self._staging.reuse:
+            return [torch.empty(tensor.shape, dtype=tensor.dtype) for tensor in tensors]
+        align = GradStaging._ALIGN
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
-            total += -(-size // self._ALIGN) * self._ALIGN
-        if self._buffer is None or self._buffer.numel() < total:
-            self._buffer = None  # freed before its successor is allocated
-            self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        return [self._buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+            total += -(-size // align) * align
+        if self.buffer is None or self.buffer.numel() < total:
+            outgrown, self.buffer = self.buffer, None
+            self.buffer = self._staging._allocate(total, outgrown)
+            del outgrown  # freed now, after its registration
+        buffer = self.buffer
+        return [buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
                 for tensor, offset, size in zip(tensors, offsets, sizes, strict=True)]
 
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
+    def release(self) -> None:
+        """The window has summed out of this slot's tensors: the next job may use it."""
+        self._staging._give_back(self)

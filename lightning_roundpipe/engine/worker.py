@@ -88,6 +88,7 @@ from lightning_roundpipe.engine.device import (
 from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.operations import DeviceInputs, DeviceOutputs, InputCells, StageOperations
 from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
+from lightning_roundpipe.engine.step.summing import GradSummer
 from lightning_roundpipe.planning.schedule import StageKind
 
 
@@ -123,11 +124,12 @@ class _Handoff:
 class Worker:
     """One device's host thread: turns jobs into stream operations, in ring order."""
 
-    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal) -> None:
+    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal,
+                 summer: GradSummer) -> None:
         self.runner = runner
         self._abort = abort
         self.device = device
-        self.operations = StageOperations(runner, measurements, device, abort)
+        self.operations = StageOperations(runner, measurements, device, abort, summer)
         self._tasks: deque[Task | None] = deque()
         self._ready = threading.Condition()
         # touched by this worker's thread only: uploads enqueued ahead of their job, by job index, and
