@@ -228,8 +228,8 @@ class HostAccountant(pl.Callback):
                 add("gradients", grad)
         self._windows = [ref for ref in self._windows if ref() is not None]
         for worker in engine.dispatcher.workers:
-            for buffer in worker.operations.grad_staging.buffers():
-                add("staging buffers", buffer)
+            for memory in worker.operations.grad_staging.allocated():
+                add("staging buffers", memory)
         calls = [c for c in (ref() for ref in self._calls) if c is not None]
         self._calls = [ref for ref in self._calls if ref() is not None]
         self.most_live_calls = max(self.most_live_calls, len(calls))

@@ -49,7 +49,7 @@ def _plain_gradients(model: nn.Module) -> list[torch.Tensor]:
 def test_a_stage_is_released_before_its_gradients_are_summed(monkeypatch, roundpipe_threads, stress):
     """The first job with gradients (the fused one) may not sum until the device has uploaded the job two
     after it, which waits for the fused job's release: were the release after the sum, the sum would wait
-    in vain. The gradients are still plain PyTorch's (stress mode: reused staging slots, poisoned once summed)."""
+    in vain. The gradients are still plain PyTorch's (stress mode: reused staging buffers, poisoned once summed)."""
     uploads: list[tuple[StageKind, int]] = []
     uploaded = threading.Condition()
     upload_params = StageOperations.upload_params
@@ -105,8 +105,8 @@ def test_an_error_while_summing_stops_the_engine_saying_what_failed(monkeypatch,
     assert roundpipe_threads() == []
 
 
-def test_the_download_waits_for_a_staging_slot_only_while_every_slot_is_summed():
-    staging = GradStaging(reuse=True, slots=2)
+def test_the_download_waits_for_a_staging_buffer_only_while_every_buffer_is_summed():
+    staging = GradStaging(count=2)
     abort = AbortSignal(HOLD_TIMEOUT)
     first, second = staging.acquire(abort), staging.acquire(abort)
     assert first is not second
@@ -114,7 +114,7 @@ def test_the_download_waits_for_a_staging_slot_only_while_every_slot_is_summed()
     waiter = threading.Thread(target=lambda: third.append(staging.acquire(abort)))
     waiter.start()
     waiter.join(0.05)
-    assert waiter.is_alive() and third == []  # both slots are out: it waits
+    assert waiter.is_alive() and third == []  # both buffers are out: it waits
     second.release()
     waiter.join(HOLD_TIMEOUT)
     assert third == [second]
@@ -131,4 +131,4 @@ def test_the_download_waits_for_a_staging_slot_only_while_every_slot_is_summed()
     waiter.start()
     abort.abort()
     waiter.join(HOLD_TIMEOUT)
-    assert not waiter.is_alive() and "gradient staging slot" in str(failed[0])
+    assert not waiter.is_alive() and "gradient staging buffer" in str(failed[0])

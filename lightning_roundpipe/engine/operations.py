@@ -27,7 +27,7 @@ from lightning_roundpipe.engine.transfer import (
     tree_tensors,
     upload_to,
 )
-from lightning_roundpipe.engine.transport import GradStaging
+from lightning_roundpipe.engine.transport import GradStaging, WideGradSums
 from lightning_roundpipe.planning.schedule import StageKind
 
 
@@ -78,9 +78,9 @@ class StageOperations:
         self._abort = abort
         self._timeline = runner.timeline
         self._summer = summer
-        # gradients download into reused host buffers: pinned on CUDA, and in stress mode on CPU stand-ins
-        # (which poison one once the window has summed out of it)
-        self.grad_staging = GradStaging(reuse=device.pin_downloads or device.stress, pin=device.pin_downloads)
+        # gradients download into reused host buffers (pinned on CUDA; in stress mode poisoned once summed)
+        self.grad_staging = GradStaging(pin=device.pin_downloads)
+        self.wide_sums = WideGradSums()  # low-precision leaves' gradients, summed over microbatches in float32
 
     # ------------------------------------------------------------------ parameter stream
     def wait_for_weights(self, weights_ready: list[HostEvent]) -> None:
@@ -93,9 +93,23 @@ class StageOperations:
     def upload_params(self, task: Task, stage_copy: StageCopy) -> None:
         start = self._timeline.now()
         self.runner.upload_stage(self.device, task, stage_copy)
+        if task.needs_grad and len(task.job.microbatches) > 1:
+            self._sum_wide(task, stage_copy)
         task.upload_done.set()
         task.window.upload_finished()  # an async step may now publish what this upload read
         self._timeline.add("upload_params", task.job.label, start, device=self.device.index, job=task.job.index)
+
+    def _sum_wide(self, task: Task, stage_copy: StageCopy) -> None:
+        """Trained leaves uploaded narrower than their masters (the transport dtype) sum their gradients over
+        the job's microbatches in the master's dtype (``WideGradSums``), accounted with the stage."""
+        states = self.runner.trunk.states
+        narrow = [(copied, param.dtype) for layer in task.job.layers
+                  for param, copied in zip(states[layer].params, stage_copy.params[layer], strict=True)
+                  if param.requires_grad and copied.dtype != param.dtype]
+        if narrow:
+            nbytes = self.wide_sums.watch(narrow)
+            self.device.residency.allocate(nbytes, f"the float32 gradient sums of stage {task.job.label}")
+            stage_copy.nbytes += nbytes  # released with the stage
 
     # ------------------------------------------------------------------ activation stream
     def input_cells(self, task: Task, microbatch: int) -> InputCells:
@@ -244,16 +258,17 @@ class StageOperations:
         self._timeline.add("release", job.label, start, device=device.index, job=job.index)
 
     def _download_gradients(self, task: Task, stage_copy: StageCopy) -> Callable[[], None]:
-        """The job's gradients to the host, into a staging slot (waiting for one only while every slot is
+        """The job's gradients to the host, into a staging buffer (waiting for one only while every buffer is
         still being summed): every copy enqueued at once, one synchronize. Returns their sum into the step's
-        window, in the masters' dtype, for the summing thread; it gives the slot back."""
+        window, in the masters' dtype, for the summing thread; it gives the buffer back."""
         device, staging = self.device, self.grad_staging
         start = self._timeline.now()
         # one per slot the window expects of this job, in its order; None where no gradient reached a copy
-        per_slot = [stage_copy.params[layer][position].grad for layer, position in task.grad_positions]
+        per_slot = [self.wide_sums.gradient(stage_copy.params[layer][position])
+                    for layer, position in task.grad_positions]
         grads = [grad for grad in per_slot if grad is not None]
-        slot = staging.acquire(self._abort)
-        host = slot.views(grads)
+        buffer = staging.acquire(self._abort)
+        host = buffer.views(grads)
         for target, grad in zip(host, grads, strict=True):
             target.copy_(grad, non_blocking=True)
         device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
@@ -265,11 +280,10 @@ class StageOperations:
 
         def sum_into_window() -> None:
             try:
-                task.window.deliver(task.ticket, delivered, borrowed=staging.reuse)
-                if staging.reuse:  # the window has its copies: the next job may overwrite the slot
-                    device.stress_mode.poison_released(host)
+                task.window.deliver(task.ticket, delivered, borrowed=True)
+                device.stress_mode.poison_released(host)  # the window has its copies: the buffer may be reused
             finally:
-                slot.release()
+                buffer.release()
             task.window.job_finished()
 
         return sum_into_window
