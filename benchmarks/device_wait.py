@@ -14,12 +14,15 @@ first's compute end to the next's compute start. What fills it: the gradients' d
 parameter upload (which waits until the stage two jobs back is released) and its input gradients (downloaded
 behind the previous job's finish); with the sum on the download thread, also the host sum. The first
 ``--warmup`` steps are dropped; the table gives the median and the mean wait per pair, and the device's compute
-per backward job for scale.
+per backward job for scale, each the median over ``--repeat`` engine runs. The defaults (width 2048, one
+microbatch of one row) keep a stand-in device's own arithmetic small: its weight gradients are real host work on
+the same cores as the host sum, which a GPU would not share, and they grow with the rows and microbatches.
 
 Before and after. ``--json PATH`` writes the figures; ``--before PATH`` reads those of an earlier run (the same
 script run against another commit: copy it into that checkout's ``benchmarks/`` and run it there, as
-``sync_async.py`` is imported from the checkout the script sits in) and prints both rows with their ratio. The
-numbers are host-load dependent; the ratio of the two rows is what to read.
+``sync_async.py`` is imported from the checkout the script sits in; where the package is installed in editable
+mode from another checkout, set ``LIGHTNING_ROUNDPIPE_NO_AUTOLOAD=1`` and ``PYTHONPATH`` to that checkout) and
+prints both rows with their ratio. The numbers are host-load dependent; the ratio of the two rows is what to read.
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--rows", type=int, default=1, help="samples per microbatch")
     parser.add_argument("--calls", type=int, default=4, help="calls per optimizer step (gradient accumulation)")
-    parser.add_argument("--forward-ms", type=float, default=2.0, help="emulated device time per layer forward")
+    parser.add_argument("--forward-ms", type=float, default=0.5, help="emulated device time per layer forward")
     parser.add_argument("--backward-factor", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=None, help="measured optimizer steps (default 4)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=None, help="engine runs; each figure is their median (5)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--label", default="this checkout")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -69,6 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.width = sized(args.width, args, full=2048, smoke=128)
     args.layers = sized(args.layers, args, full=8, smoke=4)
     args.steps = sized(args.steps, args, full=4, smoke=1)
+    args.repeat = sized(args.repeat, args, full=5, smoke=1)
     return args
 
 
@@ -125,9 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Device wait between consecutive backward jobs: width {args.width}, {args.layers} layers, "
           f"{args.layers_per_stage} per stage, {args.devices} CPU device(s), {args.microbatches} microbatches of "
           f"{args.rows} rows, {args.calls} calls per step, emulated {args.forward_ms:g} ms per layer forward "
-          f"(x{args.backward_factor:g} backward), {args.steps} measured steps, {torch.get_num_threads()} thread(s)")
+          f"(x{args.backward_factor:g} backward), {args.steps} measured steps, {torch.get_num_threads()} thread(s); "
+          f"each figure the median of {args.repeat} run(s)")
     started = time.perf_counter()
-    figures = measure(args)
+    runs = [measure(args) for _ in range(args.repeat)]
+    figures = {name: statistics.median(run[name] for run in runs) if name != "label" else args.label
+               for name in runs[0]}
     rows = [figures]
     if args.before is not None:
         rows.insert(0, json.loads(args.before.read_text()))

@@ -48,8 +48,10 @@ microbatches::
     first; on a GPU each cell carries a CUDA event recorded after its copies, which the reading upload
     stream waits for on the GPU ([4]) and a host reader (the caller) synchronizes. A stage boundary thus
     costs no host sync on a GPU, only GPU-side event waits.
-[8] Every microbatch has computed and the replicas are unbound: the job's gradients go into the
-    step's window, its buffers back to the host layers, its memory is released and ``released[k]`` set.
+[8] Every microbatch has computed and the replicas are unbound: the job's gradients go to the host, its
+    buffers back to the host layers, its memory is released and ``released[k]`` set; the gradients are
+    then summed into the step's window by the device's summing thread (``step/summing.py``), which nothing
+    on the device waits for.
 
 A microbatch's upload, compute and download run on three threads; they pass the device tensors on
 through a :class:`_Handoff`, and each drops them as soon as the next one has them. What each operation
