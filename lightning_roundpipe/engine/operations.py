@@ -101,15 +101,16 @@ class StageOperations:
 
     def _sum_wide(self, task: Task, stage_copy: StageCopy) -> None:
         """Trained leaves uploaded narrower than their masters (the transport dtype) sum their gradients over
-        the job's microbatches in the master's dtype (``WideGradSums``), accounted with the stage."""
+        the job's microbatches in the master's dtype (``WideGradSums``), accounted with the stage: the sums
+        instead of the narrow gradients the upload counted (as ``transport.layer_device_bytes`` plans them)."""
         states = self.runner.trunk.states
         narrow = [(copied, param.dtype) for layer in task.job.layers
                   for param, copied in zip(states[layer].params, stage_copy.params[layer], strict=True)
                   if param.requires_grad and copied.dtype != param.dtype]
         if narrow:
-            nbytes = self.wide_sums.watch(narrow)
-            self.device.residency.allocate(nbytes, f"the float32 gradient sums of stage {task.job.label}")
-            stage_copy.nbytes += nbytes  # released with the stage
+            wider = self.wide_sums.watch(narrow) - sum(leaf.numel() * leaf.element_size() for leaf, _ in narrow)
+            self.device.residency.allocate(wider, f"the float32 gradient sums of stage {task.job.label}")
+            stage_copy.nbytes += wider  # released with the stage
 
     # ------------------------------------------------------------------ activation stream
     def input_cells(self, task: Task, microbatch: int) -> InputCells:
