@@ -228,9 +228,8 @@ class HostAccountant(pl.Callback):
                 add("gradients", grad)
         self._windows = [ref for ref in self._windows if ref() is not None]
         for worker in engine.dispatcher.workers:
-            staging = worker.operations.grad_staging
-            if staging is not None and staging._buffer is not None:
-                add("staging buffers", staging._buffer)
+            for memory in worker.operations.grad_staging.allocated():
+                add("staging buffers", memory)
         calls = [c for c in (ref() for ref in self._calls) if c is not None]
         self._calls = [ref for ref in self._calls if ref() is not None]
         self.most_live_calls = max(self.most_live_calls, len(calls))

@@ -66,6 +66,7 @@ class MemoryPlan:
     optimizer_shards: int = 1         # processes the optimizer state is split over (shard_optimizer); 1: whole
     world_size: int = 1               # processes in the whole run (on every node)
     unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
+    staging_bytes: int = 0            # gradients on their way into the step: the download buffers of every device
 
     @property
     def resident_bytes(self) -> int:
@@ -77,7 +78,8 @@ class MemoryPlan:
         """What training will allocate on the host beyond what it holds at setup (activations excluded
         unless estimated)."""
         return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.upload_copy_bytes
-                + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes)
+                + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes
+                + self.staging_bytes)
 
     @property
     def host_total_bytes(self) -> int:
@@ -121,7 +123,7 @@ class MemoryPlan:
             optimizer += f" ({'; '.join(notes)})"
         items = [("gradients", self.gradient_bytes), ("next iteration's gradients (async)", self.next_gradient_bytes),
                  (optimizer, self.optimizer_state_bytes), ("upload copies", self.upload_copy_bytes),
-                 ("simulated device copies", self.device_copy_bytes)]
+                 ("simulated device copies", self.device_copy_bytes), ("gradient staging", self.staging_bytes)]
         return sorted([item for item in items if item[1] > 0], key=lambda item: -item[1])
 
     def rows(self) -> list[tuple[str, str, str]]:
@@ -147,6 +149,9 @@ class MemoryPlan:
                      "; ".join(optimizer_notes) if optimizer_notes
                      else ("no optimizer" if training else "none: not training")))
         rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
+        if self.staging_bytes:
+            rows.append(("gradient staging", "+" + format_bytes(self.staging_bytes),
+                         f"{self.num_devices} device(s) x 2 download buffers x the largest stage's gradients"))
         rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
                      f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
                      if self.device_type == "cpu" else "none: device memory"))

@@ -17,7 +17,9 @@ the engine's plan and the optimizers (before their first step), what the host wi
 * **stage-boundary activations** are *not* estimated: they depend on the batch, which setup has not seen.
   The plan says how many layer inputs a training batch keeps on the host and reports the headroom left
   for them;
-* **checkpoint saves** add nothing: ``StreamingCheckpointIO`` streams ``torch.save`` into the file.
+* **checkpoint saves** add nothing: ``StreamingCheckpointIO`` streams ``torch.save`` into the file;
+* **gradient staging**: each device downloads a job's gradients into one of its two reused host buffers, each
+  as large as the largest stage's gradients (training only).
 
 Data parallel (``rings_per_node`` processes per node, each with its own ring of devices): every process holds
 all of the above for itself, so the node needs ``processes_per_node`` times one process's host bytes, while
@@ -67,7 +69,7 @@ from torch import nn
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.step.kernels import SCRATCH_ELEMENTS, StepFigure, measure_step
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
-from lightning_roundpipe.engine.transport import layer_sizes, upload_copy_bytes
+from lightning_roundpipe.engine.transport import GRAD_STAGING_BUFFERS, layer_sizes, upload_copy_bytes
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
 from lightning_roundpipe.memory_plan import MemoryPlan, Problem
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
@@ -107,6 +109,12 @@ def _layer_needs(trunk: Trunk, transport: torch.dtype | None) -> list[tuple[int,
     """Per layer, its bytes on a device: parameters and buffers, and gradients (Linear and Conv weights in
     the ``transport`` dtype, see ``engine/transport.py``)."""
     return layer_sizes(trunk, transport)
+
+
+def _largest_gradient_stage(needs: Sequence[tuple[int, int]], plan: Plan) -> int:
+    """The gradient bytes of the plan's largest stage with gradients (fused or backward): what one of a device's
+    gradient staging buffers grows to (``engine/transport.py``, ``GradStaging``)."""
+    return max(sum(needs[layer][1] for layer in stage) for stage in (plan.fused, *plan.backward))
 
 
 def _smallest_limit_for(need: int, workspace: int = 0) -> int:
@@ -202,6 +210,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     stages = _stage_footprint(needs, plan, training, len(devices))
     layer_totals = [sum(need) for need in needs]
     worst_layer = max(range(len(trunk)), key=lambda i: layer_totals[i])
+    staging = GRAD_STAGING_BUFFERS * len(devices) * _largest_gradient_stage(needs, plan) if training else 0
     memory_plan = MemoryPlan(
         trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
         device_type=device_type, async_step=async_step, recompute=recompute,
@@ -212,8 +221,9 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         optimizer_notes=host.notes, optimizer_state_assumed=host.assumed, upload_copy_bytes=upload_copies,
         device_copy_bytes=stages.resident_copies if device_type == "cpu" else 0, activation_bytes=None,
         activation_layers=_activation_layers(plan, len(trunk), training, recompute), checkpoint_save_bytes=0,
-        # what the engine's start() registers: what uploads read (copies, masters uploaded as stored, buffers)
-        limits=limits, pinned_bytes=upload_reads if device_type == "cuda" and pin_memory else 0,
+        # what the engine registers: what uploads read (copies, masters uploaded as stored, buffers), and the
+        # gradient staging buffers
+        limits=limits, pinned_bytes=upload_reads + staging if device_type == "cuda" and pin_memory else 0,
         device_memory_limit=device_memory_limit,
         stage_budget=stage_memory_budget(device_memory_limit, workspace_reserve(device_type)),
         workspace_bytes=workspace_reserve(device_type), largest_stages=stages.largest,
@@ -223,6 +233,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         async_only_copy_bytes=upload_copies - sync_copies,
         processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
         unsharded_optimizer_state_bytes=host.optimizer_bytes,
+        staging_bytes=staging,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:

@@ -35,6 +35,7 @@ SMOKE_RUNS = {
     "sync_async.py": README_ENTRY,
     "gpu.py": "tests/test_examples.py::test_the_gpu_check_runs_every_section_in_smoke_mode",
     "scaleout.py": "tests/test_benchmarks.py::test_scaleout_smoke_prints_its_three_sections",
+    "device_wait.py": "tests/test_benchmarks.py::test_device_wait_smoke_prints_its_table_and_compares_a_run_before",
 }
 """Benchmark script -> the smoke test that runs it."""
 
@@ -135,3 +136,25 @@ def test_the_first_gpu_run_dry_run_reports_every_step(tmp_path):
     sections = steps["throughput"]["sections"]
     assert set(sections) == {"fits_sync", "fits_async", "big_async", "big_sync"}
     assert all(section["tokens_per_s"] > 0 and section["numerics"] for section in sections.values()), sections
+
+
+@pytest.mark.smoke
+def test_device_wait_smoke_prints_its_table_and_compares_a_run_before(tmp_path):
+    """The wait between backward jobs of one run, written with --json, then compared with a second run (--before)."""
+    script = str(BENCHMARKS / "device_wait.py")
+    first = subprocess.run([sys.executable, script, "--smoke", "--label", "before", "--json", "before.json"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    result = subprocess.run([sys.executable, script, "--smoke", "--label", "after", "--before", "before.json"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    expected = [
+        r"^Device wait between consecutive backward jobs: width 128, 4 layers",
+        r"^run +pairs +wait median ms +wait mean ms +backward job ms$",
+        r"^before +\d+ +\d+\.\d\d +\d+\.\d\d +\d+\.\d\d$",
+        r"^after +\d+ +\d+\.\d\d +\d+\.\d\d +\d+\.\d\d$",
+        r"^wait before/after: \d+\.\d\dx \(median\), \d+\.\d\dx \(mean\)$",
+    ]
+    lines = result.stdout.splitlines()
+    absent = [pattern for pattern in expected if not any(re.search(pattern, line) for line in lines)]
+    assert not absent, f"device_wait.py --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"

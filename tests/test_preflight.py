@@ -280,7 +280,8 @@ def test_the_real_machine_is_read():
 
 def test_pinned_weights_ignore_memlock_and_warn_only_when_over_half_of_memavailable():
     """The driver pins registered pages itself (not through mlock), so RLIMIT_MEMLOCK refuses nothing; what the
-    engine registers (every trunk weight and buffer) is reported, with a warning when it nears MemAvailable."""
+    engine registers (every trunk weight and buffer, the gradient download buffers) is reported, with a warning
+    when it nears MemAvailable."""
     model = _model()
     trunk = build_trunk(model)
     plan = RoundPipeEngine(trunk, 2).plan
@@ -288,6 +289,7 @@ def test_pinned_weights_ignore_memlock_and_warn_only_when_over_half_of_memavaila
     registered = _nbytes(trunk.parameters()) + sum(b.numel() * b.element_size() for s in trunk.states for b in s.buffers)
     tight_memlock = plan_memory(model, trunk, plan, [], devices=cuda, limits=HostLimits(mem_available=2**40, memlock=64))
     assert tight_memlock.fits and not tight_memlock.warnings and tight_memlock.device_copy_bytes == 0
+    registered += _staging_bytes(tight_memlock, model)  # and the gradient download buffers
     assert tight_memlock.pinned_bytes == registered > 64
     assert "RLIMIT_MEMLOCK" not in tight_memlock.table()
     short = plan_memory(model, trunk, plan, [], devices=cuda, limits=HostLimits(mem_available=registered))
@@ -346,10 +348,18 @@ def _fake_host(monkeypatch, available: int | None, cgroup: CgroupMemory | None =
     return calls
 
 
+def _staging_bytes(plan, trunk: nn.Sequential) -> int:
+    """Each device downloads gradients into 2 buffers as large as the largest stage's gradients (fused or backward;
+    every parameter trainable, as stored)."""
+    stages = [layers for kind, (layers, _) in plan.largest_stages.items() if kind != "forward"]
+    return plan.num_devices * 2 * max(sum(_nbytes(trunk[layer].parameters()) for layer in layers) for layers in stages)
+
+
 def _expected_new_bytes(module: Classifier, strategy: RoundPipeStrategy) -> int:
     params = list(module.parameters())
     adamw = 2 * _nbytes(params) + 4 * len(params)
-    return _nbytes(params) + adamw + strategy.memory_plan.device_copy_bytes
+    staging = _staging_bytes(strategy.memory_plan, module.net)
+    return _nbytes(params) + adamw + strategy.memory_plan.device_copy_bytes + staging
 
 
 def test_fit_logs_the_plan_when_it_fits(monkeypatch, caplog):
@@ -628,7 +638,7 @@ def test_processes_per_node_multiply_the_host_need_of_the_node_not_the_device_fi
     # one process's figures are unchanged: parameters, gradients, optimizer state, copies
     for plan in (one, two):
         assert (plan.parameter_bytes, plan.gradient_bytes, plan.optimizer_state_bytes) == (5772, 5772, 11576)
-        assert plan.new_bytes == 5772 + 11576 + one.device_copy_bytes
+        assert plan.new_bytes == 5772 + 11576 + one.device_copy_bytes + _staging_bytes(one, _model())
         assert plan.host_total_bytes == 5772 + plan.new_bytes
     assert one.node_new_bytes == one.new_bytes and one.headroom == 2**40 - one.new_bytes
     assert two.node_new_bytes == 2 * one.new_bytes and two.node_total_bytes == 2 * one.host_total_bytes
@@ -681,8 +691,8 @@ def test_a_plan_that_fits_one_process_but_not_two_on_the_node_is_refused_naming_
     plan = _adamw_plan(limits=limits, processes_per_node=2)
     assert [problem.kind for problem in plan.problems] == ["host"] and plan.shortfall == 5000
     message = plan.problems[0].message
-    largest, nbytes = plan.new_items()[0]  # one process's: here the simulated devices' stage copies
-    assert (largest, nbytes) == ("simulated device copies", plan.device_copy_bytes)
+    largest, nbytes = plan.new_items()[0]  # one process's: here the gradient staging of the two devices
+    assert (largest, nbytes) == ("gradient staging", plan.staging_bytes)
     assert (f"Training will allocate {format_bytes(2 * need)} more on this node: 2 processes (rings_per_node=2), "
             f"each allocating {format_bytes(need)}; the largest is {largest}: {format_bytes(nbytes)}; the host has "
             f"{format_bytes(2 * need - 5000)} available (MemAvailable)") in message
@@ -731,10 +741,10 @@ def test_pinned_memory_of_every_process_on_the_node_counts_against_memavailable(
     trunk = build_trunk(model)
     plan = RoundPipeEngine(trunk, 2).plan
     cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    one = plan_memory(model, trunk, plan, [], devices=cuda, limits=PLENTY)
+    one = plan_memory(model, trunk, plan, [], devices=cuda, limits=PLENTY, training=False)
     limits = HostLimits(mem_available=3 * one.pinned_bytes)  # one process pins a third, two pin two thirds
-    assert not plan_memory(model, trunk, plan, [], devices=cuda, limits=limits).warnings
-    two = plan_memory(model, trunk, plan, [], devices=cuda, limits=limits, processes_per_node=2)
+    assert not plan_memory(model, trunk, plan, [], devices=cuda, limits=limits, training=False).warnings
+    two = plan_memory(model, trunk, plan, [], devices=cuda, limits=limits, processes_per_node=2, training=False)
     assert two.pinned_bytes == one.pinned_bytes and two.fits
     (warning,) = two.warnings
     assert (f"pins {format_bytes(2 * one.pinned_bytes)} of host weights and buffers (2 processes on this node, "

@@ -7,12 +7,15 @@ The device then runs the same kernels on the same values, and the gradient of th
 the low-precision gradient autocast's cast would have received. So with one microbatch the results are
 bitwise those of Lightning's own ``bf16-mixed`` (no tolerance: the spread of Lightning ``bf16-mixed``
 against itself under another kernel set is not needed, the comparison is exact on every kernel set). With
-several microbatches the gradients are summed over the microbatches in bfloat16 on the device, as the
-reference sums over one batch in bfloat16 inside its matmul: the results must stay within what
-``bf16-mixed`` itself changes against ``32-true``.
+several microbatches the device sums each microbatch's low-precision gradient in float32, as plain autocast
+sums the cast's gradients into a float32 ``param.grad``: bitwise that sum of plain PyTorch's per-microbatch
+gradients. Against Lightning's ``bf16-mixed`` on the whole batch (which sums over the batch in bfloat16
+inside its matmul) the results must stay within what ``bf16-mixed`` itself changes against ``32-true``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import lightning.pytorch as pl
 import pytest
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_roundpipe import EngineOptions, RoundPipeEngine, RoundPipeStrategy
+from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.options import OptionError
 from lightning_roundpipe.engine.transport import GradStaging, autocast_only_weights
@@ -94,7 +98,7 @@ def _flat(module: nn.Module) -> torch.Tensor:
 
 
 def test_with_more_microbatches_bf16_transport_stays_within_bf16_mixeds_own_spread():
-    """Four microbatches: the gradients are summed over microbatches on the device in bfloat16. The
+    """Four microbatches, each a matmul over its own rows (Lightning's one over the whole batch). The
     distance to Lightning's bf16-mixed must stay below bf16-mixed's own distance to 32-true (each over all
     the weights after 6 AdamW steps), and the transport must not move further from 32-true than bf16-mixed."""
     reference32, reference16, ours = Classifier("adamw"), Classifier("adamw"), Classifier("adamw")
@@ -181,25 +185,30 @@ def test_a_call_outside_autocast_uploads_full_precision():
 
 def test_grad_staging_views_are_shaped_aligned_and_reused():
     staging = GradStaging(pin=False)
+    buffer = staging.acquire(AbortSignal(5.0))
     grads = [torch.ones(3, 5, dtype=torch.bfloat16), torch.ones(7), torch.ones(2, dtype=torch.float64)]
-    views = staging.views(grads)
+    views = buffer.views(grads)
     assert [(view.shape, view.dtype) for view in views] == [(grad.shape, grad.dtype) for grad in grads]
     pointers = [view.data_ptr() for view in views]
     assert all(pointer % 64 == 0 for pointer in pointers)
     for view, grad in zip(views, grads, strict=True):
         view.copy_(grad * 2)
-    # the second job's views reuse the same memory (no overlap between a job's own views)
-    assert [view.data_ptr() for view in staging.views(grads)] == pointers
+    # the buffer's next job reuses the same memory (no overlap between a job's own views)
+    assert [view.data_ptr() for view in buffer.views(grads)] == pointers
     assert all(torch.equal(view, grad * 2) for view, grad in zip(views, grads, strict=True))
-    assert staging.nbytes() == 64 + 64 + 64
+    assert staging.nbytes() == 64 + 64 + 64  # exactly what the job needs, no power-of-two rounding
+    other = staging.acquire(AbortSignal(5.0))  # the second buffer: its own memory
+    assert other.views(grads)[0].data_ptr() not in pointers
+    buffer.release()
+    assert staging.acquire(AbortSignal(5.0)) is buffer
 
 
 # ---------------------------------------------------------------------------------------------- pre-flight
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
-def test_the_memory_plan_counts_the_low_precision_copies_and_the_halved_device_stages(async_step):
+def test_the_memory_plan_counts_the_low_precision_copies_and_the_smaller_device_stages(async_step):
     """Classifier's trunk is Linear layers only: under bf16-mixed its host copies are 2 bytes per parameter in
-    both modes (async publishes them in bfloat16 only), and every layer takes half its float32 bytes on a
-    device, gradients included."""
+    both modes (async publishes them in bfloat16 only), and every layer's weights take half their float32
+    bytes on a device; their gradients are summed over the microbatches in float32 there, 4 bytes each."""
     plans = {}
     for precision in ("32-true", "bf16-mixed"):
         strategy = RoundPipeStrategy(num_microbatches=2, async_step=async_step)
@@ -212,5 +221,31 @@ def test_the_memory_plan_counts_the_low_precision_copies_and_the_halved_device_s
     assert plans["bf16-mixed"].upload_copy_bytes == 2 * elements
     assert plans["32-true"].upload_copy_bytes == (4 * elements if async_step else 0)
     layer, nbytes = plans["bf16-mixed"].largest_layer
-    assert plans["32-true"].largest_layer == (layer, 2 * nbytes)
+    assert plans["32-true"].largest_layer == (layer, nbytes * 4 // 3)  # weights 2 bytes, not 4; gradients 4
     assert "Linear/Conv weights in bfloat16" in plans["bf16-mixed"].table()
+
+
+def test_low_precision_gradients_are_summed_over_the_microbatches_in_float32():
+    """Under plain autocast each microbatch's gradient of a float32 weight is its bfloat16 gradient cast to float32,
+    summed in float32. With the transport the weights are bfloat16 leaves on the device: their gradients must still
+    be summed over a job's four microbatches in float32 (not in the bfloat16 leaf), bitwise as that reference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = clone(model)
+    inputs, target = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    per_microbatch = []
+    for x, y in zip(inputs.split(4), target.split(4), strict=True):
+        reference.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(reference(x), y) * 0.25  # each microbatch weighs a quarter of the batch
+        loss.backward()
+        per_microbatch.append([param.grad.clone() for param in reference.parameters()])
+    expected = [functools.reduce(torch.add, grads) for grads in zip(*per_microbatch, strict=True)]
+    assert all(grad.dtype == torch.float32 for grad in expected)
+    options = EngineOptions(num_microbatches=4, num_stages=3, transport_dtype="bfloat16")
+    with RoundPipeEngine(model, 2, options) as engine:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.forward_backward(inputs, target, F.cross_entropy)
+        engine.collect_gradients()
+    for (name, param), grad in zip(model.named_parameters(), expected, strict=True):
+        assert torch.equal(param.grad, grad), name

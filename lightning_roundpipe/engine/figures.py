@@ -41,8 +41,9 @@ class PipelineFigures:
         ``bubble_ratio``: share of device time not spent computing over that wall time; ``uploaded_bytes``:
         host-to-device traffic; ``optimizer_seconds``: host step time; ``optimizer_exposed_seconds``: device
         time spent waiting for a step's weights (the part of the step the pipeline did not hide);
-        ``gradient_download_seconds``: download-thread time bringing jobs' gradients to the host and summing
-        them (all devices; off the compute stream, but it delays the release of a stage's memory);
+        ``gradient_download_seconds``: download-thread time bringing jobs' gradients to the host (all devices;
+        off the compute stream, but it delays the release of a stage's memory; their sum runs after the release,
+        on the summing threads);
         ``peak_device_bytes``: the largest resident bytes on any device so far (accounted: stages, stage-boundary
         activations, what the compute keeps for backward and, on GPUs, the workspace reserve).
 

@@ -10,6 +10,7 @@ what it releases (``device.py``). The layers themselves run in :class:`~lightnin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +20,14 @@ from lightning_roundpipe.engine.call import HostCell
 from lightning_roundpipe.engine.device import AbortSignal, Device, HostEvent
 from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.stage import Recomputed, StageCopy, StageRunner, Task
+from lightning_roundpipe.engine.step.summing import GradSummer
 from lightning_roundpipe.engine.transfer import (
-    HOST,
-    copy_tensor,
     download_to_host,
     tree_nbytes,
     tree_tensors,
     upload_to,
 )
-from lightning_roundpipe.engine.transport import GradStaging
+from lightning_roundpipe.engine.transport import GradStaging, WideGradSums
 from lightning_roundpipe.planning.schedule import StageKind
 
 
@@ -70,16 +70,17 @@ class DeviceOutputs:
 class StageOperations:
     """The stream operations of stage jobs on one device (one per worker)."""
 
-    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal) -> None:
+    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal,
+                 summer: GradSummer) -> None:
         self.runner = runner
         self.measurements = measurements
         self.device = device
         self._abort = abort
         self._timeline = runner.timeline
-        # gradients download into one reused host buffer: pinned on CUDA, and in stress mode on CPU stand-ins
-        # (which poison it once the window has copied out of it)
-        reuse = device.pin_downloads or device.stress
-        self.grad_staging = GradStaging(pin=device.pin_downloads) if reuse else None
+        self._summer = summer
+        # gradients download into reused host buffers (pinned on CUDA; in stress mode poisoned once summed)
+        self.grad_staging = GradStaging(pin=device.pin_downloads)
+        self.wide_sums = WideGradSums()  # low-precision leaves' gradients, summed over microbatches in float32
 
     # ------------------------------------------------------------------ parameter stream
     def wait_for_weights(self, weights_ready: list[HostEvent]) -> None:
@@ -92,9 +93,24 @@ class StageOperations:
     def upload_params(self, task: Task, stage_copy: StageCopy) -> None:
         start = self._timeline.now()
         self.runner.upload_stage(self.device, task, stage_copy)
+        if task.needs_grad and len(task.job.microbatches) > 1:
+            self._sum_wide(task, stage_copy)
         task.upload_done.set()
         task.window.upload_finished()  # an async step may now publish what this upload read
         self._timeline.add("upload_params", task.job.label, start, device=self.device.index, job=task.job.index)
+
+    def _sum_wide(self, task: Task, stage_copy: StageCopy) -> None:
+        """Trained leaves uploaded narrower than their masters (the transport dtype) sum their gradients over
+        the job's microbatches in the master's dtype (``WideGradSums``), accounted with the stage: the sums
+        instead of the narrow gradients the upload counted (as ``transport.layer_device_bytes`` plans them)."""
+        states = self.runner.trunk.states
+        narrow = [(copied, param.dtype) for layer in task.job.layers
+                  for param, copied in zip(states[layer].params, stage_copy.params[layer], strict=True)
+                  if param.requires_grad and copied.dtype != param.dtype]
+        if narrow:
+            wider = self.wide_sums.watch(narrow) - sum(leaf.numel() * leaf.element_size() for leaf, _ in narrow)
+            self.device.residency.allocate(wider, f"the float32 gradient sums of stage {task.job.label}")
+            stage_copy.nbytes += wider  # released with the stage
 
     # ------------------------------------------------------------------ activation stream
     def input_cells(self, task: Task, microbatch: int) -> InputCells:
@@ -211,14 +227,14 @@ class StageOperations:
         self._timeline.add("download", job.label, start, device=device.index, job=job.index, microbatch=microbatch)
 
     def finish(self, task: Task, stage_copy: StageCopy) -> None:
-        """[8]: gradients into the window, buffers to the host, measurements resolved, memory released."""
+        """[8]: gradients to the host, buffers to the host, measurements resolved, memory released; then the
+        gradients are summed into the window on the summing thread, which no device waits for."""
         device, job = self.device, task.job
         start = self._timeline.now()
         # the stage's compute has run on the GPU (this stream waited for it there) before its memory is
         # released below, also for a forward stage that downloads nothing that would wait for it
         device.download_stream.synchronize()
-        if task.needs_grad:
-            self._download_gradients(task, stage_copy)
+        downloaded = self._download_gradients(task, stage_copy) if task.needs_grad else None
         if job.kind is not StageKind.BACKWARD:  # a backward job recomputes on snapshots and writes no buffer
             with torch.no_grad():
                 for layer in job.layers:
@@ -235,30 +251,40 @@ class StageOperations:
         device.stress_mode.poison_released(stage_copy.tensors())  # released: nothing may read it any more
         stage_copy.params.clear()
         stage_copy.buffers.clear()
-        if task.needs_grad:
-            task.window.job_finished()
+        if downloaded is not None:
+            # last: the window counts the job in flight until its sum is done, so a reader of the window (the
+            # planner's measurements, the buffers, the gradients) finds everything above done too
+            self._summer.submit(f"the gradients of stage {job.label} (job {job.index}) from device {device.index}",
+                                downloaded)
         self._timeline.add("release", job.label, start, device=device.index, job=job.index)
 
-    def _download_gradients(self, task: Task, stage_copy: StageCopy) -> None:
-        """The job's gradients into the step's window: every copy enqueued at once (into the reused staging
-        buffer where there is one), one synchronize, then the window sums them in the masters' dtype."""
-        device = self.device
+    def _download_gradients(self, task: Task, stage_copy: StageCopy) -> Callable[[], None]:
+        """The job's gradients to the host, into a staging buffer (waiting for one only while every buffer is
+        still being summed): every copy enqueued at once, one synchronize. Returns their sum into the step's
+        window, in the masters' dtype, for the summing thread; it gives the buffer back."""
+        device, staging = self.device, self.grad_staging
         start = self._timeline.now()
         # one per slot the window expects of this job, in its order; None where no gradient reached a copy
-        per_slot = [stage_copy.params[layer][position].grad for layer, position in task.grad_positions]
+        per_slot = [self.wide_sums.gradient(stage_copy.params[layer][position])
+                    for layer, position in task.grad_positions]
         grads = [grad for grad in per_slot if grad is not None]
-        staging = self.grad_staging
-        if staging is not None:
-            host = staging.views(grads)
-            for target, grad in zip(host, grads, strict=True):
-                target.copy_(grad, non_blocking=True)
-        else:
-            host = [copy_tensor(grad, HOST) for grad in grads]
+        buffer = staging.acquire(self._abort)
+        host = buffer.views(grads)
+        for target, grad in zip(host, grads, strict=True):
+            target.copy_(grad, non_blocking=True)
         device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
         device.download_stream.synchronize()
         downloaded = iter(host)
-        task.window.deliver(task.ticket, [None if grad is None else next(downloaded) for grad in per_slot],
-                            borrowed=staging is not None)
-        if staging is not None:  # the window has its copies: the next job may overwrite the staging buffer
-            device.stress_mode.poison_released(host)
+        delivered = [None if grad is None else next(downloaded) for grad in per_slot]
         device.counters.gradient_download_seconds += self._timeline.now() - start
+        del grads, per_slot, downloaded  # the device gradients go with the stage
+
+        def sum_into_window() -> None:
+            try:
+                task.window.deliver(task.ticket, delivered, borrowed=True)
+                device.stress_mode.poison_released(host)  # the window has its copies: the buffer may be reused
+            finally:
+                buffer.release()
+            task.window.job_finished()
+
+        return sum_into_window

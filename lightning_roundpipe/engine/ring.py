@@ -2,10 +2,10 @@
 
 :class:`Ring` holds one :class:`~lightning_roundpipe.engine.device.Device` (its stream threads) and one
 :class:`~lightning_roundpipe.engine.worker.Worker` per ring member, the
-:class:`~lightning_roundpipe.engine.stage.StageRunner` they share, the optimizer thread, the upload sources and
-the timeline. They are made together, when the engine starts, because they start threads or must see the weights
-and the seed of that moment; :meth:`Ring.stop` ends them with bounded waits. Before that, :func:`ring_devices` and
-:func:`initial_plan` say what the ring is made of and the first plan for it.
+:class:`~lightning_roundpipe.engine.stage.StageRunner` they share, the optimizer thread, the gradient summing
+threads, the upload sources and the timeline. They are made together, when the engine starts, because they start
+threads or must see the weights and the seed of that moment; :meth:`Ring.stop` ends them with bounded waits.
+Before that, :func:`ring_devices` and :func:`initial_plan` say what the ring is made of and the first plan for it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from lightning_roundpipe.engine.figures import PipelineFigures
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.step.summing import GradSummer
 from lightning_roundpipe.engine.step.thread import HostOptimizer
 from lightning_roundpipe.engine.transport import UploadSources
 from lightning_roundpipe.engine.worker import Worker
@@ -42,6 +43,7 @@ class Ring:
     workers: list[Worker]
     optimizer: HostOptimizer
     figures: PipelineFigures
+    summers: list[GradSummer]  # per device: sums its jobs' downloaded gradients into their windows
 
     @staticmethod
     def start(trunk: Trunk, torch_devices: list[torch.device], options: EngineOptions, abort: AbortSignal, *,
@@ -60,10 +62,12 @@ class Ring:
                                     measure_times=measure_times)
         runner = StageRunner(trunk, len(devices), options.recompute, timeline, base_seed, sources,
                              measure_times=measurements.measure_times, deferred_batchnorm=options.deferred_batchnorm)
-        workers = [Worker(runner, measurements, device, abort) for device in devices]
+        summers = [GradSummer(device.index, abort) for device in devices]
+        workers = [Worker(runner, measurements, device, abort, summer) for device, summer in zip(devices, summers,
+                                                                                                 strict=True)]
         optimizer = HostOptimizer(abort, timeline)
         return Ring(timeline, devices, sources, runner, measurements, workers, optimizer,
-                    PipelineFigures(devices, optimizer, timeline))
+                    PipelineFigures(devices, optimizer, timeline), summers)
 
     @property
     def has_cuda(self) -> bool:
@@ -91,6 +95,10 @@ class Ring:
         stuck += [worker.close(deadline) for worker in self.workers]
         for device in self.devices:
             stuck += device.join(deadline)
+        stuck += [summer.close(deadline) for summer in self.summers]  # after the download threads that feed them
+        if not any(stuck):  # no thread may still copy into the gradient staging buffers
+            for worker in self.workers:
+                worker.operations.grad_staging.release()
         still_running = [name for name in stuck if name is not None]
         if still_running:
             warnings.warn(

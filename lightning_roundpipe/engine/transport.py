@@ -18,9 +18,11 @@ than one per upload, and devices read it:
   serves both jobs and costs nothing extra; the other trainable weights keep a published copy in their
   own dtype.
 
-Gradients of low-precision weights are computed, and summed over a job's microbatches, in that dtype on
-the device, as under plain autocast (where the cast's gradient is the low-precision one); the host adds
-them into float32 (``GradWindow``).
+Gradients of low-precision weights are computed in that dtype on the device, as under plain autocast (where
+the cast's gradient is the low-precision one), and summed over a job's microbatches in the master's dtype
+(float32) on the device, as plain autocast sums them into the float32 ``param.grad``
+(:class:`WideGradSums`: 4 bytes per such parameter on the device, counted in :func:`layer_device_bytes`);
+the host adds the jobs' sums into float32 (``GradWindow``).
 
 A call that does not run under autocast in the transport dtype (an evaluation outside the precision
 context, say) uploads full precision: the masters in sync mode, the published copy widened back in async
@@ -29,13 +31,16 @@ mode.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.layers import LayerState, Trunk
+from lightning_roundpipe.engine.pinned import PinnedStorages
 
 _AUTOCAST_FORWARDS = frozenset({nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward})
 """Module forwards that use their ``weight`` and ``bias`` in one autocast-listed op (a matmul or a conv)."""
@@ -68,14 +73,15 @@ def layer_autocast_only_weights(layer: nn.Module, state: LayerState, dtype: torc
 def layer_device_bytes(state: LayerState, low_precision: set[int], transport: torch.dtype | None) -> tuple[int, int]:
     """One upload of a layer under autocast in the ``transport`` dtype, ``low_precision`` being the layer's
     ids from :func:`autocast_only_weights`: its parameter and buffer bytes on the device, and the bytes of
-    the gradients a differentiating job keeps there."""
+    the gradients a differentiating job keeps there (in the master's dtype: a low-precision weight's are
+    summed over the microbatches in it, :class:`WideGradSums`)."""
     def size(param: nn.Parameter) -> int:
         itemsize = transport.itemsize if transport is not None and id(param) in low_precision else param.element_size()
         return param.numel() * itemsize
 
     params = sum(size(param) for param in state.params)
     buffers = sum(buffer.numel() * buffer.element_size() for buffer in state.buffers)
-    return params + buffers, sum(size(param) for param in state.params if param.requires_grad)
+    return params + buffers, sum(param.numel() * param.element_size() for param in state.params if param.requires_grad)
 
 
 def _low_by_layer(trunk: Trunk, transport: torch.dtype | None) -> list[set[int]]:
@@ -226,30 +232,131 @@ class UploadSources:
         return sum(copy.untyped_storage().nbytes() for copy in (*self._low.values(), *self._published.values()))
 
 
+GRAD_STAGING_BUFFERS = 2
+"""Host buffers per device that gradients download into (:class:`GradStaging`)."""
+
+
 class GradStaging:
-    """One host buffer that a device's gradients download into, job after job (pinned for CUDA devices):
-    a non-blocking copy into pinned memory runs at full bus speed, and reusing it spares the page faults
-    of fresh memory every step. The download thread owns it; the gradient window copies out of it before
-    the next job's gradients arrive."""
+    """The host memory a device's gradients download into: a few buffers (two by default), one per job whose
+    gradients are on their way into the step's window. The download thread takes a free buffer, copies a
+    job's gradients into it, releases the stage and hands the buffer to the summing thread
+    (``step/summing.py``), which gives it back once the window has summed out of it. So the next job's
+    downloads overlap this job's sum, and the download thread waits only while every buffer is still being
+    summed, which also bounds the host memory gradients in transit take.
+
+    Each buffer is reused job after job, so no download page-faults fresh memory, and on CUDA (``pin``:
+    registered with CUDA in place) a non-blocking copy into it runs at full bus speed. A buffer is exactly as
+    large as the largest job it has held (no power-of-two rounding, as torch's caching host allocator would
+    give), and one outgrown is unregistered and freed at once. CPU stand-ins reuse theirs too (stress mode
+    poisons a buffer once it is summed)."""
 
     _ALIGN = 64  # bytes: every view starts on a cache line
 
-    def __init__(self, pin: bool) -> None:
-        self._pin = pin
-        self._buffer: torch.Tensor | None = None
+    def __init__(self, *, pin: bool = False, count: int = GRAD_STAGING_BUFFERS) -> None:
+        self._pinned = PinnedStorages() if pin else None
+        self._free = [StagingBuffer(self) for _ in range(count)]
+        self._all = list(self._free)
+        self._lock = threading.Lock()
+        self._available = threading.Event()
+        self._available.set()
+
+    def acquire(self, abort: AbortSignal) -> StagingBuffer:
+        """A free buffer, once one is (each is given back with :meth:`StagingBuffer.release`)."""
+        while True:
+            with self._lock:
+                if self._free:
+                    buffer = self._free.pop()
+                    if not self._free:
+                        self._available.clear()
+                    return buffer
+            abort.wait(self._available, "a gradient staging buffer (every one still being summed on the host)")
+
+    def _give_back(self, buffer: StagingBuffer) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            self._available.set()
+
+    def _allocate(self, nbytes: int, outgrown: torch.Tensor | None) -> torch.Tensor:
+        memory = torch.empty(nbytes, dtype=torch.uint8)
+        if self._pinned is not None:
+            # the outgrown buffer is unregistered here, before it is freed; once the driver has refused a buffer,
+            # its successors stay pageable without asking again (and warning again)
+            self._pinned.keep_only([tensor for tensor in self.allocated() if tensor is not outgrown])
+            if self._pinned.refused is None:
+                self._pinned.pin([memory])
+        return memory
+
+    def allocated(self) -> list[torch.Tensor]:
+        """The buffers' host memory."""
+        return [buffer.memory for buffer in self._all if buffer.memory is not None]
+
+    def nbytes(self) -> int:
+        return sum(memory.numel() for memory in self.allocated())
+
+    def release(self) -> None:
+        """Unregister the buffers (the engine has stopped: no copy reads them any more)."""
+        if self._pinned is not None:
+            self._pinned.release()
+
+
+class StagingBuffer:
+    """One buffer of a :class:`GradStaging`: host tensors for one job's gradients at a time."""
+
+    def __init__(self, staging: GradStaging) -> None:
+        self._staging = staging
+        self.memory: torch.Tensor | None = None
 
     def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host tensors shaped like ``tensors``, carved out of the buffer (grown if too small)."""
+        """Host tensors shaped like ``tensors``, carved out of the buffer's memory (grown if too small)."""
+        align = GradStaging._ALIGN
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
-            total += -(-size // self._ALIGN) * self._ALIGN
-        if self._buffer is None or self._buffer.numel() < total:
-            self._buffer = None  # freed before its successor is allocated
-            self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        return [self._buffer[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+            total += -(-size // align) * align
+        if self.memory is None or self.memory.numel() < total:
+            outgrown, self.memory = self.memory, None
+            self.memory = self._staging._allocate(total, outgrown)
+            del outgrown  # freed now, after its registration
+        memory = self.memory
+        return [memory[offset:offset + size].view(tensor.dtype).view(tensor.shape)
                 for tensor, offset, size in zip(tensors, offsets, sizes, strict=True)]
 
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
+    def release(self) -> None:
+        """The window has summed out of this buffer's tensors: the next job may use it."""
+        self._staging._give_back(self)
+
+
+class WideGradSums:
+    """A device's sums, over a job's microbatches, of the gradients of its low-precision leaves (weights uploaded
+    in the transport dtype), in the master's dtype. Under plain autocast each microbatch's gradient of a
+    float32 weight is the low-precision gradient cast to float32 and summed into ``param.grad`` in float32;
+    accumulated into a bfloat16 leaf instead, M microbatches would round the sum M times to bfloat16. A hook
+    after each accumulation moves the leaf's gradient into its sum here (in microbatch order, as plain training
+    adds them) and clears it."""
+
+    def __init__(self) -> None:
+        self._sums: dict[int, torch.Tensor] = {}  # by id of the leaf, until the job's finish takes it
+
+    def watch(self, leaves: Iterable[tuple[torch.Tensor, torch.dtype]]) -> int:
+        """Sum the gradients of each ``(leaf, dtype)`` in ``dtype``; returns the device bytes of the sums."""
+        nbytes = 0
+        for leaf, dtype in leaves:
+            leaf.register_post_accumulate_grad_hook(functools.partial(self._add, dtype))
+            nbytes += leaf.numel() * dtype.itemsize
+        return nbytes
+
+    def _add(self, dtype: torch.dtype, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if grad is None:
+            return
+        total = self._sums.get(id(leaf))
+        if total is None:
+            self._sums[id(leaf)] = grad.to(dtype)
+        else:
+            total.add_(grad)  # promoted: the low-precision gradient widened exactly, then a sum in ``dtype``
+
+    def gradient(self, leaf: torch.Tensor) -> torch.Tensor | None:
+        """The job's gradient of ``leaf``: its sum where it has one (taken out of here), else ``leaf.grad``."""
+        total = self._sums.pop(id(leaf), None)
+        return total if total is not None else leaf.grad

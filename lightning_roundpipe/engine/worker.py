@@ -48,8 +48,10 @@ microbatches::
     first; on a GPU each cell carries a CUDA event recorded after its copies, which the reading upload
     stream waits for on the GPU ([4]) and a host reader (the caller) synchronizes. A stage boundary thus
     costs no host sync on a GPU, only GPU-side event waits.
-[8] Every microbatch has computed and the replicas are unbound: the job's gradients go into the
-    step's window, its buffers back to the host layers, its memory is released and ``released[k]`` set.
+[8] Every microbatch has computed and the replicas are unbound: the job's gradients go to the host, its
+    buffers back to the host layers, its memory is released and ``released[k]`` set; the gradients are
+    then summed into the step's window by the device's summing thread (``step/summing.py``), which nothing
+    on the device waits for.
 
 A microbatch's upload, compute and download run on three threads; they pass the device tensors on
 through a :class:`_Handoff`, and each drops them as soon as the next one has them. What each operation
@@ -88,6 +90,7 @@ from lightning_roundpipe.engine.device import (
 from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.operations import DeviceInputs, DeviceOutputs, InputCells, StageOperations
 from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
+from lightning_roundpipe.engine.step.summing import GradSummer
 from lightning_roundpipe.planning.schedule import StageKind
 
 
@@ -123,11 +126,12 @@ class _Handoff:
 class Worker:
     """One device's host thread: turns jobs into stream operations, in ring order."""
 
-    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal) -> None:
+    def __init__(self, runner: StageRunner, measurements: Measurements, device: Device, abort: AbortSignal,
+                 summer: GradSummer) -> None:
         self.runner = runner
         self._abort = abort
         self.device = device
-        self.operations = StageOperations(runner, measurements, device, abort)
+        self.operations = StageOperations(runner, measurements, device, abort, summer)
         self._tasks: deque[Task | None] = deque()
         self._ready = threading.Condition()
         # touched by this worker's thread only: uploads enqueued ahead of their job, by job index, and

@@ -4,6 +4,7 @@
 * ``queued.py``: :class:`~.queued.QueuedStep`, the optimizer-thread half (one step, group by group);
 * ``thread.py``: the optimizer thread (:class:`~.thread.HostOptimizer`) and the stand-ins it steps;
 * ``window.py``: :class:`~.window.GradWindow`, a step's gradients in a fixed order, never in ``param.grad``;
+* ``summing.py``: :class:`~.summing.GradSummer`, the threads that sum the jobs' gradients into the window;
 * ``groups.py``: the policy, how a step is cut into groups and when an optimizer may be cut;
 * ``kernels.py``: torch's fused CPU kernels where they are safe, and the step's measured cost.
 

@@ -147,7 +147,9 @@ class GradWindow:
     def follow_dtypes(self) -> None:
         """Cast the sums held so far to their parameters' dtypes again, after a parameter's dtype changed
         between calls (``module.to(torch.float64)`` in a callback, mid-accumulation): plain training's
-        ``module.to`` casts ``param.grad`` too. Call it while no job of the window is in flight."""
+        ``module.to`` casts ``param.grad`` too. Call it once no job of the window can start any more; it
+        waits for the sums of those in flight (the summing thread's, ``summing.py``)."""
+        self.wait_idle()
         with self._lock:
             for key, grad in self._grads.items():
                 dtype = self._params[key].dtype

@@ -1,0 +1,134 @@
+"""Gradients summed off the ring (``engine/step/summing.py``): a job's stage is released once its gradients
+are on the host, and the sum into the step's window runs on a thread no device waits for.
+
+Each test runs a small float64 model on one CPU device, where a device's jobs run one after another: job k+2's
+parameter upload waits until job k's stage is released ([1] in ``engine/worker.py``). No timing is measured:
+the summation is held back until an event that only a release before the sum can produce.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine
+from lightning_roundpipe.engine.device import AbortSignal
+from lightning_roundpipe.engine.operations import StageOperations
+from lightning_roundpipe.engine.step.window import GradWindow
+from lightning_roundpipe.engine.transport import GradStaging
+from lightning_roundpipe.planning.schedule import StageKind
+from tests.numerics import assert_float64_equal
+
+HOLD_TIMEOUT = 20.0  # seconds a held sum waits for the upload it expects before the test gives up on it
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]).double()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(8, 6, generator=generator, dtype=torch.float64),
+            torch.randn(8, 6, generator=generator, dtype=torch.float64))
+
+
+def _plain_gradients(model: nn.Module) -> list[torch.Tensor]:
+    """The reference: plain PyTorch, the whole batch at once."""
+    inputs, target = _batch()
+    model.zero_grad()
+    F.mse_loss(model(inputs), target).backward()
+    return [param.grad.clone() for param in model.parameters()]
+
+
+@pytest.mark.parametrize("stress", [False, True], ids=["plain", "stress"])
+def test_a_stage_is_released_before_its_gradients_are_summed(monkeypatch, roundpipe_threads, stress):
+    """The first job with gradients (the fused one) may not sum until the device has uploaded the job two
+    after it, which waits for the fused job's release: were the release after the sum, the sum would wait
+    in vain. The gradients are still plain PyTorch's (stress mode: reused staging buffers, poisoned once summed)."""
+    uploads: list[tuple[StageKind, int]] = []
+    uploaded = threading.Condition()
+    upload_params = StageOperations.upload_params
+
+    def recording_upload(self, task, stage_copy) -> None:
+        with uploaded:
+            uploads.append((task.job.kind, task.job.index))
+            uploaded.notify_all()
+        upload_params(self, task, stage_copy)
+
+    held: list[bool] = []
+    deliver = GradWindow.deliver
+
+    def held_deliver(self, ticket, grads, **kwargs) -> None:
+        if not held:  # the first sum: the fused job's
+            fused = next(index for kind, index in uploads if kind is StageKind.FUSED)
+            with uploaded:
+                held.append(uploaded.wait_for(lambda: any(index >= fused + 2 for _, index in uploads),
+                                              HOLD_TIMEOUT))
+        deliver(self, ticket, grads, **kwargs)
+
+    monkeypatch.setattr(StageOperations, "upload_params", recording_upload)
+    monkeypatch.setattr(GradWindow, "deliver", held_deliver)
+    model = _model()
+    expected = _plain_gradients(_model())
+    inputs, target = _batch()
+    options = EngineOptions(num_microbatches=2, num_stages=3, stress=stress)
+    with RoundPipeEngine(model, 1, options) as engine:
+        engine.forward_backward(inputs, target, F.mse_loss)
+        engine.collect_gradients()
+    assert held == [True], "the job two after the fused one uploaded only once the fused job's sum was done"
+    for param, reference in zip(model.parameters(), expected, strict=True):
+        assert_float64_equal(param.grad, reference, what="gradient")
+    assert roundpipe_threads() == []
+
+
+def test_an_error_while_summing_stops_the_engine_saying_what_failed(monkeypatch, roundpipe_threads):
+    def failing_deliver(self, ticket, grads, **kwargs) -> None:
+        raise RuntimeError("no memory for the sum")
+
+    monkeypatch.setattr(GradWindow, "deliver", failing_deliver)
+    inputs, target = _batch()
+    engine = RoundPipeEngine(_model(), 1, EngineOptions(num_microbatches=2, num_stages=3)).start()
+    try:
+        with pytest.raises(PipelineError, match=r"summing the gradients of stage \S+ \(job \d+\) from device 0 "
+                                                r"into the step's gradients on the host failed: RuntimeError: "
+                                                r"no memory for the sum") as caught:
+            engine.forward_backward(inputs, target, F.mse_loss)
+            engine.collect_gradients()
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    finally:
+        engine.close(finish_steps=False)
+    assert roundpipe_threads() == []
+
+
+def test_the_download_waits_for_a_staging_buffer_only_while_every_buffer_is_summed():
+    staging = GradStaging(count=2)
+    abort = AbortSignal(HOLD_TIMEOUT)
+    first, second = staging.acquire(abort), staging.acquire(abort)
+    assert first is not second
+    third: list[object] = []
+    waiter = threading.Thread(target=lambda: third.append(staging.acquire(abort)))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive() and third == []  # both buffers are out: it waits
+    second.release()
+    waiter.join(HOLD_TIMEOUT)
+    assert third == [second]
+    # an abort wakes a waiting download thread
+    failed: list[BaseException] = []
+
+    def acquire_or_fail() -> None:
+        try:
+            staging.acquire(abort)
+        except BaseException as error:  # noqa: BLE001
+            failed.append(error)
+
+    waiter = threading.Thread(target=acquire_or_fail)
+    waiter.start()
+    abort.abort()
+    waiter.join(HOLD_TIMEOUT)
+    assert not waiter.is_alive() and "gradient staging buffer" in str(failed[0])
