@@ -427,7 +427,7 @@ class DeviceCounters:
     uploaded_param_bytes: int = 0           # parameter stream: parameters and buffers copied to the device
     uploaded_activation_bytes: int = 0      # activation stream: inputs, checkpoints, snapshots, targets
     weight_wait_seconds: float = 0.0        # parameter stream: uploads blocked waiting for an optimizer step
-    gradient_download_seconds: float = 0.0  # download stream: jobs' gradients copied to the host (summed later, off the ring)
+    gradient_download_seconds: float = 0.0  # download stream: gradients copied to the host (summed off the ring)
 
     @property
     def uploaded_bytes(self) -> int:
