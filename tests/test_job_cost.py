@@ -4,9 +4,12 @@ metering that stops once its figures have settled). Figures are worked out by ha
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import random
 import threading
+import weakref
 
 import pytest
 import torch
@@ -285,6 +288,32 @@ def test_a_meter_with_figures_charges_each_layer_once_and_installs_no_hook():
     assert residency.current == 30
 
 
+
+@pytest.mark.parametrize("saves_its_output", [torch.exp, lambda x: torch.softmax(x, dim=-1)],
+                         ids=["exp", "softmax"])
+def test_a_metered_saved_output_dies_with_its_graph_dropped_without_backward(saves_its_output):
+    """Review finding B2: a pack hook that keeps a saved output with its grad_fn makes a cycle nothing frees."""
+
+    def dropped(meter: ActivationMeter | None) -> weakref.ref:
+        x = torch.randn(4, 4, requires_grad=True)
+        with meter.saving(0) if meter is not None else contextlib.nullcontext():
+            y = saves_its_output(x)
+        return weakref.ref(y)  # y and its graph go out of scope here, no backward ran
+
+    assert dropped(None)() is None  # plain PyTorch: the reference
+    gc.collect()
+    assert dropped(ActivationMeter(Residency(0), []))() is None
+    # and the metered graph still differentiates exactly as an unmetered one
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(saves_its_output(x).square().sum(), x)
+    meter = ActivationMeter(Residency(0), [x])
+    with meter.saving(0):
+        y = saves_its_output(x)
+    assert meter.by_layer[0] == 16 * 8  # the output, once (x is accounted)
+    (metered,) = torch.autograd.grad(y.square().sum(), x)
+    assert torch.equal(metered, expected)
+
+
 def _fused_only(steps: int, samples=lambda step: 4):
     """test_measurements' fused-only model: Linear(4, 8), ReLU, Linear(8, 2), no biases, one device."""
     torch.manual_seed(0)
@@ -325,6 +354,18 @@ def test_metering_stops_once_settled_and_the_accounting_stays_the_same(monkeypat
     # test_measurements: 384 of weights and gradients, 96 of inputs, 128 kept by the ReLU (its output)
     assert peaks == [384 + 96 + 128] * 9
     assert figures == [0, 128, 0]
+
+
+
+def test_settled_figures_are_metered_ever_less_often(monkeypatch):
+    metered = _watch_metering(monkeypatch)
+    monkeypatch.setattr(feedback, "ACTIVATIONS_REMETER", 2)
+    monkeypatch.setattr(feedback, "ACTIVATIONS_REMETER_MOST", 8)
+    peaks, _ = _fused_only(18)
+    # settled after 3; then one in 2, and each re-metering that agrees doubles that: one in 4, one in 8 (the most)
+    charged = [False]
+    assert metered == [True] * 3 + charged + [True] + charged * 3 + [True] + charged * 7 + [True, False]
+    assert peaks == [384 + 96 + 128] * 18  # the accounting is the metered one throughout
 
 
 def test_new_shapes_are_metered_again(monkeypatch):
