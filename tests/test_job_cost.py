@@ -22,7 +22,7 @@ from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.device import Residency
 from lightning_roundpipe.engine.feedback import Measurements, StepTimes
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.stage import StageCopy, StageRunner, UploadSpares
 from lightning_roundpipe.engine.timing import HostSpan
 from lightning_roundpipe.planning import search
 from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, plan_auto, predicted_cost
@@ -265,6 +265,26 @@ def test_the_runner_makes_its_bindings_again_for_recollected_layers():
     assert runner.replica(device, 0) is made  # type: ignore[arg-type]
     runner.follow_layers([0])
     assert runner.replica(device, 0) is not made  # type: ignore[arg-type]
+
+
+
+def test_uploads_reuse_only_the_memory_of_released_stage_copies():
+    cpu = torch.device("cpu")
+    spares = UploadSpares()
+    live, released = StageCopy(), StageCopy()
+    for stage_copy in (live, released):
+        copied = spares.copy(torch.ones(3), cpu)
+        stage_copy.params[0] = [copied]
+        spares.watch(stage_copy, [copied])
+    kept, freed = live.params[0][0], released.params[0][0]
+    released.params.clear()  # what operations.finish does once nothing reads the copy any more
+    spares.collect()
+    reused = spares.copy(torch.full((3,), 2.0), cpu)
+    assert reused.data_ptr() == freed.data_ptr() and torch.equal(reused, torch.full((3,), 2.0))
+    fresh = spares.copy(torch.full((3,), 3.0), cpu)  # no spare left: new memory, never the live copy's
+    assert fresh.data_ptr() not in (kept.data_ptr(), freed.data_ptr()) and torch.equal(kept, torch.ones(3))
+    other_shape = spares.copy(torch.ones(2, 2), cpu)
+    assert torch.equal(other_shape, torch.ones(2, 2)) and not other_shape.requires_grad
 
 
 # ------------------------------------------------------------------ activation metering
