@@ -35,6 +35,7 @@ from lightning_roundpipe.engine.transfer import (
     clone_tree,
     copy_tensor,
     differentiable_leaves,
+    nbytes_of,
     tensors_nbytes,
     tree_map,
 )
@@ -120,7 +121,7 @@ class UploadSpares:
     _WATCHED = 8  # stage copies watched for their release, at most
 
     def __init__(self) -> None:
-        self._watched: deque[tuple[StageCopy, list[torch.Tensor]]] = deque()
+        self._watched: deque[tuple[StageCopy, list[tuple[tuple[Any, ...], torch.Tensor]]]] = deque()
         self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._free_bytes = 0
         self._most = 0  # the largest upload seen, in bytes
@@ -135,7 +136,7 @@ class UploadSpares:
         if not spares:
             return copy_tensor(source, device)
         target = spares.pop()
-        self._free_bytes -= tensors_nbytes([target])
+        self._free_bytes -= nbytes_of(target)
         return target.copy_(source)
 
     def collect(self) -> None:
@@ -145,12 +146,12 @@ class UploadSpares:
             if stage_copy.params:  # not released yet
                 self._watched.append((stage_copy, tensors))
                 continue
-            for tensor in tensors:
-                self._free.setdefault(self._key(tensor), []).append(tensor)
-                self._free_bytes += tensors_nbytes([tensor])
+            for key, tensor in tensors:
+                self._free.setdefault(key, []).append(tensor)
+                self._free_bytes += nbytes_of(tensor)
         while self._free_bytes > 2 * self._most:  # the oldest shapes go first
             key = next(iter(self._free))
-            self._free_bytes -= tensors_nbytes([self._free[key].pop()])
+            self._free_bytes -= nbytes_of(self._free[key].pop())
             if not self._free[key]:
                 del self._free[key]
 
@@ -158,7 +159,8 @@ class UploadSpares:
         """``copies`` (made by :meth:`copy`) are free once ``stage_copy`` is released."""
         self._most = max(self._most, tensors_nbytes(copies))
         # detached aliases: the same memory, not the stage's tensors (their gradients and autograd state)
-        self._watched.append((stage_copy, [tensor.detach() for tensor in copies if type(tensor) is torch.Tensor]))
+        self._watched.append((stage_copy, [(self._key(tensor), tensor.detach()) for tensor in copies
+                                           if type(tensor) is torch.Tensor]))
         while len(self._watched) > self._WATCHED:
             self._watched.popleft()
 
@@ -254,7 +256,7 @@ class StageRunner:
                 # plain training's
                 if param.requires_grad:
                     copied.requires_grad_(True)
-                resident += copies * tensors_nbytes([copied])
+                resident += copies * nbytes_of(copied)
             resident += tensors_nbytes(stage_copy.buffers[layer])
         stage_copy.nbytes = resident
         device.residency.allocate(stage_copy.nbytes, f"the parameters of stage {task.job.label}", stage=True)
