@@ -270,21 +270,24 @@ def test_the_runner_makes_its_bindings_again_for_recollected_layers():
 
 def test_uploads_reuse_only_the_memory_of_released_stage_copies():
     cpu = torch.device("cpu")
+    n = UploadSpares.SMALLEST // 4  # float32 elements: the smallest tensor whose memory is reused
     spares = UploadSpares()
     live, released = StageCopy(), StageCopy()
     for stage_copy in (live, released):
-        copied = spares.copy(torch.ones(3), cpu)
-        stage_copy.params[0] = [copied]
-        spares.watch(stage_copy, [copied])
+        copied = [spares.copy(torch.ones(n), cpu), spares.copy(torch.ones(n - 1), cpu)]
+        stage_copy.params[0] = copied
+        spares.watch(stage_copy, copied)
     kept, freed = live.params[0][0], released.params[0][0]
+    small_freed = released.params[0][1]
     released.params.clear()  # what operations.finish does once nothing reads the copy any more
     spares.collect()
-    reused = spares.copy(torch.full((3,), 2.0), cpu)
-    assert reused.data_ptr() == freed.data_ptr() and torch.equal(reused, torch.full((3,), 2.0))
-    fresh = spares.copy(torch.full((3,), 3.0), cpu)  # no spare left: new memory, never the live copy's
-    assert fresh.data_ptr() not in (kept.data_ptr(), freed.data_ptr()) and torch.equal(kept, torch.ones(3))
-    other_shape = spares.copy(torch.ones(2, 2), cpu)
-    assert torch.equal(other_shape, torch.ones(2, 2)) and not other_shape.requires_grad
+    reused = spares.copy(torch.full((n,), 2.0), cpu)
+    assert reused.data_ptr() == freed.data_ptr() and torch.equal(reused, torch.full((n,), 2.0))
+    fresh = spares.copy(torch.full((n,), 3.0), cpu)  # no spare left: new memory, never the live copy's
+    assert fresh.data_ptr() not in (kept.data_ptr(), freed.data_ptr()) and torch.equal(kept, torch.ones(n))
+    small = spares.copy(torch.full((n - 1,), 4.0), cpu)  # too small to be kept: the allocator's own
+    assert small.data_ptr() != small_freed.data_ptr()  # (small_freed is alive here: not reusable by malloc)
+    assert torch.equal(small, torch.full((n - 1,), 4.0)) and not small.requires_grad
 
 
 # ------------------------------------------------------------------ activation metering

@@ -119,6 +119,7 @@ class UploadSpares:
     after that); it keeps at most twice the largest upload. Used from the device's parameter stream only."""
 
     _WATCHED = 8  # stage copies watched for their release, at most
+    SMALLEST = 64 * 2**10  # bytes: smaller blocks come from the allocator's free lists, already touched
 
     def __init__(self) -> None:
         self._watched: deque[tuple[StageCopy, list[tuple[tuple[Any, ...], torch.Tensor]]]] = deque()
@@ -132,7 +133,8 @@ class UploadSpares:
 
     def copy(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``copy_tensor(source, device)``, into a spare of its shape where there is one."""
-        spares = self._free.get(self._key(source)) if type(source) is torch.Tensor else None
+        spares = (self._free.get(self._key(source))
+                  if type(source) is torch.Tensor and nbytes_of(source) >= self.SMALLEST else None)
         if not spares:
             return copy_tensor(source, device)
         target = spares.pop()
@@ -160,7 +162,7 @@ class UploadSpares:
         self._most = max(self._most, tensors_nbytes(copies))
         # detached aliases: the same memory, not the stage's tensors (their gradients and autograd state)
         self._watched.append((stage_copy, [(self._key(tensor), tensor.detach()) for tensor in copies
-                                           if type(tensor) is torch.Tensor]))
+                                           if type(tensor) is torch.Tensor and nbytes_of(tensor) >= self.SMALLEST]))
         while len(self._watched) > self._WATCHED:
             self._watched.popleft()
 
