@@ -335,6 +335,11 @@ def test_a_metered_saved_output_dies_with_its_graph_dropped_without_backward(sav
     assert meter.by_layer[0] == 16 * 8  # the output, once (x is accounted)
     (metered,) = torch.autograd.grad(y.square().sum(), x)
     assert torch.equal(metered, expected)
+    with meter.saving(0):  # the detached copy shares the version counter: a later in-place write is caught
+        y = saves_its_output(x)
+    y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), x)
 
 
 def _fused_only(steps: int, samples=lambda step: 4):

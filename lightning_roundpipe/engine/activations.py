@@ -44,9 +44,17 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     """What autograd gets back: the detached tensor ``pack`` kept (autograd gives a saved output its
-    ``grad_fn`` again). Runs on autograd's device thread with the GIL, so it does nothing else."""
+    ``grad_fn`` again). Runs on autograd's device thread with the GIL, so it does little: with hooks autograd
+    skips its own check that a saved tensor was not written in place since, so it is made here."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+            f"{tuple(tensor.shape)} {tensor.dtype} tensor saved for backward is at version {tensor._version}; "
+            f"expected version {version} instead (as plain PyTorch reports it: write a new tensor instead of "
+            "modifying one an earlier operation saved)")
     return tensor
 
 
@@ -86,7 +94,7 @@ class ActivationMeter:
             return
         saved = 0
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
             nonlocal saved
             key, nbytes = _storage(tensor)
             if key not in self._seen:
@@ -95,8 +103,8 @@ class ActivationMeter:
             # detached: a saved *output* kept with its grad_fn would form the cycle output -> grad_fn ->
             # saved variable -> this hook's result -> output, which nothing frees when the graph is dropped
             # without a backward (a microbatch whose loss has weight 0, a stage no gradient reaches).
-            # Lossless: the detached tensor shares the version counter, so in-place checks still hold
-            return tensor.detach()
+            # Lossless: the detached tensor shares the version counter, which _unpack checks
+            return tensor.detach(), tensor._version
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
