@@ -50,6 +50,10 @@ add (copies, hand-offs), which on an idle machine can partly overlap the compute
 The verdict lines ((c)/(b) and (d)/(a)) add two cross-checks: by CPU time, and by each run's 10th-percentile step
 time (noise from other processes only ever adds time, so the fastest steps are the least disturbed).
 
+``--profile VARIANT`` (a, b, c or d) runs that variant once under ``cProfile`` on every thread, timed by each
+thread's CPU time, and prints the package's functions by CPU milliseconds per measured step: where the engine's
+fixed cost goes (the profiler inflates Python calls, so compare its figures with each other).
+
 Repeats are interleaved (a, b, c, d, a, b, c, d, ...), each a fresh ``fit`` from the same initial weights, so
 slow drift of the machine's load hits all variants alike. Per run the median step time gives
 tokens/s; the table shows the median over repeats, and the ratios are medians of the per-repeat
@@ -259,7 +263,7 @@ def verdict(rounds: list[dict[str, dict]], summary: dict, num: str, den: str, ta
             f"{cpu_ratio:.3f}, by the fastest-decile step {fast_ratio:.3f}")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of 12 measured steps (under 40 s)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 11, quick 3, smoke 1)")
@@ -286,6 +290,46 @@ def main() -> int:
     args.depth = sized(args.depth, args, full=4, smoke=2)
     args.context = sized(args.context, args, full=64, smoke=16)
     args.batch = sized(args.batch, args, full=8, smoke=4)
+    return args
+
+
+def summarize(rounds: list[dict[str, dict]], args: argparse.Namespace) -> dict:
+    """Print the table of the medians over rounds, the plans used and a note when (c) recomputed less than (b);
+    returns the summary."""
+
+    def ratios(num: str, den: str) -> list[float]:
+        return [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in rounds]
+
+    summary = {}
+    print()
+    print(f"{'variant':<27} {'ms/step':>8} {'tokens/s':>9} {'vs (b)':>7} {'(min..max)':>12} {'vs (a)':>7} "
+          f"{'(min..max)':>12} {'CPU ms/step':>12}")
+    for variant in VARIANTS:
+        tps = statistics.median(r[variant]["tokens_per_s"] for r in rounds)
+        ms = 1e3 * statistics.median(r[variant]["median_step_s"] for r in rounds)
+        cpu = 1e3 * statistics.median(r[variant]["median_cpu_s"] for r in rounds)
+        vb, va = ratios(variant, "b"), ratios(variant, "a")
+        summary[variant] = {"name": NAMES[variant], "median_ms_per_step": ms, "median_tokens_per_s": tps,
+                            "ratio_vs_b": statistics.median(vb), "ratio_vs_a": statistics.median(va),
+                            "ratio_vs_b_range": [min(vb), max(vb)], "ratio_vs_a_range": [min(va), max(va)],
+                            "median_cpu_ms_per_step": cpu}
+        print(f"{NAMES[variant]:<27} {ms:8.1f} {tps:9.0f} {statistics.median(vb):7.3f} "
+              f"{min(vb):5.2f}..{max(vb):<5.2f} {statistics.median(va):7.3f} {min(va):5.2f}..{max(va):<5.2f} {cpu:12.1f}")
+    shares = [r["c"]["compute_share"] for r in rounds if r["c"].get("compute_share") is not None]
+    if shares:
+        print(f"\n(c) plans (layers per stage, forward | fused | backward): {plan_shape_of(rounds, 'c')}; (d): "
+              f"{plan_shape_of(rounds, 'd')}. (c)'s device compute share of the step period: median "
+              f"{statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, Lightning)")
+    fewer = sorted({r["c"]["recomputed_blocks"] for r in rounds if r["c"].get("recomputed_blocks", args.depth) < args.depth})
+    if fewer:
+        print(f"Note: (c)'s last plans recomputed only {' or '.join(map(str, fewer))} of the {args.depth} blocks (b) "
+              "recomputes (a larger fused stage): fewer FLOPs than (b); at equal FLOPs compare (c)/(a), or fix a "
+              "recomputing plan with --num-stages")
+    return summary
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     quiet()
 
@@ -308,35 +352,7 @@ def main() -> int:
         print(f"  round {index + 1}: " + "  ".join(
             f"{v} {1e3 * row[v]['median_step_s']:6.1f} ms" for v in VARIANTS), flush=True)
 
-    def ratios(num: str, den: str) -> list[float]:
-        return [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in rounds]
-
-    summary = {}
-    print()
-    print(f"{'variant':<27} {'ms/step':>8} {'tokens/s':>9} {'vs (b)':>7} {'(min..max)':>12} {'vs (a)':>7} "
-          f"{'(min..max)':>12} {'CPU ms/step':>12}")
-    for variant in VARIANTS:
-        tps = statistics.median(r[variant]["tokens_per_s"] for r in rounds)
-        ms = 1e3 * statistics.median(r[variant]["median_step_s"] for r in rounds)
-        cpu = 1e3 * statistics.median(r[variant]["median_cpu_s"] for r in rounds)
-        vb, va = ratios(variant, "b"), ratios(variant, "a")
-        summary[variant] = {"name": NAMES[variant], "median_ms_per_step": ms, "median_tokens_per_s": tps,
-                            "ratio_vs_b": statistics.median(vb), "ratio_vs_a": statistics.median(va),
-                            "ratio_vs_b_range": [min(vb), max(vb)], "ratio_vs_a_range": [min(va), max(va)],
-                            "median_cpu_ms_per_step": cpu}
-        print(f"{NAMES[variant]:<27} {ms:8.1f} {tps:9.0f} {statistics.median(vb):7.3f} "
-              f"{min(vb):5.2f}..{max(vb):<5.2f} {statistics.median(va):7.3f} {min(va):5.2f}..{max(va):<5.2f} {cpu:12.1f}")
-    plans = sorted({r["c"]["plan"] for r in rounds})
-    shares = [r["c"]["compute_share"] for r in rounds if r["c"].get("compute_share") is not None]
-    if shares:
-        print(f"\n(c) plans (layers per stage, forward | fused | backward): {'; '.join(plans)}; (d): "
-              f"{plan_shape_of(rounds, 'd')}. (c)'s device compute share of the step period: median {statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, "
-              "Lightning)")
-    fewer = sorted({r["c"]["recomputed_blocks"] for r in rounds if r["c"].get("recomputed_blocks", args.depth) < args.depth})
-    if fewer:
-        print(f"Note: (c)'s last plans recomputed only {' or '.join(map(str, fewer))} of the {args.depth} blocks (b) "
-              "recomputes (a larger fused stage): fewer FLOPs than (b); at equal FLOPs compare (c)/(a), or fix a "
-              "recomputing plan with --num-stages")
+    summary = summarize(rounds, args)
     elapsed = time.perf_counter() - began
     print(verdict(rounds, summary, "c", "b", TARGET) + f"; (c)/(a) = {summary['c']['ratio_vs_a']:.3f}")
     print(verdict(rounds, summary, "d", "a", TARGET_PLAIN) + f". [{elapsed:.0f} s]")
