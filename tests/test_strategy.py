@@ -402,10 +402,12 @@ def _logged_pipeline_metrics(log_every_n_steps: int) -> tuple[list[dict[str, flo
 
 def test_pipeline_metrics_are_logged_only_at_the_logging_steps():
     logged, _, module = _logged_pipeline_metrics(log_every_n_steps=2)
-    # batches 1, 3, 5 step the optimizer (global steps 1, 2, 3): step 2 alone is a logging step
-    assert not any(logged[:3]) and logged[3] and logged[5] == logged[3]
+    # batches 1, 3, 5 step the optimizer (global steps 1, 2, 3): step 2 is a logging step, step 3 ends the epoch
+    assert not any(logged[:3]) and logged[3] and logged[4] == logged[3] and logged[5] != logged[3]
     model_bytes = sum(p.numel() * p.element_size() for p in module.net.parameters())
-    assert logged[3]["roundpipe/uploaded_bytes"] >= 2 * model_bytes * 3  # over both steps: >= 2 uploads a batch
+    # over steps 1 and 2, then step 3 alone: at least 2 uploads of the model a batch
+    assert logged[3]["roundpipe/uploaded_bytes"] >= 2 * model_bytes * 3
+    assert 2 * model_bytes <= logged[5]["roundpipe/uploaded_bytes"] <= logged[3]["roundpipe/uploaded_bytes"]
 
 
 def test_pipeline_metrics_are_logged_after_each_step_when_every_step_logs():
