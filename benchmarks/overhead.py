@@ -14,20 +14,20 @@ checkpointing, no progress bar):
   embedding and the head are not wrapped). It does the FLOPs RoundPipe does: a backward stage
   recomputes its blocks' forward from a stage-boundary checkpoint, and the fused stage (the deepest
   layers and the loss) is never recomputed, like the head here.
-* ``(c) roundpipe``: ``RoundPipeStrategy(num_microbatches=1)`` on one CPU device, sync step, the loss
-  fused with ``pipeline_loss`` (``ByteLM(fused=True)``). The difference to (b) is the engine's own cost:
-  per-stage parameter copies to the "device" and gradient copies back (real copies even on a CPU
+* ``(c) roundpipe``: ``RoundPipeStrategy(num_microbatches=1, num_stages=1)`` on one CPU device, sync step, the
+  loss fused with ``pipeline_loss`` (``ByteLM(fused=True)``): one forward stage, the head fused with the loss,
+  and a backward stage that recomputes every layer before it, so the FLOPs are (b)'s (the embedding is
+  recomputed too, which (b) does not wrap, a negligible difference). The difference to (b) is the engine's
+  own cost: per-stage parameter copies to the "device" and gradient copies back (real copies even on a CPU
   device), thread hand-offs between the main, worker, stream and optimizer threads, and bookkeeping.
-  The planner (``num_stages="auto"``, or ``--num-stages``) picks the stages; the plans used are printed
-  (layers per stage; it re-plans from measured times, so runs may differ). The FLOPs match (b) only while
-  the plan recomputes what (b) does: every layer before the fused stage is recomputed once (the embedding
-  too, which (b) does not wrap, a negligible difference); a plan with a larger fused stage recomputes
-  fewer blocks than (b) (the fused stage alone, none), and the output says so: then (c)/(a) is the
-  comparison at equal FLOPs, or ``--num-stages`` fixes a recomputing plan. The planner weighs a fixed cost
-  per stage job once the engine feeds it the measured one (``StepTimes.job_cost`` to ``Planner.observe``):
-  on one device without a memory limit that makes the fused stage alone.
+  ``--num-stages auto`` lets the planner choose instead (on one device without a memory limit it weighs
+  the measured fixed cost per job and fuses everything: then (c) recomputes nothing and the output says so).
+* ``(d) roundpipe, no recompute``: the same with every layer in the fused stage (``num_stages=Plan((),
+  range(0, layers), ())``): one job a step, nothing recomputed, so the FLOPs are (a)'s. What (d) adds to (a)
+  is the engine's fixed cost per step: one stage's upload and gradient download, the hand-offs, the host step.
 
-Target: (c) runs at least 0.9x the speed of (b).
+Targets: (c) runs at least 0.9x the speed of (b) (equal FLOPs, recomputed), (d) at least 0.85x the speed of
+(a) (equal FLOPs, nothing recomputed).
 
 Threads: the machine this was written for has 2 cores and other jobs may run beside it. Every variant
 runs with ``torch.set_num_threads(1)`` (``--threads``): the setting is process-wide, so it also holds
@@ -47,10 +47,14 @@ teardown, which are not per-step overheads. The first ``--warmup`` steps of ever
 ``CPU ms/step`` is the process's CPU time (all threads) per step, from the same callback: less
 sensitive to a busy machine than wall time, and for (c) it shows the work the engine's helper threads
 add (copies, hand-offs), which on an idle machine can partly overlap the compute on the second core.
-The verdict line adds two cross-checks of (c)/(b): by CPU time, and by each run's 10th-percentile step
+The verdict lines ((c)/(b) and (d)/(a)) add two cross-checks: by CPU time, and by each run's 10th-percentile step
 time (noise from other processes only ever adds time, so the fastest steps are the least disturbed).
 
-Repeats are interleaved (a, b, c, a, b, c, ...), each a fresh ``fit`` from the same initial weights, so
+``--profile VARIANT`` (a, b, c or d) runs that variant once under ``cProfile`` on every thread, timed by each
+thread's CPU time, and prints the package's functions by CPU milliseconds per measured step: where the engine's
+fixed cost goes (the profiler inflates Python calls, so compare its figures with each other).
+
+Repeats are interleaved (a, b, c, d, a, b, c, d, ...), each a fresh ``fit`` from the same initial weights, so
 slow drift of the machine's load hits all variants alike. Per run the median step time gives
 tokens/s; the table shows the median over repeats, and the ratios are medians of the per-repeat
 ratios (each taken between runs of the same round), with their min..max over the rounds.
@@ -59,10 +63,13 @@ ratios (each taken between runs of the same round), with their min..max over the
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import json
+import pstats
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,13 +85,15 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe import Plan, RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.app.data import stdlib_bytes  # noqa: E402
 from lightning_roundpipe.app.model import Block, ByteLM, gpt  # noqa: E402
 
-VARIANTS = ("a", "b", "c")
-NAMES = {"a": "(a) plain single-device", "b": "(b) single-device + ckpt", "c": "(c) roundpipe, 1 device"}
+VARIANTS = ("a", "b", "c", "d")
+NAMES = {"a": "(a) plain single-device", "b": "(b) single-device + ckpt", "c": "(c) roundpipe, 1 device",
+         "d": "(d) roundpipe, no recompute"}
 TARGET = 0.9  # (c) / (b)
+TARGET_PLAIN = 0.85  # (d) / (a)
 
 
 class Checkpointed(nn.Module):
@@ -135,6 +144,51 @@ class StepTimer(pl.Callback):
         return busy / wall if wall > 0 else None
 
 
+class CpuProfile(pl.Callback):
+    """``--profile``: ``cProfile`` of every thread, timed by each thread's CPU time (so a busy machine adds
+    little), from the first measured step to the end of the fit. The engine's threads start before that: a
+    light hook on each (``threading.setprofile``) starts its profiler at its first call once measuring."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.batches = 0
+        self.profiles: list[cProfile.Profile] = []
+        self._measuring = False
+        self._lock = threading.Lock()
+        threading.setprofile(self._gate)
+
+    def _gate(self, frame, event, arg) -> None:
+        if self._measuring:
+            self._start()  # replaces this hook on this thread
+
+    def _start(self) -> None:
+        profile = cProfile.Profile(time.thread_time)
+        with self._lock:
+            self.profiles.append(profile)
+        profile.enable()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches += 1
+        if self.batches == self.warmup + 1:
+            self._measuring = True
+            self._start()
+
+    def table(self, top: int = 16) -> str:
+        """The package's functions by cumulative CPU ms per measured step (waits excluded)."""
+        threading.setprofile(None)
+        stats = pstats.Stats(*self.profiles)
+        steps = max(self.batches - self.warmup, 1)
+        rows = sorted(((cumulative, calls, path, name) for (path, _, name), (_, calls, _, cumulative, _)
+                       in stats.stats.items()  # type: ignore[attr-defined]
+                       if "lightning_roundpipe" in path and "wait" not in name), reverse=True)[:top]
+        total = sum(entry[2] for entry in stats.stats.values())  # type: ignore[attr-defined]
+        lines = [f"all threads, CPU ms/step: {1e3 * total / steps:.1f}", "| function | CPU ms/step | calls/step |",
+                 "| --- | --- | --- |"]
+        lines += [f"| `{path.split('lightning_roundpipe/')[-1]}:{name}` | "
+                  f"{1e3 * cumulative / steps:.2f} | {calls / steps:.1f} |" for cumulative, calls, path, name in rows]
+        return "\n".join(lines)
+
+
 def make_batches(context: int, batch: int, count: int, seed: int = 0) -> DataLoader:
     """``count`` batches of random windows of the standard library's bytes, fixed once for every run."""
     data = stdlib_bytes(2_000_000)
@@ -152,18 +206,21 @@ def make_module(variant: str, args: argparse.Namespace) -> ByteLM:
     return ByteLM(net, fused=True, context=args.context)
 
 
-def run_once(variant: str, args: argparse.Namespace) -> dict:
+def run_once(variant: str, args: argparse.Namespace, profile: CpuProfile | None = None) -> dict:
     steps = args.warmup + args.steps + 1  # + 1: the last measured step ends at the next step's start
     module = make_module(variant, args)
-    if variant == "c":
-        stages = args.num_stages if args.num_stages == "auto" else int(args.num_stages)
+    if variant in ("c", "d"):
+        # (d): the embedding, the blocks and the head (trunk layers 0..depth + 1), all in the fused stage
+        stages = (Plan((), range(0, args.depth + 2), ()) if variant == "d" else
+                  args.num_stages if args.num_stages == "auto" else int(args.num_stages))
         strategy = RoundPipeStrategy(num_microbatches=1, num_stages=stages)
     else:
         strategy = SingleDeviceStrategy(device=torch.device("cpu"))
     timer = StepTimer(args.warmup)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+                         num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[timer] if profile is None else [timer, profile])
     trainer.fit(module, make_batches(args.context, args.batch, steps))
     times = timer.step_seconds()
     median = statistics.median(times)
@@ -182,13 +239,31 @@ def recomputed_blocks(plan, depth: int) -> int:
     return len(range(1, min(plan.fused.start, depth + 1)))
 
 
+def plan_shape_of(rounds: list[dict[str, dict]], variant: str) -> str:
+    return "; ".join(sorted({r[variant]["plan"] for r in rounds}))
+
+
 def plan_shape(plan) -> str:
     """Layers per stage: ``forward | fused | backward`` (backward deep to shallow)."""
     return (f"{','.join(str(len(r)) for r in plan.forward) or '-'} | {len(plan.fused)} | "
             f"{','.join(str(len(r)) for r in plan.backward) or '-'}")
 
 
-def main() -> int:
+def verdict(rounds: list[dict[str, dict]], summary: dict, num: str, den: str, target: float) -> str:
+    """The verdict line of ``num``/``den`` against ``target``, with two cross-checks less sensitive to a busy
+    machine (by CPU time, by each run's fastest-decile step), which also go into ``summary``."""
+    ratio = summary[num][f"ratio_vs_{den}"]
+    low, high = summary[num][f"ratio_vs_{den}_range"]
+    cpu_ratio = statistics.median(r[den]["median_cpu_s"] / r[num]["median_cpu_s"] for r in rounds)
+    fast_ratio = statistics.median(r[den]["p10_step_s"] / r[num]["p10_step_s"] for r in rounds)
+    summary[f"cpu_ratio_{num}_vs_{den}"] = cpu_ratio
+    summary[f"p10_ratio_{num}_vs_{den}"] = fast_ratio
+    return (f"Verdict: ({num})/({den}) = {ratio:.3f} (median of {len(rounds)} paired rounds, {low:.2f}..{high:.2f}) "
+            f"-> target >= {target} {'MET' if ratio >= target else 'NOT MET'}. Cross-checks: by CPU time "
+            f"{cpu_ratio:.3f}, by the fastest-decile step {fast_ratio:.3f}")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of 12 measured steps (under 40 s)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 11, quick 3, smoke 1)")
@@ -201,8 +276,11 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=None, help="(default 64, smoke 16)")
     parser.add_argument("--batch", type=int, default=None, help="(default 8, smoke 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (process-wide)")
-    parser.add_argument("--num-stages", default="auto", help="(c)'s num_stages: 'auto' (default) or an int")
+    parser.add_argument("--num-stages", default="1",
+                        help="(c)'s num_stages: an int (default 1: recompute every block) or 'auto'")
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--profile", choices=VARIANTS, default=None,
+                        help="instead: one run of this variant under cProfile (CPU time, every thread), its top entries")
     add_smoke(parser, "one round of 2 measured steps of a width-32, 2-block model")
     args = parser.parse_args()
     args.repeats = sized(args.repeats, args, full=11, quick=3, smoke=1)
@@ -212,21 +290,12 @@ def main() -> int:
     args.depth = sized(args.depth, args, full=4, smoke=2)
     args.context = sized(args.context, args, full=64, smoke=16)
     args.batch = sized(args.batch, args, full=8, smoke=4)
-    torch.set_num_threads(args.threads)
-    quiet()
+    return args
 
-    began = time.perf_counter()
-    params = sum(p.numel() for p in {id(p): p for p in gpt(args.width, args.depth, args.heads, args.context).parameters()}.values())
-    print(f"Byte GPT: width {args.width}, depth {args.depth}, heads {args.heads}, context {args.context}, batch "
-          f"{args.batch} ({args.batch * args.context} tokens/step), {params:,} parameters; fp32, AdamW; "
-          f"torch threads {args.threads}")
-    print(f"{args.repeats} interleaved rounds x (a, b, c); per run {args.warmup} warm-up + {args.steps} measured steps")
-    rounds: list[dict[str, dict]] = []
-    for index in range(args.repeats):
-        row = {variant: run_once(variant, args) for variant in VARIANTS}
-        rounds.append(row)
-        print(f"  round {index + 1}: " + "  ".join(
-            f"{v} {1e3 * row[v]['median_step_s']:6.1f} ms" for v in VARIANTS), flush=True)
+
+def summarize(rounds: list[dict[str, dict]], args: argparse.Namespace) -> dict:
+    """Print the table of the medians over rounds, the plans used and a note when (c) recomputed less than (b);
+    returns the summary."""
 
     def ratios(num: str, den: str) -> list[float]:
         return [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in rounds]
@@ -246,28 +315,47 @@ def main() -> int:
                             "median_cpu_ms_per_step": cpu}
         print(f"{NAMES[variant]:<27} {ms:8.1f} {tps:9.0f} {statistics.median(vb):7.3f} "
               f"{min(vb):5.2f}..{max(vb):<5.2f} {statistics.median(va):7.3f} {min(va):5.2f}..{max(va):<5.2f} {cpu:12.1f}")
-    plans = sorted({r["c"]["plan"] for r in rounds})
     shares = [r["c"]["compute_share"] for r in rounds if r["c"].get("compute_share") is not None]
     if shares:
-        print(f"\n(c) plans (layers per stage, forward | fused | backward): {'; '.join(plans)}. Device compute share "
-              f"of the step period: median {statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, "
-              "Lightning)")
+        print(f"\n(c) plans (layers per stage, forward | fused | backward): {plan_shape_of(rounds, 'c')}; (d): "
+              f"{plan_shape_of(rounds, 'd')}. (c)'s device compute share of the step period: median "
+              f"{statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, Lightning)")
     fewer = sorted({r["c"]["recomputed_blocks"] for r in rounds if r["c"].get("recomputed_blocks", args.depth) < args.depth})
     if fewer:
         print(f"Note: (c)'s last plans recomputed only {' or '.join(map(str, fewer))} of the {args.depth} blocks (b) "
               "recomputes (a larger fused stage): fewer FLOPs than (b); at equal FLOPs compare (c)/(a), or fix a "
               "recomputing plan with --num-stages")
-    ratio = summary["c"]["ratio_vs_b"]
-    verdict = "MET" if ratio >= TARGET else "NOT MET"
+    return summary
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    quiet()
+
+    if args.profile is not None:
+        profile = CpuProfile(args.warmup)
+        result = run_once(args.profile, args, profile)
+        print(f"{NAMES[args.profile]}, {result['steps']} measured steps under cProfile (CPU time; the profiler slows "
+              f"Python calls):\n{profile.table()}")
+        return 0
+    began = time.perf_counter()
+    params = sum(p.numel() for p in {id(p): p for p in gpt(args.width, args.depth, args.heads, args.context).parameters()}.values())
+    print(f"Byte GPT: width {args.width}, depth {args.depth}, heads {args.heads}, context {args.context}, batch "
+          f"{args.batch} ({args.batch * args.context} tokens/step), {params:,} parameters; fp32, AdamW; "
+          f"torch threads {args.threads}")
+    print(f"{args.repeats} interleaved rounds x (a, b, c, d); per run {args.warmup} warm-up + {args.steps} measured steps")
+    rounds: list[dict[str, dict]] = []
+    for index in range(args.repeats):
+        row = {variant: run_once(variant, args) for variant in VARIANTS}
+        rounds.append(row)
+        print(f"  round {index + 1}: " + "  ".join(
+            f"{v} {1e3 * row[v]['median_step_s']:6.1f} ms" for v in VARIANTS), flush=True)
+
+    summary = summarize(rounds, args)
     elapsed = time.perf_counter() - began
-    cpu_ratio = statistics.median(r["b"]["median_cpu_s"] / r["c"]["median_cpu_s"] for r in rounds)
-    fast_ratio = statistics.median(r["b"]["p10_step_s"] / r["c"]["p10_step_s"] for r in rounds)
-    low, high = summary["c"]["ratio_vs_b_range"]
-    print(f"Verdict: (c)/(b) = {ratio:.3f} (median of {args.repeats} paired rounds, {low:.2f}..{high:.2f}) -> target "
-          f">= {TARGET} {verdict}; (c)/(a) = {summary['c']['ratio_vs_a']:.3f}. Cross-checks, less sensitive to a "
-          f"busy machine: by CPU time {cpu_ratio:.3f}, by the fastest-decile step {fast_ratio:.3f}. [{elapsed:.0f} s]")
-    summary["cpu_ratio_c_vs_b"] = cpu_ratio
-    summary["p10_ratio_c_vs_b"] = fast_ratio
+    print(verdict(rounds, summary, "c", "b", TARGET) + f"; (c)/(a) = {summary['c']['ratio_vs_a']:.3f}")
+    print(verdict(rounds, summary, "d", "a", TARGET_PLAIN) + f". [{elapsed:.0f} s]")
     if args.json is not None:
         args.json.write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "json"},
                                          "summary": summary, "rounds": rounds, "seconds": elapsed}, indent=2))

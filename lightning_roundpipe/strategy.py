@@ -134,7 +134,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             parameters (ZeRO-1), then broadcasts them; less host memory per node.
         reduce_dtype: several processes: the dtype gradients are averaged in (``"auto"``: their own; ``"bfloat16"``
             halves the traffic).
-        log_pipeline_metrics: log ``roundpipe/*`` figures after each optimizer step.
+        log_pipeline_metrics: log ``roundpipe/*`` figures every ``log_every_n_steps`` optimizer steps.
         timeline: record the pipeline's timeline and write ``timeline.json`` and ``timeline.png`` at teardown.
         timeline_dir: where the timeline goes (default: ``default_root_dir``); giving it switches ``timeline`` on.
         timeline_steps: the timeline keeps the last this many optimizer steps (``None``: all).

@@ -75,7 +75,8 @@ class StrategyOptions:
 
     log_pipeline_metrics: bool = True
     """Log ``roundpipe/*`` figures (bubble ratio, peak device bytes, bytes uploaded, host step time and the
-    part of it the devices waited for) after each optimizer step."""
+    part of it the devices waited for) every ``log_every_n_steps`` optimizer steps, each over the steps since the
+    last."""
 
     timeline: bool = False
     """Record the pipeline's timeline (every upload, compute, download and host optimizer step) and, when

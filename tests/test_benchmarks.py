@@ -31,6 +31,7 @@ SMOKE_RUNS = {
     "host_optimizer.py": README_ENTRY,
     "memory.py": README_ENTRY,
     "overhead.py": README_ENTRY,
+    "small_models.py": README_ENTRY,
     "soak.py": README_ENTRY,
     "sync_async.py": README_ENTRY,
     "gpu.py": "tests/test_examples.py::test_the_gpu_check_runs_every_section_in_smoke_mode",

@@ -4,9 +4,12 @@ metering that stops once its figures have settled). Figures are worked out by ha
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import random
 import threading
+import weakref
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.device import Residency
 from lightning_roundpipe.engine.feedback import Measurements, StepTimes
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.stage import StageCopy, StageRunner, UploadSpares
 from lightning_roundpipe.engine.timing import HostSpan
 from lightning_roundpipe.planning import search
 from lightning_roundpipe.planning.partition import LayerCost, Plan, Planner, plan_auto, predicted_cost
@@ -264,6 +267,29 @@ def test_the_runner_makes_its_bindings_again_for_recollected_layers():
     assert runner.replica(device, 0) is not made  # type: ignore[arg-type]
 
 
+
+def test_uploads_reuse_only_the_memory_of_released_stage_copies():
+    cpu = torch.device("cpu")
+    n = UploadSpares.SMALLEST // 4  # float32 elements: the smallest tensor whose memory is reused
+    spares = UploadSpares()
+    live, released = StageCopy(), StageCopy()
+    for stage_copy in (live, released):
+        copied = [spares.copy(torch.ones(n), cpu), spares.copy(torch.ones(n - 1), cpu)]
+        stage_copy.params[0] = copied
+        spares.watch(stage_copy, copied)
+    kept, freed = live.params[0][0], released.params[0][0]
+    small_freed = released.params[0][1]
+    released.params.clear()  # what operations.finish does once nothing reads the copy any more
+    spares.collect()
+    reused = spares.copy(torch.full((n,), 2.0), cpu)
+    assert reused.data_ptr() == freed.data_ptr() and torch.equal(reused, torch.full((n,), 2.0))
+    fresh = spares.copy(torch.full((n,), 3.0), cpu)  # no spare left: new memory, never the live copy's
+    assert fresh.data_ptr() not in (kept.data_ptr(), freed.data_ptr()) and torch.equal(kept, torch.ones(n))
+    small = spares.copy(torch.full((n - 1,), 4.0), cpu)  # too small to be kept: the allocator's own
+    assert small.data_ptr() != small_freed.data_ptr()  # (small_freed is alive here: not reusable by malloc)
+    assert torch.equal(small, torch.full((n - 1,), 4.0)) and not small.requires_grad
+
+
 # ------------------------------------------------------------------ activation metering
 def test_a_meter_with_figures_charges_each_layer_once_and_installs_no_hook():
     residency = Residency(0)
@@ -283,6 +309,37 @@ def test_a_meter_with_figures_charges_each_layer_once_and_installs_no_hook():
     with meter.saving(1):  # after a release (layer-grain recompute): charged again
         pass
     assert residency.current == 30
+
+
+
+@pytest.mark.parametrize("saves_its_output", [torch.exp, lambda x: torch.softmax(x, dim=-1)],
+                         ids=["exp", "softmax"])
+def test_a_metered_saved_output_dies_with_its_graph_dropped_without_backward(saves_its_output):
+    """Review finding B2: a pack hook that keeps a saved output with its grad_fn makes a cycle nothing frees."""
+
+    def dropped(meter: ActivationMeter | None) -> weakref.ref:
+        x = torch.randn(4, 4, requires_grad=True)
+        with meter.saving(0) if meter is not None else contextlib.nullcontext():
+            y = saves_its_output(x)
+        return weakref.ref(y)  # y and its graph go out of scope here, no backward ran
+
+    assert dropped(None)() is None  # plain PyTorch: the reference
+    gc.collect()
+    assert dropped(ActivationMeter(Residency(0), []))() is None
+    # and the metered graph still differentiates exactly as an unmetered one
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(saves_its_output(x).square().sum(), x)
+    meter = ActivationMeter(Residency(0), [x])
+    with meter.saving(0):
+        y = saves_its_output(x)
+    assert meter.by_layer[0] == 16 * 8  # the output, once (x is accounted)
+    (metered,) = torch.autograd.grad(y.square().sum(), x)
+    assert torch.equal(metered, expected)
+    with meter.saving(0):  # the detached copy shares the version counter: a later in-place write is caught
+        y = saves_its_output(x)
+    y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), x)
 
 
 def _fused_only(steps: int, samples=lambda step: 4):
@@ -325,6 +382,18 @@ def test_metering_stops_once_settled_and_the_accounting_stays_the_same(monkeypat
     # test_measurements: 384 of weights and gradients, 96 of inputs, 128 kept by the ReLU (its output)
     assert peaks == [384 + 96 + 128] * 9
     assert figures == [0, 128, 0]
+
+
+
+def test_settled_figures_are_metered_ever_less_often(monkeypatch):
+    metered = _watch_metering(monkeypatch)
+    monkeypatch.setattr(feedback, "ACTIVATIONS_REMETER", 2)
+    monkeypatch.setattr(feedback, "ACTIVATIONS_REMETER_MOST", 8)
+    peaks, _ = _fused_only(18)
+    # settled after 3; then one in 2, and each re-metering that agrees doubles that: one in 4, one in 8 (the most)
+    charged = [False]
+    assert metered == [True] * 3 + charged + [True] + charged * 3 + [True] + charged * 7 + [True, False]
+    assert peaks == [384 + 96 + 128] * 18  # the accounting is the metered one throughout
 
 
 def test_new_shapes_are_metered_again(monkeypatch):

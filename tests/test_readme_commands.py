@@ -204,8 +204,15 @@ COMMANDS: dict[str, Check] = {
         json=("config", "streaming_step", "strategy_streaming_step", "sizing", "calibration", "summary", "clip_bound",
               "rounds", "seconds")),
     "python benchmarks/overhead.py [--quick]": Benchmark(
-        (r"^variant +ms/step +tokens/s", r"^\(c\) roundpipe, 1 device", r"^Verdict: \(c\)/\(b\) = \d"),
+        (r"^variant +ms/step +tokens/s", r"^\(c\) roundpipe, 1 device", r"^\(d\) roundpipe, no recompute",
+         r"^Verdict: \(c\)/\(b\) = \d", r"^Verdict: \(d\)/\(a\) = \d"),
         sized=("--quick",), json=("config", "summary", "rounds", "seconds")),
+    "python benchmarks/overhead.py --profile d": Benchmark(  # the engine's threads are profiled too
+        (r"^\(d\) roundpipe, no recompute, 2 measured steps under cProfile", r"^all threads, CPU ms/step: \d",
+         r"^\| `engine/stage\.py:fused_microbatch` \| \d+\.\d\d \| 1\.0 \|$")),
+    "python benchmarks/small_models.py [--quick]": Benchmark(
+        (r"^\| model \| default strategy ms/step \| roundpipe ms/step", r"^\| cli-app \| \d", r"^\| vit-tiny \| \d",
+         r"^Verdict: roundpipe / default at most \d"), sized=("--quick",), json=("config", "summary", "runs")),
     "python benchmarks/memory.py [--quick] [--transport off]": Benchmark(
         (r"^Device memory \(engine accounting", r"^Host bytes per parameter", r"^total +\d+\.\d\d +\d+\.\d\d$",
          r"^uploaded B/param/step", r"^Verdict: device peaks within the limit; host: sync \d"),

@@ -383,7 +383,8 @@ def test_roundpipe_async_equals_the_delayed_update_reference(fused):
     assert_states_close_to_reference(dict(module.named_parameters()), masters, masters64)
 
 
-def test_pipeline_metrics_are_logged_after_each_step():
+def _logged_pipeline_metrics(log_every_n_steps: int) -> tuple[list[dict[str, float]], pl.Trainer, Classifier]:
+    """The ``roundpipe/*`` callback metrics at the end of each batch of 3 optimizer steps (2 batches each)."""
     logged = []
 
     class Collect(pl.Callback):
@@ -394,8 +395,23 @@ def test_pipeline_metrics_are_logged_after_each_step():
     trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2, device_memory_limit="1MiB"),
                          accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[Collect()])
+                         log_every_n_steps=log_every_n_steps, callbacks=[Collect()])
     trainer.fit(module, _data())
+    return logged, trainer, module
+
+
+def test_pipeline_metrics_are_logged_only_at_the_logging_steps():
+    logged, _, module = _logged_pipeline_metrics(log_every_n_steps=2)
+    # batches 1, 3, 5 step the optimizer (global steps 1, 2, 3): step 2 is a logging step, step 3 ends the epoch
+    assert not any(logged[:3]) and logged[3] and logged[4] == logged[3] and logged[5] != logged[3]
+    model_bytes = sum(p.numel() * p.element_size() for p in module.net.parameters())
+    # over steps 1 and 2, then step 3 alone: at least 2 uploads of the model a batch
+    assert logged[3]["roundpipe/uploaded_bytes"] >= 2 * model_bytes * 3
+    assert 2 * model_bytes <= logged[5]["roundpipe/uploaded_bytes"] <= logged[3]["roundpipe/uploaded_bytes"]
+
+
+def test_pipeline_metrics_are_logged_after_each_step_when_every_step_logs():
+    logged, trainer, module = _logged_pipeline_metrics(log_every_n_steps=1)
     stepped = [entry for batch, entry in enumerate(logged) if batch % 2 == 1]  # the batches that stepped
     assert len(stepped) == 3 and all(stepped) and not any(entry for batch, entry in enumerate(logged[:1]))
     model_bytes = sum(p.numel() * p.element_size() for p in module.net.parameters())

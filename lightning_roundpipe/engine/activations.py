@@ -16,10 +16,12 @@ matrix before its softmax, say); the activation reserve of the budget (``partiti
 covers them.
 
 Counting costs a Python call per saved tensor in the forward, and one per saved tensor in the backward (the
-unpack hook), where autograd must take the GIL for it: beside the engine's other threads that stalls the
-backward. So a meter can also hold known figures instead (``figures``): it charges each layer's figure to the
-residency as the layer runs and installs no hook. A stage's compute is metered until its figures have
-settled for the inputs' shapes, and again from time to time (see ``feedback.Measurements.activation_meter``).
+unpack hook, which saved-tensor hooks cannot go without), where autograd must take the GIL for it: beside the
+engine's other threads that stalls the backward. The unpack hook therefore only returns what ``pack`` kept
+(releases are counted at :meth:`ActivationMeter.release`, after the backward, not per tensor), and a meter
+can hold known figures instead (``figures``): it charges each layer's figure to the residency as the layer
+runs and installs no hook. A stage's compute is metered until its figures have settled for the inputs'
+shapes, then ever less often (see ``feedback.Measurements.activation_meter``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,17 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """What autograd gets back: the detached tensor ``pack`` kept (autograd gives a saved output its
+    ``grad_fn`` again). Runs on autograd's device thread with the GIL, so it does little: with hooks autograd
+    skips its own check that a saved tensor was not written in place since, so it is made here."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+            f"{tuple(tensor.shape)} {tensor.dtype} tensor saved for backward is at version {tensor._version}; "
+            f"expected version {version} instead (as plain PyTorch reports it: write a new tensor instead of "
+            "modifying one an earlier operation saved)")
     return tensor
 
 
@@ -82,13 +94,17 @@ class ActivationMeter:
             return
         saved = 0
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
             nonlocal saved
             key, nbytes = _storage(tensor)
             if key not in self._seen:
                 self._seen.add(key)
                 saved += nbytes
-            return tensor
+            # detached: a saved *output* kept with its grad_fn would form the cycle output -> grad_fn ->
+            # saved variable -> this hook's result -> output, which nothing frees when the graph is dropped
+            # without a backward (a microbatch whose loss has weight 0, a stage no gradient reaches).
+            # Lossless: the detached tensor shares the version counter, which _unpack checks
+            return tensor.detach(), tensor._version
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield

@@ -36,7 +36,12 @@ charged its known figures instead of metered (for the same inputs' shapes, autoc
 
 ACTIVATIONS_REMETER = 50
 """Once settled, one microbatch in this many is metered again (a layer that keeps more for the same shapes, a
-data-dependent one say, is found within that many)."""
+data-dependent one say, is found within that many); each re-metering that agrees doubles the interval, up to
+:data:`ACTIVATIONS_REMETER_MOST`, and one that finds more starts over (a metered backward takes the GIL on
+autograd's device thread once per saved tensor: ``activations.py``)."""
+
+ACTIVATIONS_REMETER_MOST = 800
+"""The longest interval between re-meterings of settled figures (see :data:`ACTIVATIONS_REMETER`)."""
 
 _ACTIVATION_KEYS = 1024
 """Distinct (stage, inputs' shapes, ...) whose activation figures are kept (the oldest go first)."""
@@ -53,6 +58,7 @@ class _ActivationFigures:
     per_layer: dict[int, int]
     agreeing: int = 1    # metered microbatches in a row that found no layer above ``per_layer``
     charged: int = 0     # microbatches charged from ``per_layer`` since the last metered one
+    interval: int = field(default_factory=lambda: ACTIVATIONS_REMETER)  # once settled: meter one in this many
 
 
 @dataclass
@@ -205,14 +211,15 @@ class Measurements:
         counts what the layers save for backward (saved-tensor hooks) until that has settled for the job's
         layers, kind, inputs' shapes and dtypes, autocast dtype and training flags: then it charges the known
         figures and installs no hook (:data:`ACTIVATIONS_SETTLE`), metering again one microbatch in
-        :data:`ACTIVATIONS_REMETER`. Give it back with :meth:`activations_done`."""
+        :data:`ACTIVATIONS_REMETER`, then ever less often while the figures hold. Give it back with
+        :meth:`activations_done`."""
         call, job = task.call, task.job
         key = (job.layers, job.kind, call.context.autocast_dtype(device.torch_device.type),
                tuple(call.input_requires_grad), tuple(call.context.training[layer] for layer in job.layers),
                tuple((tensor.shape, tensor.dtype) for tensor in inputs))
         with self._lock:
             known = self._activation_figures.get(key)
-            if known is not None and known.agreeing >= ACTIVATIONS_SETTLE and known.charged < ACTIVATIONS_REMETER - 1:
+            if known is not None and known.agreeing >= ACTIVATIONS_SETTLE and known.charged < known.interval - 1:
                 known.charged += 1
                 return ActivationMeter(device.residency, (), figures=known.per_layer, key=key)
         return ActivationMeter(device.residency, [*stage_copy.tensors(), *inputs], key=key)
@@ -230,12 +237,14 @@ class Measurements:
                 while len(self._activation_figures) > _ACTIVATION_KEYS:
                     del self._activation_figures[next(iter(self._activation_figures))]
             elif all(nbytes <= known.per_layer.get(layer, 0) for layer, nbytes in meter.by_layer.items()):
+                if known.agreeing >= ACTIVATIONS_SETTLE:  # a re-metering agreed: meter less often
+                    known.interval = min(2 * known.interval, ACTIVATIONS_REMETER_MOST)
                 known.agreeing += 1
                 known.charged = 0
             else:  # kept more than before: the larger figures, and settle again
                 for layer, nbytes in meter.by_layer.items():
                     known.per_layer[layer] = max(known.per_layer.get(layer, 0), nbytes)
-                known.agreeing, known.charged = 1, 0
+                known.agreeing, known.charged, known.interval = 1, 0, ACTIVATIONS_REMETER
         return meter.by_layer
 
     def record(self, task: Task, stage_copy: StageCopy) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning_roundpipe.engine.transfer import (
     clone_tree,
     copy_tensor,
     differentiable_leaves,
+    nbytes_of,
     tensors_nbytes,
     tree_map,
 )
@@ -107,6 +109,64 @@ class StageCopy:
         return tensors + [tensor.grad for tensor in tensors if tensor.grad is not None]
 
 
+class UploadSpares:
+    """The memory of released stage copies, reused by a CPU stand-in device's next uploads of the same shapes.
+
+    Torch's CPU allocator gives large blocks back to the system, so every upload would page-fault fresh
+    memory (on a 5M-parameter stage about three times the copy's own time); a GPU's caching allocator reuses
+    its blocks itself, so CUDA devices do not use this. Nor does stress mode, whose released memory must stay
+    poisoned. A stage copy is released when ``operations.finish`` has cleared its tensors (nothing reads them
+    after that); it keeps at most twice the largest upload. Used from the device's parameter stream only."""
+
+    _WATCHED = 8  # stage copies watched for their release, at most
+    SMALLEST = 64 * 2**10  # bytes: smaller blocks come from the allocator's free lists, already touched
+
+    def __init__(self) -> None:
+        self._watched: deque[tuple[StageCopy, list[tuple[tuple[Any, ...], torch.Tensor]]]] = deque()
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self._most = 0  # the largest upload seen, in bytes
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+    def copy(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``copy_tensor(source, device)``, into a spare of its shape where there is one."""
+        spares = (self._free.get(self._key(source))
+                  if type(source) is torch.Tensor and nbytes_of(source) >= self.SMALLEST else None)
+        if not spares:
+            return copy_tensor(source, device)
+        target = spares.pop()
+        self._free_bytes -= nbytes_of(target)
+        return target.copy_(source)
+
+    def collect(self) -> None:
+        """Take back what the stage copies released since the last call held."""
+        for _ in range(len(self._watched)):
+            stage_copy, tensors = self._watched.popleft()
+            if stage_copy.params:  # not released yet
+                self._watched.append((stage_copy, tensors))
+                continue
+            for key, tensor in tensors:
+                self._free.setdefault(key, []).append(tensor)
+                self._free_bytes += nbytes_of(tensor)
+        while self._free_bytes > 2 * self._most:  # the oldest shapes go first
+            key = next(iter(self._free))
+            self._free_bytes -= nbytes_of(self._free[key].pop())
+            if not self._free[key]:
+                del self._free[key]
+
+    def watch(self, stage_copy: StageCopy, copies: list[torch.Tensor]) -> None:
+        """``copies`` (made by :meth:`copy`) are free once ``stage_copy`` is released."""
+        self._most = max(self._most, tensors_nbytes(copies))
+        # detached aliases: the same memory, not the stage's tensors (their gradients and autograd state)
+        self._watched.append((stage_copy, [(self._key(tensor), tensor.detach()) for tensor in copies
+                                           if type(tensor) is torch.Tensor and nbytes_of(tensor) >= self.SMALLEST]))
+        while len(self._watched) > self._WATCHED:
+            self._watched.popleft()
+
+
 class StageRunner:
     """Runs stage jobs' device-side steps; shared by the workers of one engine."""
 
@@ -123,6 +183,7 @@ class StageRunner:
         self.base_seed = base_seed
         self._sources = sources
         self._bindings: list[dict[int, replicas.Binding]] = [{} for _ in range(num_devices)]  # per device, by layer
+        self._spares = [UploadSpares() for _ in range(num_devices)]  # per device (CPU stand-ins only)
         self._measure_times = measure_times  # time each layer call (for the planner: Measurements.measure_times)
         self._warned_writes: set[int] = set()  # layers warned about writing state in forward
         self._warn_lock = threading.Lock()
@@ -159,15 +220,23 @@ class StageRunner:
                          and task.call.context.autocast_dtype(device.torch_device.type) == sources.transport)
         uploaded = 0
         widen: list[tuple[int, int, torch.dtype]] = []  # (layer, position, dtype): async copies run outside autocast
+        spares = None if device.is_cuda or device.stress else self._spares[device.index]
+        if spares is not None:
+            spares.collect()
+
+        def copy(source: torch.Tensor, to: torch.device) -> torch.Tensor:
+            return spares.copy(source, to) if spares is not None else copy_tensor(source, to, asynchronous)
+        made: list[torch.Tensor] = []
         # a backward job recomputes each layer on the buffer snapshots its forward saw (bound before the layer
         # runs) and writes no buffer: the live buffers, which another job may be writing back, are not uploaded
         upload_buffers = task.kind is not StageKind.BACKWARD
         for layer in task.job.layers:
             state = self.trunk.states[layer]
             host = [sources.source(param, layer, low_precision) for param in state.params]
-            params = [copy_tensor(source, device.torch_device, non_blocking=asynchronous) for source in host]
-            host_buffers = list(state.buffers) if upload_buffers else []
-            buffers = [copy_tensor(buffer, device.torch_device, non_blocking=asynchronous) for buffer in host_buffers]
+            params = [copy(source, device.torch_device) for source in host]
+            host_buffers = [buffer.detach() for buffer in state.buffers] if upload_buffers else []
+            buffers = [copy(buffer, device.torch_device) for buffer in host_buffers]
+            made += params + buffers
             if device.stress:  # the copies land late, at the synchronize below
                 device.param_stream.copy_late(host + host_buffers, params + buffers)
             if not low_precision:
@@ -176,6 +245,8 @@ class StageRunner:
             stage_copy.params[layer], stage_copy.buffers[layer] = params, buffers
             uploaded += tensors_nbytes(params) + tensors_nbytes(buffers)
         device.param_stream.synchronize()
+        if spares is not None:
+            spares.watch(stage_copy, made)
         for layer, position, dtype in widen:  # after the copies have landed
             stage_copy.params[layer][position] = stage_copy.params[layer][position].to(dtype)
         resident = 0
@@ -191,7 +262,7 @@ class StageRunner:
                 # plain training's
                 if param.requires_grad:
                     copied.requires_grad_(True)
-                resident += copies * tensors_nbytes([copied])
+                resident += copies * nbytes_of(copied)
             resident += tensors_nbytes(stage_copy.buffers[layer])
         stage_copy.nbytes = resident
         device.residency.allocate(stage_copy.nbytes, f"the parameters of stage {task.job.label}", stage=True)
