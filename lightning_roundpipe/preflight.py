@@ -221,8 +221,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         optimizer_notes=host.notes, optimizer_state_assumed=host.assumed, upload_copy_bytes=upload_copies,
         device_copy_bytes=stages.resident_copies if device_type == "cpu" else 0, activation_bytes=None,
         activation_layers=_activation_layers(plan, len(trunk), training, recompute), checkpoint_save_bytes=0,
-        # what the engine registers: what uploads read (copies, masters uploaded as stored, buffers), and the
-        # gradient staging buffers
+        # pinned: what uploads read (copies, masters uploaded as stored, buffers), and the gradient staging buffers
         limits=limits, pinned_bytes=upload_reads + staging if device_type == "cuda" and pin_memory else 0,
         device_memory_limit=device_memory_limit,
         stage_budget=stage_memory_budget(device_memory_limit, workspace_reserve(device_type)),
@@ -232,8 +231,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         transport=None if transport is None else str(transport).removeprefix("torch."),
         async_only_copy_bytes=upload_copies - sync_copies,
         processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
-        unsharded_optimizer_state_bytes=host.optimizer_bytes,
-        staging_bytes=staging,
+        unsharded_optimizer_state_bytes=host.optimizer_bytes, staging_bytes=staging,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
