@@ -6,7 +6,8 @@
 #   environment      40   versions, ulimit -l, H2D/D2H GB/s from registered, cudaHostAlloc and pageable memory,
 #                         the bf16 matmul rate, a refused registration on the main thread (gpu.py's section)
 #   pinning          25   200 small tensors sharing pages through the engine's PinnedStorages: how many stay
-#                         pageable; _sleep's GPU time at idle and at warm clocks (the GPU-time test's spin)
+#                         pageable; _sleep's GPU time at idle and at warm clocks (the GPU-time test's spin);
+#                         fork time before and after pinning 1 GiB (D7); workspace bytes per thread (D8)
 #   gpu_tests        90   python -m pytest -m gpu tests/test_gpu.py, JUnit XML into $OUT
 #   sanitizer        45   torch's CUDA sanitizer entered in every engine thread (engine/sanitizer.py), over the
 #                         fp32 transparency cases; operators checked per kind of thread (gpu.py's section)
@@ -144,6 +145,47 @@ def sleep_clock():  # the GPU-time test's spin: how far apart are idle and warm 
     warm = [spin_ms() for _ in range(4)]
     return {"cold_ms": cold, "warm_ms": warm, "cold_over_warm": round(cold / min(warm), 2)}
 probe("sleep_clock", sleep_clock)
+def fork_after_pin():  # D7: does a fork (a DataLoader worker) copy registered pages?
+    def fork_s():
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        took = time.perf_counter() - start
+        os.waitpid(pid, 0)
+        return round(took, 4)
+    host = torch.ones(2**30, dtype=torch.uint8)
+    before = fork_s()
+    pins = PinnedStorages()
+    pins.pin([host])
+    result = {"before_pin_s": before, "after_pin_1GiB_s": fork_s(), "pinned": host.is_pinned()}
+    pins.release()
+    return result
+probe("fork_after_pin", fork_after_pin)
+def workspaces():  # D8: device bytes a new (thread, stream) pair keeps after matmuls, against the planner's reserve
+    import threading
+    from lightning_roundpipe.planning.partition import CUDA_WORKSPACE_RESERVE
+    def work(backward):
+        torch.cuda.set_device(0)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            a = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+            b = (a @ a).float() @ torch.randn(512, 512, device="cuda")
+            if backward:
+                b.sum().backward()
+        stream.synchronize()
+    result = {"reserve_MiB": CUDA_WORKSPACE_RESERVE / 2**20}
+    for backward in (False, True):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        thread = threading.Thread(target=work, args=(backward,))
+        thread.start()
+        thread.join()
+        torch.cuda.synchronize()
+        kept = (torch.cuda.memory_allocated() - before) / 2**20
+        result[("backward" if backward else "forward") + "_kept_MiB"] = round(kept, 1)
+    return result
+probe("workspaces", workspaces)
 EOF
 
 began=$(date +%s)
