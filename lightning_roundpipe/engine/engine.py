@@ -126,9 +126,10 @@ class RoundPipeEngine:
         if (finish_steps if finish_jobs is None else finish_jobs) and self._abort.error is None:
             self.dispatcher.finish_dispatched_jobs(time.monotonic() + timeout)
         ring = self._started_part(self._ring)
-        # a thread still inside a copy, or a copy still running on a GPU, may read pinned memory: kept registered then
+        # a thread still inside a copy, or a copy still running on a GPU, may use pinned memory: kept registered then
         if ring.stop(self._abort, timeout) and ring.wait_gpus_idle(timeout):
             self.follower.pinned.release()
+            ring.release_staging()
 
     @property
     def unreported_failure(self) -> BaseException | None:

@@ -96,9 +96,6 @@ class Ring:
         for device in self.devices:
             stuck += device.join(deadline)
         stuck += [summer.close(deadline) for summer in self.summers]  # after the download threads that feed them
-        if not any(stuck):  # no thread may still copy into the gradient staging buffers
-            for worker in self.workers:
-                worker.operations.grad_staging.release()
         still_running = [name for name in stuck if name is not None]
         if still_running:
             warnings.warn(
@@ -109,6 +106,12 @@ class Ring:
                 RuntimeWarning, stacklevel=3,  # where the engine was closed
             )
         return not still_running
+
+    def release_staging(self) -> None:
+        """Unregister the gradient staging buffers: only after :meth:`stop` and :meth:`wait_gpus_idle` both said
+        yes, as for the other pinned memory (a thread or a GPU copy may still write into them otherwise)."""
+        for worker in self.workers:
+            worker.operations.grad_staging.release()
 
     def wait_gpus_idle(self, timeout: float) -> bool:
         """After :meth:`stop`: whether every ring GPU has run the work its streams were given within ``timeout``

@@ -269,10 +269,10 @@ class StageRunner:
         device.counters.uploaded_param_bytes += uploaded
 
     def bind(self, device: Device, task: Task, stage_copy: StageCopy) -> None:
+        # a backward job uploads no buffer: its replicas keep the host's until the recompute binds snapshots
+        backward = task.kind is StageKind.BACKWARD
         for layer in task.job.layers:
             binding = self._binding(device, layer)
-            # a backward job uploads no buffer: its replicas keep the host's until the recompute binds snapshots
-            backward = task.kind is StageKind.BACKWARD
             buffers = list(self.trunk.states[layer].buffers) if backward else stage_copy.buffers[layer]
             binding.bind(stage_copy.params[layer], buffers)
             # the flags first: the attribute snapshot then holds them, and the next job's sync finds them unchanged
