@@ -408,8 +408,6 @@ class RoundPipeStrategy(RingProcessStrategy):
             self._stepping = False
         precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result, **kwargs)
         if not self.engine_options.async_step:
-            lent = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]
-                    if param.grad is not None]
             # what Lightning runs next (on_train_batch_end, an epoch's end and start, the next batch's hooks)
             # sees the step done and every buffer copied back, as under its default strategy: a callback may
             # read the weights (SWA's average, EMA) or write them (``param.data = ...``, ``load_state_dict``,
@@ -420,7 +418,6 @@ class RoundPipeStrategy(RingProcessStrategy):
             # and param.grad holds the step's gradients until zero_grad(), as under the default strategy: a
             # step that follows no backward (SWA's BatchNorm epoch) applies them again, as Lightning's would
             self.engine.restore_gradients()
-            _keep_gradient_tensors(lent)
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -505,21 +502,6 @@ def _overrides_gradient_hook(obj: Any, base: type, hooks: tuple[str, ...] = GRAD
                     return True
                 break
     return False
-
-
-def _keep_gradient_tensors(lent: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-    """After a sync step and ``restore_gradients``: where ``param.grad`` held a tensor when the step was queued
-    (gradients so far, gathered for a hook while accumulating; gradients kept across steps) and the step summed
-    the rest out of place (the step reads what it was lent, so the engine never adds into it), put the sum into
-    that tensor. Autograd accumulates into ``param.grad`` in place, so under the default strategy a reference a
-    hook kept to it sees the step's gradients, and ``param.grad`` is still that tensor. The step is done: nothing
-    reads the tensor any more."""
-    with torch.no_grad():
-        for param, held in lent:
-            now = param.grad
-            if now is not None and now is not held and now.shape == held.shape and now.dtype == held.dtype:
-                held.copy_(now)
-                param.grad = held
 
 
 def register() -> None:

@@ -280,7 +280,8 @@ class RoundPipeEngine:
     def restore_gradients(self) -> None:
         """Wait for the last step and, if it was made with ``keep_gradients=True`` in sync mode, put into
         ``param.grad`` the gradients it stepped with where ``param.grad`` holds nothing newer (``None``, or what
-        the step was lent), as plain training leaves them until ``zero_grad()``. A step that follows no
+        the step was lent: then into that very tensor, as autograd accumulates in place), as plain training
+        leaves them until ``zero_grad()``. A step that follows no
         backward (Lightning's ``_skip_backward``, a manual step without ``manual_backward``) then applies what
         it would apply under plain training: these gradients again, unless they were cleared."""
         self.wait_for_steps()

@@ -254,6 +254,14 @@ class StepQueue:
             return
         step, params, lent = kept
         for param in params:
-            grad = step.stepped_with.get(id(param))
-            if grad is not None and (param.grad is None or param.grad is lent.get(id(param))):
+            grad, held = step.stepped_with.get(id(param)), param.grad
+            if grad is None or grad is held or not (held is None or held is lent.get(id(param))):
+                continue
+            if held is not None and held.shape == grad.shape and held.dtype == grad.dtype:
+                # the tensor the step was lent (gradients gathered for a hook, kept across steps), which it summed
+                # out of place: the step is done, so the sum goes into it, as autograd accumulates into param.grad
+                # in place; a reference user code kept to it then sees the step's gradients, as in plain training
+                with torch.no_grad():
+                    held.copy_(grad)
+            else:
                 param.grad = grad
