@@ -17,6 +17,11 @@ Job kinds (see ``planning/schedule.py``)::
     backward  recompute the stage's layers from their checkpoint (ahead of the output gradient), then
               back-propagate
 
+A transparent call (the engine called like a module, its backward through autograd) runs its deepest
+layers as one more forward stage; on a one-device ring, where its backward job runs on the same device,
+that stage keeps its autograd graphs and stage copy on the device until the backward uses them, when they
+fit (``stage.HeldGraph``), so nothing of it is recomputed, as for a training call's fused stage.
+
 A training call (``forward_backward``) may dispatch its microbatches in rounds (``round_size``): each
 round is the whole chain of jobs over its share of the batch, so backward starts before the last
 microbatch has run forward.

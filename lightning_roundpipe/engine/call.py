@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from lightning_roundpipe.engine.recompute import draws_random_numbers
 from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.planning.schedule import Job, StageKind
+
+if TYPE_CHECKING:
+    from lightning_roundpipe.engine.stage import HeldGraph
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,11 @@ class Call:
     outputs: dict[int, dict[int, HostCell]] = field(default_factory=dict)  # job index -> microbatch -> its output
     fused: FusedLoss | None = None                            # fused path: set before its jobs are dispatched
     first_grads: list[HostCell] | None = None                 # transparent backward: from autograd
+    held: HeldGraph | None = None  # transparent call: the deepest stage's graphs, kept for its backward
+
+    def holds(self, job: Job) -> bool:
+        """``job`` is the forward job that keeps the deepest stage's graphs or the backward job that uses them."""
+        return self.held is not None and job.kind is not StageKind.FUSED and job.layers == self.plan.fused
 
     @property
     def fused_loss(self) -> FusedLoss:

@@ -23,7 +23,7 @@ from lightning_roundpipe.engine.device import AbortSignal, HostEvent
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.options import EngineOptions
-from lightning_roundpipe.engine.stage import Task
+from lightning_roundpipe.engine.stage import HeldGraph, Task
 from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.worker import Worker
@@ -109,9 +109,17 @@ class Dispatcher:
                 event.cuda_event.synchronize()
 
     # ------------------------------------------------------------------ calls
-    def new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
+    def new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool, *,
+                 transparent: bool = False) -> Call:
         """A call of ``inputs`` split into microbatches on the current plan; ``checkpoints``: it will run
-        backward, so the forward keeps the inputs backward stages recompute from."""
+        backward, so the forward keeps the inputs backward stages recompute from. ``transparent``: a
+        forward call whose backward autograd dispatches later (``differentiable_call``).
+
+        Such a call keeps its deepest stage's forward graphs on the device for its backward instead of
+        recomputing them (:class:`~lightning_roundpipe.engine.stage.HeldGraph`), as the fused stage of a
+        training call never recomputes, when the ring has one device (the backward job then runs where the
+        forward job did), BatchNorm is not deferred (its forward then runs other code than a plain one) and
+        the graphs fit (``Planner.fused_graphs_fit``)."""
         size = batch_size(inputs)
         if size is None:
             if self.num_microbatches != 1:
@@ -133,16 +141,20 @@ class Dispatcher:
             chunks = split(inputs, sizes)
         plan = self.planner.plan
         layers: set[int] = set()
+        keeps_graph = (checkpoints and transparent and self.num_devices == 1 and not self.options.deferred_batchnorm
+                       and self.planner.fused_graphs_fit(len(sizes)))
         if checkpoints:
             if self.options.recompute == "layer":
                 layers = set(range(len(self.trunk)))
             else:
                 layers = {stage.start for stage in plan.backward} | {plan.fused.start}
+            if keeps_graph:  # nothing recomputes the deepest stage
+                layers -= set(plan.fused)
         call = Call(
             step=self.step, index=self._calls_in_step, plan=plan, context=context, sizes=sizes,
             inputs=[HostCell.ready(chunk) for chunk in chunks],
             input_requires_grad=[leaf.requires_grad for leaf in differentiable_leaves(inputs)],
-            checkpoint_layers=frozenset(layers),
+            checkpoint_layers=frozenset(layers), held=HeldGraph() if keeps_graph else None,
         )
         self._calls_in_step += 1
         return call
@@ -255,7 +267,7 @@ class Dispatcher:
         for job in jobs:
             for microbatch in job.microbatches:
                 call.input_cell(job, microbatch).expect_reader()
-            if job.kind is StageKind.FORWARD and call.checkpoint_layers:
+            if job.kind is StageKind.FORWARD and call.checkpoint_layers and not call.holds(job):
                 self._make_checkpoint_cells(call, job)
         for job in jobs:
             task = self._task(call, job)
@@ -288,12 +300,17 @@ class Dispatcher:
             self.window.job_read_only(upload_done, job.layers)
         weights_ready = tuple({id(event): event for layer in job.layers
                                for event in self.upload_waits[layer] if not event.is_set()}.values())
-        return Task(
+        task = Task(
             job=job, call=call, window=self.window, weights_ready=weights_ready,
             buffer_waits=buffer_waits, buffer_done=buffer_done, upload_done=upload_done,
             done=HostEvent(f"stage {job.label} (job {job.index})"),
             needs_grad=differentiates, grad_positions=grad_positions, ticket=ticket,
+            held=call.held if call.holds(job) else None,
         )
+        if task.keeps_graph:
+            assert call.held is not None
+            call.held.ready = task.done
+        return task
 
     def _make_checkpoint_cells(self, call: Call, job: Job) -> None:
         """Cells for the checkpoints and buffer snapshots a forward job produces. Made here, in dispatch

@@ -221,7 +221,8 @@ class RoundPipeEngine:
         inputs = (args, kwargs)
         if not context.grad_enabled or context.inference:
             return merge(self.dispatcher.run_forward(self._new_call(inputs, context, checkpoints=False)))
-        return differentiable_call(self.dispatcher, self._new_call(inputs, context, checkpoints=True), inputs)
+        return differentiable_call(self.dispatcher, self._new_call(inputs, context, checkpoints=True, transparent=True),
+                                   inputs)
 
     def forward_backward(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          loss_weight: LossWeight = sample_count, scale: float = 1.0) -> torch.Tensor:
@@ -358,8 +359,9 @@ class RoundPipeEngine:
         estimate_autocast_copies(self.planner, self.trunk, self._started_part(self._ring).sources,
                                  context.autocast_dtype(self.torch_devices[0].type))
 
-    def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool) -> Call:
+    def _new_call(self, inputs: LayerInput, context: CallContext, checkpoints: bool, *,
+                  transparent: bool = False) -> Call:
         if checkpoints and not self.planner.activations_observed and not self.options.freeze_plan:
             self._estimate_autocast_copies(context)
-        return self.dispatcher.new_call(inputs, context, checkpoints)
+        return self.dispatcher.new_call(inputs, context, checkpoints, transparent=transparent)
 

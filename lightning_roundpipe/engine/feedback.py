@@ -285,13 +285,17 @@ class Measurements:
         compute_spans, stage_copy.compute_spans = stage_copy.compute_spans, []
         layer_spans, stage_copy.layer_spans = stage_copy.layer_spans, []
         bounds: dict[int, tuple[float, float]] = {}
+        computed = 0.0
         for microbatch, kind, span in compute_spans:
             start, end = span.bounds()
             bounds[microbatch] = (bounds.get(microbatch, (start, end))[0], end)
-            stage_copy.compute_time += end - start
+            computed += end - start
             self.timeline.add_span(kind, job.label, start, end, device=job.device, job=job.index, microbatch=microbatch)
+        # a backward job on kept graphs (stage.HeldGraph) continues its forward job's stage copy: its forward
+        # times and compute time, as a recomputing job's would hold them, to which its backward adds
+        stage_copy.compute_time += computed
         if stage_copy.device is not None:
-            stage_copy.device.counters.compute_seconds += stage_copy.compute_time
+            stage_copy.device.counters.compute_seconds += computed
         for layer, span in layer_spans:
             start, end = span.bounds()
             stage_copy.forward_time[layer] = stage_copy.forward_time.get(layer, 0.0) + (end - start)

@@ -99,6 +99,16 @@ class StageOperations:
         task.window.upload_finished()  # an async step may now publish what this upload read
         self._timeline.add("upload_params", task.job.label, start, device=self.device.index, job=task.job.index)
 
+    def adopt_kept_graph(self, task: Task, stage_copy: StageCopy) -> None:
+        """[2'] instead of the upload of a backward job that uses its call's kept graphs: the forward job's
+        stage copy (``stage_copy``) becomes this job's, released at its finish."""
+        assert task.held is not None
+        task.held.adopt()
+        if len(task.job.microbatches) > 1:
+            self._sum_wide(task, stage_copy)
+        task.upload_done.set()
+        task.window.upload_finished()
+
     def _sum_wide(self, task: Task, stage_copy: StageCopy) -> None:
         """Trained leaves uploaded narrower than their masters (the transport dtype) sum their gradients over
         the job's microbatches in the master's dtype (``WideGradSums``), accounted with the stage: the sums
@@ -118,7 +128,7 @@ class StageOperations:
         checkpoints its recompute groups start from and the buffer snapshots the forward saw."""
         call, job = task.call, task.job
         cells = InputCells(call.input_cell(job, microbatch))
-        if job.kind is StageKind.BACKWARD:
+        if job.kind is StageKind.BACKWARD and not task.uses_kept_graph:
             starts = [job.layers.start] if self.runner.recompute == "stage" else list(job.layers)
             cells.checkpoints = [  # layer 0 recomputes from the call's own input
                 (layer, call.checkpoints[(layer, microbatch)] if layer != 0 else call.inputs[microbatch])
@@ -177,10 +187,11 @@ class StageOperations:
             for layer, nbytes in self.measurements.activations_done(meter).items():
                 stage_copy.activation_bytes[layer] = max(stage_copy.activation_bytes.get(layer, 0), nbytes)
         device.residency.release(inputs.nbytes)
-        # released: poison what the outputs or the stage do not share
-        device.stress_mode.poison_released(
-            [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target],
-            [outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss, stage_copy.tensors()])
+        if not task.keeps_graph:  # a kept graph may have saved its inputs
+            # released: poison what the outputs or the stage do not share
+            device.stress_mode.poison_released(
+                [inputs.layer_input, inputs.checkpoints, inputs.snapshots, inputs.target],
+                [outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss, stage_copy.tensors()])
         del inputs  # the device inputs may be freed now
         outputs.nbytes = tree_nbytes([outputs.output, outputs.checkpoints, outputs.snapshots])
         device.residency.allocate(outputs.nbytes, f"the outputs of {task.job.label} microbatch {microbatch}")
@@ -189,6 +200,11 @@ class StageOperations:
     def _run(self, task: Task, stage_copy: StageCopy, microbatch: int, inputs: DeviceInputs) -> DeviceOutputs:
         """The stage's layers on one microbatch, by job kind."""
         runner, device = self.runner, self.device
+        if task.keeps_graph:
+            return DeviceOutputs(runner.forward_keeping_graph(device, task, stage_copy, microbatch,
+                                                              inputs.layer_input))
+        if task.uses_kept_graph:
+            return DeviceOutputs(runner.backward_kept_graph(task, microbatch, inputs.layer_input))
         if task.kind is StageKind.FORWARD:
             with task.call.context.applied(grad=False):
                 output, checkpoints, snapshots = runner.forward_microbatch(
@@ -221,9 +237,10 @@ class StageOperations:
             call.fused_loss.losses[microbatch].put(loss, copied=copied)
         call.outputs[job.index][microbatch].put(output, poison_on_drop=stress, copied=copied)
         device.residency.release(outputs.nbytes)
-        # downloaded: the device outputs are released (the stage's copy is released later)
-        device.stress_mode.poison_released(
-            [outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss], stage_copy.tensors())
+        if not task.keeps_graph:  # a kept graph's outputs are in it
+            # downloaded: the device outputs are released (the stage's copy is released later)
+            device.stress_mode.poison_released(
+                [outputs.output, outputs.checkpoints, outputs.snapshots, outputs.loss], stage_copy.tensors())
         self._timeline.add("download", job.label, start, device=device.index, job=job.index, microbatch=microbatch)
 
     def finish(self, task: Task, stage_copy: StageCopy) -> None:
@@ -247,6 +264,11 @@ class StageOperations:
                     if layer in task.buffer_done:
                         task.buffer_done[layer].set()  # [3] of the next job that writes these buffers
         self.measurements.record(task, stage_copy)
+        if task.keeps_graph:  # the stage copy stays with the graphs, for the call's backward job
+            assert task.held is not None
+            task.held.keep(device.residency, stage_copy.nbytes)
+            self._timeline.add("release", job.label, start, device=device.index, job=job.index)
+            return
         device.residency.release(stage_copy.nbytes, stage=True)
         device.stress_mode.poison_released(stage_copy.tensors())  # released: nothing may read it any more
         stage_copy.params.clear()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from lightning_roundpipe.engine import batchnorm
 from lightning_roundpipe.engine import replica as replicas
 from lightning_roundpipe.engine.activations import ActivationMeter
 from lightning_roundpipe.engine.call import Call, PipelineError
-from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, error_hint
+from lightning_roundpipe.engine.device import Device, EngineAborted, HostEvent, Residency, error_hint
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, as_layer_input, single_argument
 from lightning_roundpipe.engine.recompute import layer_seed, recomputing, seeded
 from lightning_roundpipe.engine.step.window import GradWindow
@@ -69,10 +70,22 @@ class Task:
     bound: dict[int, tuple[replicas.AttributeSnapshot, list[torch.Tensor]]] = field(default_factory=dict)
     # per layer, from bind to unbind: its training-mode BatchNorms whose updates wait for the whole call
     deferred: dict[int, list[batchnorm.DeferredNorm]] = field(default_factory=dict)
+    # a forward job that keeps its graphs for its call's backward, or the backward job that uses them
+    held: HeldGraph | None = None
 
     @property
     def kind(self) -> StageKind:
         return self.job.kind
+
+    @property
+    def keeps_graph(self) -> bool:
+        """A forward job whose graphs its call's first backward job back-propagates (:class:`HeldGraph`)."""
+        return self.held is not None and self.job.kind is StageKind.FORWARD
+
+    @property
+    def uses_kept_graph(self) -> bool:
+        """A backward job that back-propagates the graphs its call's forward job kept: no upload, no recompute."""
+        return self.held is not None and self.job.kind is StageKind.BACKWARD
 
 
 @dataclass
@@ -83,6 +96,38 @@ class Recomputed:
     group: range
     leaves: list[torch.Tensor]
     outputs: list[torch.Tensor]
+
+
+@dataclass(eq=False)
+class HeldGraph:
+    """The deepest stage's forward graphs of one transparent call, kept on its device from the forward job to
+    the call's first backward job, which back-propagates them instead of recomputing that stage (the
+    dispatcher decides when: :meth:`Dispatcher.new_call`). The forward job's stage copy stays with them,
+    accounted on the device, and becomes the backward job's: that job uploads nothing.
+
+    Dropped unused (the caller never back-propagated the call), it gives the device its bytes back when it
+    is collected."""
+
+    ready: HostEvent | None = None   # the forward job's done: its stage copy and graphs are complete
+    stage_copy: StageCopy | None = None  # the forward job's (set by the worker that makes it)
+    microbatches: dict[int, Recomputed] = field(default_factory=dict)  # per microbatch, from its compute
+    _release: weakref.finalize | None = None
+
+    def keep(self, residency: Residency, nbytes: int) -> None:
+        """The forward job is done: its stage copy's ``nbytes`` stay accounted on ``residency`` until the
+        backward job adopts them (:meth:`adopt`) or this object is collected unused."""
+        self._release = weakref.finalize(self, residency.release, nbytes, stage=True)
+
+    def adopt(self) -> None:
+        """The backward job takes the stage copy over, and releases it as its own."""
+        if self._release is None or self._release.detach() is None:
+            raise PipelineError(
+                "the kept forward graphs of a pipelined call were already back-propagated: a pipelined call runs "
+                "backward once (backward(retain_graph=True) through it twice is not supported)")
+
+    def take(self, microbatch: int) -> Recomputed:
+        """``microbatch``'s forward graph, once: back-propagating it frees it."""
+        return self.microbatches.pop(microbatch)
 
 
 @dataclass
@@ -424,6 +469,38 @@ class StageRunner:
                 if meter is not None:
                     meter.release()  # the backward has freed what the forward saved
         return loss.detach().reshape(()), [leaf.grad if leaf.requires_grad else None for leaf in leaves]
+
+    def forward_keeping_graph(self, device: Device, task: Task, stage_copy: StageCopy, microbatch: int,
+                              layer_input: LayerInput) -> LayerInput:
+        """Run the deepest stage of a transparent call on one microbatch recording its autograd graph, which
+        stays on the device in ``task.held`` for the call's backward (as the fused stage's would, minus the
+        loss). Returns the stage output (the call's), without checkpoints or snapshots: nothing recomputes."""
+        call = task.call
+        first = task.job.layers.start
+        with call.context.applied(grad=True):
+            leaves, value = self._prepare_inputs(layer_input, call.input_requires_grad if first == 0 else None)
+            for layer in task.job.layers:
+                value = as_layer_input(self._run_layer(device, task, layer, microbatch, value, stage_copy))
+        assert task.held is not None
+        task.held.microbatches[microbatch] = Recomputed(
+            task.job.layers, leaves, differentiable_leaves(single_argument(value)))
+        return value
+
+    @staticmethod
+    def backward_kept_graph(task: Task, microbatch: int,
+                            output_grads: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+        """Back-propagate ``output_grads`` through the graph the call's forward job kept for ``microbatch``
+        (:meth:`forward_keeping_graph`); returns the stage input's gradients, or None when no gradient
+        reaches the stage (the graph is dropped, which frees it)."""
+        assert task.held is not None
+        graph = task.held.take(microbatch)
+        if output_grads is None or all(g is None for g in output_grads):
+            return None
+        pairs = [(o, g) for o, g in zip(graph.outputs, output_grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            with task.call.context.applied(grad=True):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return [leaf.grad if leaf.requires_grad else None for leaf in graph.leaves]
 
     def _recompute_groups(self, layers: range) -> list[range]:
         """A backward stage's recompute groups, shallow to deep: stage grain, one recompute of every layer

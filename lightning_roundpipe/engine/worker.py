@@ -30,6 +30,11 @@ microbatches::
     written them, async mode until it has published its copy (see ``step/__init__.py``), each only for the
     parameters this stage uploads (the step runs stage by stage: ``step/groups.py``). A host wait,
     timed: it is the part of the step the pipeline does not hide.
+[2'] A transparent call on a one-device ring keeps its deepest stage's forward graphs on the device for its
+    backward (``stage.HeldGraph``): its first backward job uploads nothing, binds nothing and recomputes
+    nothing. Instead of [1]-[3] its parameter stream waits for the forward job's finish and adopts that
+    job's stage copy (released at this job's [8]); each microbatch uploads only its output gradient [4] and
+    back-propagates the kept graph [6].
 [3] A job that writes buffers (forward, fused) uploads them once the previous job writing the same
     layers' buffers has copied them back to the host (its [8]).
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
@@ -187,7 +192,17 @@ class Worker:
     # ------------------------------------------------------------------ parameter stream
     def _enqueue_upload(self, task: Task, sequence: int) -> None:
         """Upload ``task``'s stage once the stage two jobs back on this device has been released."""
-        stream, operations = self.device.param_stream, self.operations
+        stream, operations, job = self.device.param_stream, self.operations, task.job
+        if task.uses_kept_graph:  # [2']
+            assert task.held is not None and task.held.ready is not None and task.held.stage_copy is not None
+            stage_copy = task.held.stage_copy  # made by this worker for the forward job, enqueued before
+            stream.wait_event(task.held.ready)
+            stream.submit(_named(partial(operations.adopt_kept_graph, task, stage_copy),
+                                 lambda: f"adopting the kept graphs of stage {job.label} (job {job.index})",
+                                 self.device))
+            self._uploads[job.index] = (stage_copy, stream.record(
+                f"the kept graphs of stage {job.label} (job {job.index}) adopted"))
+            return
         if sequence >= 2:
             stream.wait_event(self._released[sequence - 2])  # [1]
         weights_ready = [event for event in task.weights_ready if not event.is_set()]
@@ -196,7 +211,8 @@ class Worker:
         for event in task.buffer_waits:
             stream.wait_event(event)  # [3]
         stage_copy = StageCopy(device=self.device)
-        job = task.job
+        if task.held is not None:
+            task.held.stage_copy = stage_copy
         stream.submit(_named(partial(operations.upload_params, task, stage_copy),
                              lambda: f"uploading the parameters of stage {job.label} (job {job.index}) to device "
                                      f"{self.device.index}", self.device))
@@ -211,11 +227,15 @@ class Worker:
         compute, download = device.compute_stream, device.download_stream
         where = f"stage {job.label} (job {job.index}) on device {device.index}"
         compute.wait_event(params_ready)  # [5]
-        compute.submit(_named(partial(runner.bind, device, task, stage_copy), lambda: f"binding {where}", device))
+        runs_layers = not task.uses_kept_graph  # back-propagating a kept graph runs no layer: nothing to bind
+        if runs_layers:
+            compute.submit(_named(partial(runner.bind, device, task, stage_copy), lambda: f"binding {where}",
+                                  device))
         for microbatch in job.microbatches:
             self._enqueue_microbatch(task, stage_copy, microbatch)
-        # unbind on the compute stream: the next job on this device may reuse the same replicas
-        compute.submit(_named(partial(runner.unbind, device, task), lambda: f"unbinding {where}", device))
+        if runs_layers:
+            # unbind on the compute stream: the next job on this device may reuse the same replicas
+            compute.submit(_named(partial(runner.unbind, device, task), lambda: f"unbinding {where}", device))
         download.wait_event(compute.record(f"stage {job.label} (job {job.index}) computed"))  # [8]
         download.submit(_named(partial(self.operations.finish, task, stage_copy),
                                lambda: f"finishing {where} (its gradients and buffers to the host)", device))
@@ -230,7 +250,7 @@ class Worker:
         handoff = _Handoff()
         cells = operations.input_cells(task, microbatch)
         compute = device.compute_stream
-        if job.kind is StageKind.BACKWARD:
+        if job.kind is StageKind.BACKWARD and not task.uses_kept_graph:
             # [4'] the recompute needs only the checkpoints, on the host long before: it runs ahead of the
             # output gradient, so that only the backward proper waits for the previous stage
             recompute_inputs = InputCells(None, cells.checkpoints, cells.snapshots)

@@ -228,6 +228,21 @@ class Planner:
         changed, self._plan = candidate != self._plan, candidate
         return changed
 
+    def fused_graphs_fit(self, num_microbatches: int) -> bool:
+        """Whether the fused stage may keep the forward graphs of ``num_microbatches`` microbatches on a device
+        from a transparent call's forward to its backward, instead of recomputing them: always without a memory
+        budget; with one, once what every fused layer keeps for backward is measured and its parameters,
+        gradients and that many microbatches' activations fit in half the budget (the other half holds the
+        next stage's prefetch, as for any stage)."""
+        if self.memory_budget is None:
+            return True
+        fused = self.plan.fused
+        if self._bytes is None or not all(layer in self._measured_activations for layer in fused):
+            return False
+        need = sum(self._bytes[layer][0] + self._bytes[layer][1] + num_microbatches * self._activations[layer]
+                   for layer in fused)
+        return need <= self.memory_budget / 2
+
     def _initial_costs(self) -> list[LayerCost] | None:
         """The first estimates, with what is known of the activations."""
         if self._initial is None:
