@@ -283,6 +283,28 @@ def test_planner_hysteresis() -> None:
     assert eager.replan() is True and sizes(eager.plan)[0] == [3, 2]
 
 
+def test_settled_replans_search_ever_less_often_while_the_plan_holds(monkeypatch) -> None:
+    planner = Planner(2, 6, 1)
+    planner.initial(five(1.0))
+    for _ in range(3):  # the warm-up, then two agreeing observations: settled
+        planner.observe(five(1.0))
+    search, searches = planner._make, []
+    monkeypatch.setattr(planner, "_make", lambda *args: searches.append(None) or search(*args))
+    searched_at = []
+    for replan in range(1, 25):
+        before = len(searches)
+        assert planner.replan() is False and planner.plan == START
+        if len(searches) > before:
+            searched_at.append(replan)
+    assert searched_at == [1, 3, 7, 15]  # 0, 1, 3, 7 replans skipped after each search that kept the plan
+    planner.observe(five(10.0))  # the costs no longer agree (no search), then agree again: searched at once
+    before = len(searches)
+    assert planner.replan() is False and len(searches) == before
+    planner.observe(five(10.0))
+    planner.replan()
+    assert len(searches) == before + 1
+
+
 def test_planner_large_change_replans() -> None:
     # Layer 4 -> 3: current plan's stage [2,3,4] costs 5 -> 25. Candidate: split bound 4 (either
     # [0,1,2 | 3,4] or [0..3 | 4]); the first stage's share is 7/2 = 3.5 -> [0,1,2 | 3,4]. W = 4,

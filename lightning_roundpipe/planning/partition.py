@@ -63,6 +63,8 @@ class Planner:
     memory is a hard limit, not a matter of trust.
     """
 
+    MOST_SKIPPED = 31  # replans skipped at most between two searches once settled (see replan)
+
     def __init__(
         self,
         mode: Literal["auto"] | int | Plan,
@@ -111,6 +113,9 @@ class Planner:
         self._job_cost = job_cost  # until a job cost is observed
         self._job_ema = 0.0        # smoothed observed job costs (biased toward 0 like _ema), and their count
         self._jobs_seen = 0
+        # once settled, each search that keeps the plan doubles the replans skipped before the next one
+        self._searches_kept = 0
+        self._replans_to_skip = 0
 
     def _make(self, costs: Sequence[LayerCost], job_cost: float = 0.0) -> Plan:
         if isinstance(self.mode, Plan):
@@ -254,21 +259,31 @@ class Planner:
         """Between iterations only: adopt a plan built from the smoothed costs if its
         :func:`predicted_cost` beats the current plan's (under the same costs) by more than
         ``hysteresis`` (a fraction), so noise does not make the partition flap. Returns whether the
-        plan changed. Nothing changes before the measured times have settled (see the class docstring)."""
+        plan changed. Nothing changes before the measured times have settled (see the class docstring).
+
+        A search costs milliseconds of host time, and settled costs move slowly: each search in a row that
+        keeps the plan makes the next one wait twice as many replans (1, 3, 7, ... at most
+        :attr:`MOST_SKIPPED`); a change, or costs that no longer agree, search at once again."""
         costs = self.estimate
         if self.frozen or isinstance(self.mode, Plan) or costs is None or self._plan is None or not self.settled:
+            self._searches_kept = self._replans_to_skip = 0
+            return False
+        if self._replans_to_skip > 0:
+            self._replans_to_skip -= 1
             return False
         job_cost = self.job_cost
         try:
             candidate = self._make(costs, job_cost)
         except ValueError:  # no plan fits memory with these activations: keep the current one
-            return False
-        if candidate == self._plan:
-            return False
-        now = predicted_cost(self._plan, costs, self.num_devices, job_cost)
-        if predicted_cost(candidate, costs, self.num_devices, job_cost) < now * (1 - self.hysteresis):
-            self._plan = candidate
-            return True
+            candidate = self._plan
+        if candidate != self._plan:
+            now = predicted_cost(self._plan, costs, self.num_devices, job_cost)
+            if predicted_cost(candidate, costs, self.num_devices, job_cost) < now * (1 - self.hysteresis):
+                self._plan = candidate
+                self._searches_kept = 0
+                return True
+        self._searches_kept += 1
+        self._replans_to_skip = min(2 ** self._searches_kept - 1, self.MOST_SKIPPED)
         return False
 
     def state_dict(self) -> dict[str, Any]:
