@@ -111,7 +111,7 @@ class RoundPipeStrategy(RingProcessStrategy):
     Args:
         pipeline: dotted attribute path of the trunk, e.g. ``"net"``. Default: the Hugging Face causal LM if
             any, else the ``nn.Sequential`` holding the most parameters.
-        num_microbatches: microbatches per batch. Default: devices + 1.
+        num_microbatches: microbatches per batch. Default: devices + 1 (one device: 1, the whole batch).
         num_stages: ``"auto"``, the chunk count (number of forward stages), or a ``Plan``.
         async_step: ``False``: exact sync step. ``True``: the paper's one-step-stale update.
         round_size: ``"auto"`` (sync: whole jobs or rounds of microbatches, whichever is predicted faster),

@@ -228,7 +228,7 @@ def test_every_option_can_be_set_from_hydra(tmp_path):
 
 # ---------------------------------------------------------------------------- validation messages
 BAD_VALUES = [  # option, Python value, Hydra override value, the problem both report
-    ("num_microbatches", 0, "0", "must be a positive int (or None for devices + 1), got 0"),
+    ("num_microbatches", 0, "0", "must be a positive int (or None for devices + 1, one device: 1), got 0"),
     ("num_stages", 0, "0", "must be 'auto', a positive int (the number of forward stages) or a Plan, got 0"),
     ("recompute", "sometimes", "sometimes", "must be 'stage' or 'layer', got 'sometimes'"),
     ("round_size", 0, "0", "must be 'auto', 'whole' or a positive int (microbatches per round), got 0"),

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 from lightning_roundpipe.engine.step.groups import STREAMING_STEPS, StreamingStep
 from lightning_roundpipe.engine.step.kernels import HOST_KERNELS, HostKernels
 from lightning_roundpipe.planning.partition import Plan
+from lightning_roundpipe.planning.schedule import default_microbatches
 
 Recompute = Literal["stage", "layer"]
 RECOMPUTE_GRAINS: tuple[str, ...] = get_args(Recompute)
@@ -76,7 +77,9 @@ class EngineOptions:
 
     num_microbatches: int | None = None
     """Microbatches per trunk call (M). ``None``: number of devices + 1, which keeps every device busy
-    in the steady state. Set it explicitly for results that do not depend on the device count."""
+    in the steady state; on one device 1, the whole batch, as under Lightning's default strategy
+    (``planning.schedule.default_microbatches``). Set it explicitly for results that do not depend on the
+    device count."""
 
     num_stages: Literal["auto"] | int | Plan = "auto"
     """The chunk count: the number of *forward* stages. ``"auto"`` sizes stages from per-layer costs
@@ -200,7 +203,7 @@ class EngineOptions:
     """Seconds any internal wait may block before the engine gives up with an error instead of hanging."""
 
     def __post_init__(self) -> None:
-        check_count("num_microbatches", self.num_microbatches, "devices + 1")
+        check_count("num_microbatches", self.num_microbatches, "devices + 1, one device: 1")
         if not (self.num_stages == "auto" or isinstance(self.num_stages, Plan) or (
             isinstance(self.num_stages, int) and not isinstance(self.num_stages, bool) and self.num_stages >= 1
         )):
@@ -245,4 +248,4 @@ class EngineOptions:
         return limit
 
     def microbatches_for(self, num_devices: int) -> int:
-        return self.num_microbatches if self.num_microbatches is not None else num_devices + 1
+        return self.num_microbatches if self.num_microbatches is not None else default_microbatches(num_devices)

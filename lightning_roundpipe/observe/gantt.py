@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from lightning_roundpipe.observe.trace import COMPUTE_KINDS, HOST_OPTIMIZER, TimelineEvent, load_chrome_trace
 from lightning_roundpipe.planning.cli import CALLS, add_cli_arguments, plan_from_cli
 from lightning_roundpipe.planning.partition import LayerCost, Plan
-from lightning_roundpipe.planning.schedule import format_plan, validate
+from lightning_roundpipe.planning.schedule import default_microbatches, format_plan, validate
 from lightning_roundpipe.planning.simulate import (
     SimResult,
     SimulatedEvent,
@@ -224,7 +224,7 @@ def _schedule_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
                 raise ValueError("give --layers and --devices (or --paper MODEL)")
             costs = [LayerCost(args.forward_cost, args.backward_cost)] * max(args.layers, 0)
             plan = plan_from_cli(args, costs)
-            micro = args.microbatches if args.microbatches is not None else args.devices + 1
+            micro = args.microbatches if args.microbatches is not None else default_microbatches(args.devices)
             hop = args.hop if args.hop is not None else 0.0
         if args.iterations < 1:
             raise ValueError(f"--iterations must be >= 1, got {args.iterations}")

@@ -14,6 +14,7 @@ from lightning_roundpipe.planning.partition import LayerCost, Plan, plan_auto, p
 from lightning_roundpipe.planning.schedule import (
     Job,
     backward_jobs,
+    default_microbatches,
     format_grid,
     format_plan,
     forward_jobs,
@@ -44,7 +45,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser, *, required: bool = True)
     (``python -m lightning_roundpipe.observe.gantt schedule``)."""
     parser.add_argument("--layers", type=int, required=required, help="number of layers in the trunk")
     parser.add_argument("--devices", type=int, required=required, help="number of devices in the ring")
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per call (default: devices + 1)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per call (default: devices + 1, one device: 1)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stages", type=int, help="number of forward stages (plan_chunks); default: plan_auto")
     group.add_argument("--plan", help="explicit plan 'fwd sizes|fused size|bwd sizes', bwd deep to shallow, "
@@ -85,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("this command prints; to draw the schedule run `python -m lightning_roundpipe.observe.gantt "
                      "schedule` with the same options (--png included)")
     try:
-        micro = args.microbatches if args.microbatches is not None else args.devices + 1
+        micro = args.microbatches if args.microbatches is not None else default_microbatches(args.devices)
         plan = plan_from_cli(args, [LayerCost(1.0, 2.0)] * max(args.layers, 0))
         jobs = CALLS[args.path](plan, args.devices, micro, args.first_index)
         validate(jobs, args.layers, args.devices)

@@ -66,6 +66,14 @@ class Job:
         return "L" if self.kind is StageKind.FUSED else f"{self.kind.value}{self.stage}"
 
 
+def default_microbatches(num_devices: int) -> int:
+    """Microbatches per call when none are set. A ring of N > 1 devices: N + 1, which keeps every device busy
+    in the steady state. One device has no ring to fill: the batch runs whole (one microbatch), as under
+    Lightning's default strategy, so batch statistics and kernel sizes are plain training's and no per-microbatch
+    cost is paid for nothing."""
+    return 1 if num_devices == 1 else num_devices + 1
+
+
 def _chain(
     stages: Sequence[tuple[StageKind, int, range]],
     num_devices: int,
