@@ -39,14 +39,15 @@ REFERENCE = Plan.from_sizes([3, 3], 1, [1] * 6)
 
 
 # ------------------------------------------------------------------ the planner
-def test_one_device_with_a_job_cost_fuses_everything_without_a_budget():
+def test_one_device_fuses_everything_without_a_budget():
     costs = uniform(6)
-    # The window [4, 4.4] holds one bound, W = 4: fused = head, forward 2 stages, backward 6 -> 9 stages, 36.
-    assert plan_auto(costs, num_devices=1) == plan_auto(costs, num_devices=1, job_cost=0.0) == REFERENCE
+    # The window [4, 4.4] holds one bound, W = 4: fused = head, forward 2 stages, backward 6 -> 9 stages, 36;
+    # the reference planner's plan, which several devices still get.
+    assert plan_auto(costs, num_devices=2) == REFERENCE
     assert predicted_cost(REFERENCE, costs, 1) == 36
-    # Any job cost opens the bounds above the window on one device: the fused stage alone is one job of
-    # 6 * 3 + 4 = 22, which every other plan's padded work exceeds (it recomputes nothing): 22 + c.
-    for job_cost in (0.01, 1.0, 100.0):
+    # One device opens the bounds above the window: the fused stage alone is one job of 6 * 3 + 4 = 22, which
+    # every other plan's padded work exceeds (it recomputes nothing): 22 + c, whatever the job cost c.
+    for job_cost in (0.0, 0.01, 1.0, 100.0):
         assert plan_auto(costs, num_devices=1, job_cost=job_cost) == ALL_FUSED
         assert predicted_cost(ALL_FUSED, costs, 1, job_cost) == pytest.approx(22 + job_cost)
     assert predicted_cost(REFERENCE, costs, 1, 1.0) == 36 + 9
@@ -57,9 +58,11 @@ def test_one_device_with_a_budget_takes_the_fewest_stages_that_fit():
     # forward stages 5. Without a job cost: the reference plan (it fits). With one, the fewest jobs that fit:
     # fused [5, 6] (4 + 3 = 7), one forward stage of layers 0-4 (5), and 5 layers in backward stages of at
     # most 2 -> 3, balanced under W = 7 from layer 0: 15/3 = 5 -> [0], then 12/2 = 6 -> [1, 2], [3, 4];
-    # deep to shallow 2, 2, 1. 5 stages, 5 * 7 = 35 + 5c against the reference's 36 + 9c.
+    # deep to shallow 2, 2, 1. 5 stages, 5 * 7 = 35 + 5c against the reference's 36 + 9c (two devices
+    # keep the reference window: 9 stages there).
     costs = uniform(6, nbytes=10)
-    assert plan_auto(costs, num_devices=1, memory_budget=100) == REFERENCE
+    assert plan_auto(costs, num_devices=2, memory_budget=100) == REFERENCE
+    assert plan_auto(costs, num_devices=1, memory_budget=100) == Plan.from_sizes([5], 2, [2, 2, 1])
     assert plan_auto(costs, num_devices=1, memory_budget=100, job_cost=0.5) == Plan.from_sizes([5], 2, [2, 2, 1])
     assert plan_auto(costs, num_devices=1, memory_budget=100, job_cost=50.0) == Plan.from_sizes([5], 2, [2, 2, 1])
 
@@ -110,41 +113,49 @@ def test_the_bisection_finds_what_packing_every_bound_finds():
         threshold = rng.choice([1.1, 1.5, 3.0])
         job_cost = rng.choice([0.0, 0.0, 0.1, 1.0, 10.0])
         got = plan_auto(costs, num_devices=devices, memory_budget=budget, upper_threshold=threshold, job_cost=job_cost)
-        # without a job cost, or on several devices, the reference window; on one device with one, every bound
-        expected = _brute_force(costs, devices, budget, threshold, job_cost, every_bound=job_cost > 0 and devices == 1)
+        # on several devices the reference window; on one device every bound
+        expected = _brute_force(costs, devices, budget, threshold, job_cost, every_bound=devices == 1)
         assert got == expected, (costs, devices, budget, threshold, job_cost)
 
 
+# 10 + 10 bytes a layer, budget 120 -> 60 a stage: fused and backward stages hold at most 3 layers. Without a
+# job cost: W = 6, fused = head (4), backward [4, 5], [2, 3], [0, 1] (6 each), forward 0-5 (6): 5 stages, 30.
+# With W = 9: fused [5, 6] (3 + 4 = 7), backward [2, 3, 4] (9), [0, 1] (6), forward 0-4 (5): 4 stages, 36.
+FIVE_JOBS = Plan.from_sizes([6], 1, [2, 2, 2])
+FOUR_JOBS = Plan.from_sizes([5], 2, [3, 2])
+
+
 def test_the_planner_learns_the_job_cost_and_replans_to_fewer_jobs():
-    planner = Planner("auto", 7, 1)
-    assert planner.initial(uniform(6)) == REFERENCE  # first estimates: no job cost (they are not seconds)
+    costs = uniform(6, nbytes=10)
+    planner = Planner("auto", 7, 1, memory_budget=120)
+    assert planner.initial(costs) == FIVE_JOBS  # first estimates: no job cost (they are not seconds)
     assert planner.job_cost == 0.0
-    planner.observe(uniform(6), job_cost=50.0)  # warm-up: discarded, the job cost with it
+    planner.observe(costs, job_cost=500.0)  # warm-up: discarded, the job cost with it
     assert planner.job_cost == 0.0
-    planner.observe(uniform(6))  # a step that measured no job cost
-    planner.observe(uniform(6), job_cost=2.0)
-    assert planner.job_cost == pytest.approx(2.0)  # bias-corrected: one observation is itself
-    planner.observe(uniform(6), job_cost=4.0)
-    # (0.9 * 0.1 * 2 + 0.1 * 4) / (1 - 0.9^2)
-    assert planner.job_cost == pytest.approx((0.9 * 0.1 * 2 + 0.1 * 4) / 0.19)
-    assert planner.replan() is True and planner.plan == ALL_FUSED  # 22 + c against 36 + 9c
+    planner.observe(costs)  # a step that measured no job cost
+    planner.observe(costs, job_cost=20.0)
+    assert planner.job_cost == pytest.approx(20.0)  # bias-corrected: one observation is itself
+    planner.observe(costs, job_cost=40.0)
+    # c = (0.9 * 0.1 * 20 + 0.1 * 40) / (1 - 0.9^2) = 30.5: 36 + 4c = 158 against 30 + 5c = 183, over 10% better
+    assert planner.job_cost == pytest.approx((0.9 * 0.1 * 20 + 0.1 * 40) / 0.19)
+    assert planner.replan() is True and planner.plan == FOUR_JOBS
 
     # a checkpoint carries it; one from before job costs were measured has none, and the planner's stands
     state = planner.state_dict()
-    again = Planner("auto", 7, 1)
-    again.initial(uniform(6))
+    again = Planner("auto", 7, 1, memory_budget=120)
+    again.initial(costs)
     assert again.load_state_dict(state) and again.job_cost == pytest.approx(planner.job_cost)
     del state["job_ema"], state["jobs_seen"]
-    old = Planner("auto", 7, 1, job_cost=0.25)
-    old.initial(uniform(6))
+    old = Planner("auto", 7, 1, memory_budget=120, job_cost=0.25)
+    old.initial(costs)
     assert old.load_state_dict(state) and old.job_cost == 0.25
 
-    # a fixed job cost, given: used once times are measured
-    fixed = Planner("auto", 7, 1, job_cost=1.0)
-    assert fixed.initial(uniform(6)) == REFERENCE
+    # a fixed job cost, given: used once times are measured (36 + 4 * 30 = 156 against 30 + 5 * 30 = 180)
+    fixed = Planner("auto", 7, 1, memory_budget=120, job_cost=30.0)
+    assert fixed.initial(costs) == FIVE_JOBS
     for _ in range(3):
-        fixed.observe(uniform(6))
-    assert fixed.replan() is True and fixed.plan == ALL_FUSED
+        fixed.observe(costs)
+    assert fixed.replan() is True and fixed.plan == FOUR_JOBS
     with pytest.raises(ValueError, match="job_cost must be finite and >= 0"):
         fixed.observe(uniform(6), job_cost=-1.0)
 

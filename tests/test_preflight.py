@@ -172,10 +172,12 @@ def test_cpu_device_copies_are_bounded_by_two_stages_per_device():
     layer = _nbytes(model[0].parameters())
     one = _plan(model, [], devices=1)
     two = _plan(model, [], devices=2)
-    # each device holds its running and its prefetched stage; a backward stage's layers come with gradients
+    # each device holds its running and its prefetched stage, at most every layer with its gradients (one
+    # device: the whole trunk fused, one stage)
     assert 0 < one.device_copy_bytes <= 2 * (2 * 8 * layer)
-    assert one.device_copy_bytes <= two.device_copy_bytes <= 2 * one.device_copy_bytes
-    assert two.device_stage_bytes == 2 * max(size for _, size in two.largest_stages.values())
+    assert 0 < two.device_copy_bytes <= 2 * 2 * (2 * 8 * layer)
+    for plan in (one, two):
+        assert plan.device_stage_bytes == 2 * max(size for _, size in plan.largest_stages.values())
 
 
 def test_a_model_far_larger_than_the_host_is_planned_without_allocating_it():

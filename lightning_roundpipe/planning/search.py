@@ -255,16 +255,16 @@ def plan_auto(
     counts (:func:`_balanced_split`: the largest stage minimised, lighter stages at the shallow end),
     which removes the short leftover stage greedy packing leaves.
 
-    With ``job_cost == 0`` this is the reference planner. On several devices the window stays: it keeps
-    the stages even and many enough to rotate over the ring, where the padded work is a fair model (a
+    On several devices with ``job_cost == 0`` this is the reference planner. There the window stays: it
+    keeps the stages even and many enough to rotate over the ring, where the padded work is a fair model (a
     bound far above ``Wmax`` gives a few stages that fill the ring unevenly, which it does not see), and
-    ``job_cost`` only weighs the shapes in it. On one device the stages run one after another, so the
-    objective is the iteration's time exactly (the stage sums and the jobs' cost) and a positive
-    ``job_cost`` opens every run sum above the window, as far as any could still win (``W + job_cost``
-    below the best objective found): without a memory budget that is the fused stage alone (no plan's
-    padded work is less: it recomputes nothing); with one, the fewest stages that fit it, as far as they
-    pay. The shape changes only at a few bounds (each count and the fused stage's start fall as ``W``
-    grows), so they are found by bisection, not packed one by one.
+    ``job_cost`` only weighs the shapes in it. On one device there is no ring to fill: the stages run one
+    after another, so the objective bounds the iteration's time (the stage sums and the jobs' cost) and every
+    run sum above the window is open too, as far as any could still win (``W + job_cost`` below the best
+    objective found): without a memory budget that is the fused stage alone (no plan's padded work is less:
+    it recomputes nothing); with one, fewer and larger stages that fit it, as far as they pay. The shape
+    changes only at a few bounds (each count and the fused stage's start fall as ``W`` grows), so they are
+    found by bisection, not packed one by one.
 
     Balancing does not change the choice: a shape's balanced slowest stage equals the smallest
     candidate ``W`` that gives the shape (that ``W`` is where a count dropped or the fused stage
@@ -283,7 +283,7 @@ def plan_auto(
     shape_of = functools.partial(_counts_for, fwd, both, fsize, bsize, cap=cap)  # of a bound w
     best = _best_shape({wmax} | _run_sums(fwd, wmax, hi) | _run_sums(both, wmax, hi), shape_of, num_devices,
                        job_cost, _NO_SHAPE)
-    if job_cost > 0 and num_devices == 1:
+    if num_devices == 1:
         # any W' >= W costs at least W + job_cost (one stage at least): beyond that nothing wins
         reach = best[0] - job_cost
         if reach > hi:
