@@ -129,3 +129,22 @@ def test_fused_graphs_fit_within_half_the_budget_once_measured():
     unlimited = Planner(Plan.from_sizes([], 2, []), 2, 1)
     unlimited.initial(costs)
     assert unlimited.fused_graphs_fit(64)
+
+
+def test_two_calls_in_one_step_each_back_propagate_their_own_kept_graphs():
+    """Two calls' graphs kept at once (a siamese loss), back-propagated in autograd's order: plain PyTorch's
+    gradients, and every kept stage copy released."""
+    model = double(_model(SharedLog()))
+    reference = double(_model(SharedLog()))
+    a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+
+    def siamese(net) -> torch.Tensor:
+        return (net(a) * net(b).flip(0)).sum()
+
+    siamese(reference).backward()
+    with RoundPipeEngine(model, 1, EngineOptions(num_stages=ALL_FUSED)) as engine:
+        siamese(engine).backward()
+        engine.collect_gradients()
+        assert engine.devices[0].residency.current == 0
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert_float64_equal(param.grad, expected.grad, what=f"{name}.grad")
