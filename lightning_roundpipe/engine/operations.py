@@ -283,29 +283,12 @@ class StageOperations:
     def _download_gradients(self, task: Task, stage_copy: StageCopy) -> Callable[[], None]:
         """The job's gradients to the host, into a staging buffer (waiting for one only while every buffer is
         still being summed): every copy enqueued at once, one synchronize. Returns their sum into the step's
-        window, in the masters' dtype, for the summing thread; it gives the buffer back. A CPU stand-in's
-        gradients are on the host already: the window takes them without a copy."""
+        window, in the masters' dtype, for the summing thread; it gives the buffer back."""
         device, staging = self.device, self.grad_staging
         start = self._timeline.now()
         # one per slot the window expects of this job, in its order; None where no gradient reached a copy
         per_slot = [self.wide_sums.gradient(stage_copy.params[layer][position])
                     for layer, position in task.grad_positions]
-        if not device.is_cuda and not device.stress:
-            # a CPU stand-in's gradients are host memory that nothing touches once the stage is released: the
-            # window takes them as they are (copying them would cost the host two copies of every gradient;
-            # stress mode keeps the copies, which it lands late and poisons)
-            owned: list[torch.Tensor | None] = []
-            seen: set[int] = set()
-            for grad in per_slot:  # a tensor in two slots would be summed into itself: the second is a copy
-                owned.append(None if grad is None else grad.clone() if id(grad) in seen else grad.detach())
-                seen.add(id(grad))
-            device.counters.gradient_download_seconds += self._timeline.now() - start
-
-            def hand_to_window() -> None:
-                task.window.deliver(task.ticket, owned)
-                task.window.job_finished()
-
-            return hand_to_window
         grads = [grad for grad in per_slot if grad is not None]
         buffer = staging.acquire(self._abort)
         host = buffer.views(grads)
