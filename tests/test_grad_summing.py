@@ -9,6 +9,7 @@ the summation is held back until an event that only a release before the sum can
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from lightning_roundpipe import EngineOptions, PipelineError, RoundPipeEngine
 from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.operations import StageOperations
-from lightning_roundpipe.engine.step.window import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow, SumBuffers
 from lightning_roundpipe.engine.transport import GradStaging
 from lightning_roundpipe.planning.schedule import StageKind
 from tests.numerics import assert_float64_equal
@@ -132,3 +133,63 @@ def test_the_download_waits_for_a_staging_buffer_only_while_every_buffer_is_summ
     abort.abort()
     waiter.join(HOLD_TIMEOUT)
     assert not waiter.is_alive() and "gradient staging buffer" in str(failed[0])
+
+
+# ------------------------------------------------------------------ persistent sums (SumBuffers)
+def _first_sums(sums: SumBuffers, params: list[nn.Parameter], value: float) -> list[torch.Tensor]:
+    return [sums.first_sum(param, torch.full_like(param, value)) for param in params]
+
+
+def test_a_sum_reuses_the_last_sums_memory_only_where_nothing_else_can_see_it():
+    params = [nn.Parameter(torch.zeros(4, 4)) for _ in range(5)]
+    sums = SumBuffers()
+    first = _first_sums(sums, params, 1.0)
+    addresses = [tensor.data_ptr() for tensor in first]
+    # what a caller may still hold of each: nothing, a reference, a view, a weak reference, param.grad
+    kept, view, weak = first[1], first[2][0], weakref.ref(first[3])
+    params[4].grad = first[4]
+    del first
+    second = _first_sums(sums, params, 2.0)
+    reused = [tensor.data_ptr() == address for tensor, address in zip(second, addresses, strict=True)]
+    assert reused == [True, False, False, False, False]
+    assert torch.equal(kept, torch.full((4, 4), 1.0)) and torch.equal(view, torch.full((4,), 1.0))
+    assert weak() is None  # the pool let go of it; no one else held it
+    assert torch.equal(params[4].grad, torch.full((4, 4), 1.0))
+    assert all(torch.equal(tensor, torch.full((4, 4), 2.0)) for tensor in second)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["released", "kept-by-a-callback"])
+def test_engine_sums_never_change_a_gradient_someone_kept(keep):
+    """Two steps whose gradients the caller collects into param.grad. Kept between the steps (as a callback would
+    keep param.grad), the first step's stay plain PyTorch's while the second step's land elsewhere; released,
+    the second step's are plain PyTorch's in reused memory (which memory is the unit test's to check above: a
+    freed block's address may come back from the allocator anyway)."""
+    model, reference = _model(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    inputs, target = _batch()
+    with RoundPipeEngine(model, 1, EngineOptions(num_stages=2)) as engine:
+        engine.forward_backward(inputs, target, F.mse_loss)
+        engine.collect_gradients()
+        first = [param.grad for param in model.parameters()]
+        addresses = [grad.data_ptr() for grad in first]
+        engine.step(optimizer)
+        engine.synchronize()
+        for param in model.parameters():
+            param.grad = None
+        if not keep:
+            del first
+        engine.forward_backward(inputs, target, F.mse_loss)
+        engine.collect_gradients()
+        second = [param.grad.data_ptr() for param in model.parameters()]
+    F.mse_loss(reference(inputs), target).backward()
+    expected = [param.grad.clone() for param in reference.parameters()]
+    if keep:
+        assert not any(s == a for s, a in zip(second, addresses, strict=True))
+        for grad, reference_grad in zip(first, expected, strict=True):
+            assert_float64_equal(grad, reference_grad, what="a kept first-step gradient")
+    reference_optimizer.step()
+    reference.zero_grad()
+    F.mse_loss(reference(inputs), target).backward()
+    for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_float64_equal(param.grad, reference_param.grad, what="a second-step gradient")

@@ -24,7 +24,7 @@ from lightning_roundpipe.engine.layers import LayerInput, Trunk, single_argument
 from lightning_roundpipe.engine.microbatch import LossWeight, batch_size, microbatch_sizes, split
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import HeldGraph, Task
-from lightning_roundpipe.engine.step.window import GradWindow
+from lightning_roundpipe.engine.step.window import GradWindow, SumBuffers
 from lightning_roundpipe.engine.transfer import differentiable_leaves
 from lightning_roundpipe.engine.worker import Worker
 from lightning_roundpipe.planning.partition import Plan, Planner
@@ -54,7 +54,8 @@ class Dispatcher:
         self.next_job = 0                       # ring position of the next job: job j runs on device j mod N
         self.step = 0                           # optimizer steps queued so far: calls now belong to the next one
         self._calls_in_step = 0
-        self.window = GradWindow(abort)         # the gradients of the step being accumulated
+        self._sum_buffers = SumBuffers()        # each parameter's last gradient sum, reused where nothing holds it
+        self.window = GradWindow(abort, sums=self._sum_buffers)  # the gradients of the step being accumulated
         # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
         self.upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(trunk))]
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
@@ -74,13 +75,13 @@ class Dispatcher:
     def restore(self, step: int, ring_position: int | None) -> None:
         """Continue a checkpointed run (before the engine starts): its step count and, if given, ring position."""
         self.step = step
-        self.window = GradWindow(self._abort, step)
+        self.window = GradWindow(self._abort, step, self._sum_buffers)
         if ring_position is not None:
             self.next_job = ring_position
 
     def next_window(self) -> GradWindow:
         """Close step :attr:`step` for dispatch: its window is returned, and later jobs add into the next one."""
-        window, self.window = self.window, GradWindow(self._abort, self.step + 1)
+        window, self.window = self.window, GradWindow(self._abort, self.step + 1, self._sum_buffers)
         self.step += 1
         self._calls_in_step = 0
         return window

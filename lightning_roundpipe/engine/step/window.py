@@ -16,7 +16,9 @@ step is in flight (but not change a gradient it handed over in place: the step r
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Container, Iterable, Sequence
 
@@ -24,6 +26,47 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, HostEvent
+
+
+def _unseen(tensor: torch.Tensor) -> bool:
+    """Whether nothing but the caller's one reference can see ``tensor`` or its memory: no other Python reference
+    (``param.grad`` kept by a callback), no weak one, no C++ holder of it (a parameter's or a stand-in's ``.grad``)
+    and no other tensor on its storage (a view)."""
+    own_storage = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
+    return (sys.getrefcount(tensor) <= 3  # the caller's reference, this frame's argument, getrefcount's own
+            and weakref.getweakrefcount(tensor) == 0 and tensor._use_count() == 1  # type: ignore[attr-defined]
+            and tensor._base is None
+            and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= own_storage)
+
+
+class SumBuffers:
+    """The host memory of each parameter's last gradient sum, reused for its next sum (C1's persistent
+    accumulators): a fresh allocation of the whole model's float32 gradients every step costs the host as much
+    again as the copy into it (page faults), and grows with the model.
+
+    A buffer is reused only where nothing else can see it (:func:`_unseen`): once the step that read it is over
+    and ``param.grad`` no longer holds it, and no callback kept a reference, a view or a weak reference. Otherwise
+    the sum goes into fresh memory, as before, and what a caller kept stays as it was. One per engine; the
+    summing threads call it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, torch.Tensor] = {}  # by parameter id: the buffer of its latest sum
+
+    def first_sum(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``param``'s dtype holding a copy of ``grad``, the first contribution to its sum."""
+        key = id(param)
+        with self._lock:
+            last = self._last.pop(key, None)
+        if (last is not None and last.shape == grad.shape and last.dtype == param.dtype
+                and last.device == grad.device and _unseen(last)):
+            buffer = last.copy_(grad)
+        else:
+            buffer = grad.to(param.dtype, copy=True)
+        del last
+        with self._lock:
+            self._last[key] = buffer
+        return buffer
 
 
 class GradWindow:
@@ -40,9 +83,10 @@ class GradWindow:
     bounded by the jobs in flight), and a job that computed no gradient for a slot resolves it empty.
     """
 
-    def __init__(self, abort: AbortSignal, number: int = 0) -> None:
+    def __init__(self, abort: AbortSignal, number: int = 0, sums: SumBuffers | None = None) -> None:
         self._abort = abort
         self.number = number  #: the optimizer step this window accumulates (measurements are filed by it)
+        self._sums = sums  # where each parameter's sum starts: reused memory (None: fresh memory every step)
         self._lock = threading.Lock()
         self._grads: dict[int, torch.Tensor] = {}
         self._params: dict[int, nn.Parameter] = {}
@@ -131,7 +175,8 @@ class GradWindow:
     def _sum(self, key: int, param: nn.Parameter, grad: torch.Tensor, borrowed: bool) -> None:
         existing = self._grads.get(key)
         if existing is None:
-            self._grads[key] = self._own(param, grad, borrowed)
+            sums = self._sums if borrowed and grad.dtype.is_floating_point else None
+            self._grads[key] = sums.first_sum(param, grad) if sums is not None else self._own(param, grad, borrowed)
             self._params[key] = param
         else:
             existing.add_(grad)
