@@ -27,11 +27,17 @@ from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, HostEvent
 
+# torch's reference counts of a tensor and of its storage (private, as torch.utils.swap_tensors and the CUDA graph
+# trees use them); without them no sum reuses memory
+_COUNTS_REFERENCES = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
+
 
 def _unseen(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller's one reference can see ``tensor`` or its memory: no other Python reference
     (``param.grad`` kept by a callback), no weak one, no C++ holder of it (a parameter's or a stand-in's ``.grad``)
     and no other tensor on its storage (a view)."""
+    if not _COUNTS_REFERENCES:
+        return False
     own_storage = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
     return (sys.getrefcount(tensor) <= 3  # the caller's reference, this frame's argument, getrefcount's own
             and weakref.getweakrefcount(tensor) == 0 and tensor._use_count() == 1  # type: ignore[attr-defined]
