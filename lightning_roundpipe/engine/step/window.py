@@ -35,14 +35,17 @@ _COUNTS_REFERENCES = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.T
 def _unseen(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller's one reference can see ``tensor`` or its memory: no other Python reference
     (``param.grad`` kept by a callback), no weak one, no C++ holder of it (a parameter's or a stand-in's ``.grad``)
-    and no other tensor on its storage (a view)."""
+    and no other tensor on its storage (a view). The counts are compared with those of a tensor this function
+    alone holds, so they do not depend on how the interpreter counts a frame's references."""
     if not _COUNTS_REFERENCES:
         return False
-    own_storage = torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
-    return (sys.getrefcount(tensor) <= 3  # the caller's reference, this frame's argument, getrefcount's own
-            and weakref.getweakrefcount(tensor) == 0 and tensor._use_count() == 1  # type: ignore[attr-defined]
+    probe = torch.empty(1)
+    return (sys.getrefcount(tensor) <= sys.getrefcount(probe) + 1  # the caller's reference on top of this frame's
+            and weakref.getweakrefcount(tensor) == 0
+            and tensor._use_count() == probe._use_count()  # type: ignore[attr-defined]
             and tensor._base is None
-            and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= own_storage)
+            and (torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+                 <= torch._C._storage_Use_Count(probe.untyped_storage()._cdata)))
 
 
 class SumBuffers:
