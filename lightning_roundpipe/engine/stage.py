@@ -97,6 +97,14 @@ class Recomputed:
     leaves: list[torch.Tensor]
     outputs: list[torch.Tensor]
 
+    def back_propagate(self, output_grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Back-propagate ``output_grads`` (one per output leaf; ``None``: none reaches it) through the graph,
+        which frees it; returns the input leaves' gradients (``None`` for a leaf that takes none)."""
+        pairs = [(o, g) for o, g in zip(self.outputs, output_grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return [leaf.grad if leaf.requires_grad else None for leaf in self.leaves]
+
 
 @dataclass(eq=False)
 class HeldGraph:
@@ -496,11 +504,8 @@ class StageRunner:
         graph = task.held.take(microbatch)
         if output_grads is None or all(g is None for g in output_grads):
             return None
-        pairs = [(o, g) for o, g in zip(graph.outputs, output_grads, strict=True) if g is not None and o.requires_grad]
-        if pairs:
-            with task.call.context.applied(grad=True):
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return [leaf.grad if leaf.requires_grad else None for leaf in graph.leaves]
+        with task.call.context.applied(grad=True):
+            return graph.back_propagate(output_grads)
 
     def _recompute_groups(self, layers: range) -> list[range]:
         """A backward stage's recompute groups, shallow to deep: stage grain, one recompute of every layer
@@ -547,12 +552,8 @@ class StageRunner:
                 if group != recomputed.group:
                     recomputed = self._recompute_group(device, task, stage_copy, microbatch, group, checkpoints,
                                                        snapshots)
-                pairs = [(o, g) for o, g in zip(recomputed.outputs, grads, strict=True)
-                         if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                grads = recomputed.back_propagate(grads)
                 if meter is not None:
                     meter.release()  # the group's backward has freed what its recompute saved
-                grads = [leaf.grad if leaf.requires_grad else None for leaf in recomputed.leaves]
         return grads
 
