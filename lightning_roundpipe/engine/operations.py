@@ -93,10 +93,7 @@ class StageOperations:
     def upload_params(self, task: Task, stage_copy: StageCopy) -> None:
         start = self._timeline.now()
         self.runner.upload_stage(self.device, task, stage_copy)
-        if task.needs_grad and len(task.job.microbatches) > 1:
-            self._sum_wide(task, stage_copy)
-        task.upload_done.set()
-        task.window.upload_finished()  # an async step may now publish what this upload read
+        self._stage_on_device(task, stage_copy)
         self._timeline.add("upload_params", task.job.label, start, device=self.device.index, job=task.job.index)
 
     def adopt_kept_graph(self, task: Task, stage_copy: StageCopy) -> None:
@@ -104,10 +101,15 @@ class StageOperations:
         stage copy (``stage_copy``) becomes this job's, released at its finish."""
         assert task.held is not None
         task.held.adopt()
-        if len(task.job.microbatches) > 1:
+        self._stage_on_device(task, stage_copy)
+
+    def _stage_on_device(self, task: Task, stage_copy: StageCopy) -> None:
+        """The job's stage is on the device (uploaded or adopted): its float32 gradient sums where it needs them,
+        then the job's upload is done."""
+        if task.needs_grad and len(task.job.microbatches) > 1:
             self._sum_wide(task, stage_copy)
         task.upload_done.set()
-        task.window.upload_finished()
+        task.window.upload_finished()  # an async step may now publish what this upload read
 
     def _sum_wide(self, task: Task, stage_copy: StageCopy) -> None:
         """Trained leaves uploaded narrower than their masters (the transport dtype) sum their gradients over
@@ -128,7 +130,7 @@ class StageOperations:
         checkpoints its recompute groups start from and the buffer snapshots the forward saw."""
         call, job = task.call, task.job
         cells = InputCells(call.input_cell(job, microbatch))
-        if job.kind is StageKind.BACKWARD and not task.uses_kept_graph:
+        if task.recomputes:
             starts = [job.layers.start] if self.runner.recompute == "stage" else list(job.layers)
             cells.checkpoints = [  # layer 0 recomputes from the call's own input
                 (layer, call.checkpoints[(layer, microbatch)] if layer != 0 else call.inputs[microbatch])
@@ -267,12 +269,11 @@ class StageOperations:
         if task.keeps_graph:  # the stage copy stays with the graphs, for the call's backward job
             assert task.held is not None
             task.held.keep(device.residency, stage_copy.nbytes)
-            self._timeline.add("release", job.label, start, device=device.index, job=job.index)
-            return
-        device.residency.release(stage_copy.nbytes, stage=True)
-        device.stress_mode.poison_released(stage_copy.tensors())  # released: nothing may read it any more
-        stage_copy.params.clear()
-        stage_copy.buffers.clear()
+        else:
+            device.residency.release(stage_copy.nbytes, stage=True)
+            device.stress_mode.poison_released(stage_copy.tensors())  # released: nothing may read it any more
+            stage_copy.params.clear()
+            stage_copy.buffers.clear()
         if downloaded is not None:
             # last: the window counts the job in flight until its sum is done, so a reader of the window (the
             # planner's measurements, the buffers, the gradients) finds everything above done too

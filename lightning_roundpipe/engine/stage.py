@@ -87,6 +87,11 @@ class Task:
         """A backward job that back-propagates the graphs its call's forward job kept: no upload, no recompute."""
         return self.held is not None and self.job.kind is StageKind.BACKWARD
 
+    @property
+    def recomputes(self) -> bool:
+        """A backward job that recomputes its stage from checkpoints before back-propagating it."""
+        return self.held is None and self.job.kind is StageKind.BACKWARD
+
 
 @dataclass
 class Recomputed:

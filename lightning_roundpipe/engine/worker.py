@@ -96,7 +96,6 @@ from lightning_roundpipe.engine.feedback import Measurements
 from lightning_roundpipe.engine.operations import DeviceInputs, DeviceOutputs, InputCells, StageOperations
 from lightning_roundpipe.engine.stage import StageCopy, StageRunner, Task
 from lightning_roundpipe.engine.step.summing import GradSummer
-from lightning_roundpipe.planning.schedule import StageKind
 
 
 @dataclass
@@ -250,7 +249,7 @@ class Worker:
         handoff = _Handoff()
         cells = operations.input_cells(task, microbatch)
         compute = device.compute_stream
-        if job.kind is StageKind.BACKWARD and not task.uses_kept_graph:
+        if task.recomputes:
             # [4'] the recompute needs only the checkpoints, on the host long before: it runs ahead of the
             # output gradient, so that only the backward proper waits for the previous stage
             recompute_inputs = InputCells(None, cells.checkpoints, cells.snapshots)
