@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_roundpipe.engine.step.kernels import StepFigure
+from lightning_roundpipe.engine.transport import GRAD_STAGING_BUFFERS
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.planning.partition import format_layers
 
@@ -151,7 +152,8 @@ class MemoryPlan:
         rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
         if self.staging_bytes:
             rows.append(("gradient staging", "+" + format_bytes(self.staging_bytes),
-                         f"{self.num_devices} device(s) x 2 download buffers x the largest stage's gradients"))
+                         f"{self.num_devices} device(s) x {GRAD_STAGING_BUFFERS} download buffers x the largest "
+                         "stage's gradients"))
         rows.append(("device copies", "+" + format_bytes(self.device_copy_bytes),
                      f"CPU devices live in host memory: {self.num_devices} x (running + prefetched stage)"
                      if self.device_type == "cpu" else "none: device memory"))
