@@ -18,6 +18,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 
@@ -39,6 +40,13 @@ SMOKE_RUNS = {
     "device_wait.py": "tests/test_benchmarks.py::test_device_wait_smoke_prints_its_table_and_compares_a_run_before",
 }
 """Benchmark script -> the smoke test that runs it."""
+
+
+def missing_lines(output: str, patterns: Sequence[str]) -> list[str]:
+    """The ``patterns`` (regular expressions) that no line of ``output`` matches: what a smoke run failed to
+    print."""
+    lines = output.splitlines()
+    return [pattern for pattern in patterns if not any(re.search(pattern, line) for line in lines)]
 
 
 def _smoke_test_source(where: str) -> str | None:
@@ -82,8 +90,7 @@ def test_scaleout_smoke_prints_its_three_sections(tmp_path):
         r"^fp32 sharded +\d+\.\d +\d+\.\d\d \| +\d+\.\d +\d+% +\d+\.\d +\d\.\d \| +\d+\.\d +4\.00$",
         r"^Caveat: ",
     ]
-    lines = result.stdout.splitlines()
-    absent = [pattern for pattern in expected if not any(re.search(pattern, line) for line in lines)]
+    absent = missing_lines(result.stdout, expected)
     assert not absent, f"scaleout.py --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"
 
 
@@ -156,6 +163,5 @@ def test_device_wait_smoke_prints_its_table_and_compares_a_run_before(tmp_path):
         r"^after +\d+ +\d+\.\d\d +\d+\.\d\d +\d+\.\d\d$",
         r"^wait before/after: \d+\.\d\dx \(median\), \d+\.\d\dx \(mean\)$",
     ]
-    lines = result.stdout.splitlines()
-    absent = [pattern for pattern in expected if not any(re.search(pattern, line) for line in lines)]
+    absent = missing_lines(result.stdout, expected)
     assert not absent, f"device_wait.py --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"

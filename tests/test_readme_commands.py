@@ -49,6 +49,7 @@ from hydra.utils import instantiate  # noqa: E402
 
 from lightning_roundpipe.app.schema import validate  # noqa: E402
 from lightning_roundpipe.app.train import CONFIG_DIR, Summary, run  # noqa: E402
+from tests.test_benchmarks import missing_lines  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 READMES = (REPO / "README.md", REPO / "examples" / "README.md")
@@ -489,8 +490,7 @@ def _check_benchmark(command: str, check: Benchmark, tmp_path: pathlib.Path) -> 
     result = subprocess.run([sys.executable, str(script), *arguments, "--smoke"], capture_output=True, text=True,
                             cwd=tmp_path, timeout=300)
     assert result.returncode in ((0, 1) if check.grows else (0,)), result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    absent = [pattern for pattern in check.expect if not any(re.search(pattern, line) for line in lines)]
+    absent = missing_lines(result.stdout, check.expect)
     assert not absent, f"{command} --smoke did not print lines matching {absent}:\n{result.stdout[-3000:]}"
     for picture in [arguments[i + 1] for i, argument in enumerate(arguments) if argument == "--plot"]:
         assert (tmp_path / picture).stat().st_size > 0, picture
