@@ -329,8 +329,11 @@ def test_on_exception_checkpoint_saves_the_last_consistent_weights(tmp_path, fai
             trainer.strategy.engine.synchronize()
             snapshots.append({k: v.clone() for k, v in pl_module.state_dict().items()})
 
-    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2), accelerator="cpu", devices=2,
-                         max_epochs=1, accumulate_grad_batches=1, logger=False, enable_progress_bar=False,
+    # whole steps, each applied whole or not at all: the pipeline fails in a backward stage's recompute, and a step
+    # cut by stage could have updated the deeper layers first, or not, as the threads' timing goes (seen under a
+    # loaded CI). That torn case writes no checkpoint; tests/test_faults.py makes it happen every time
+    trainer = pl.Trainer(strategy=RoundPipeStrategy(num_microbatches=2, streaming_step="off"), accelerator="cpu",
+                         devices=2, max_epochs=1, accumulate_grad_batches=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=[OnExceptionCheckpoint(tmp_path), Snapshot()])
     with pytest.raises(RuntimeError):
