@@ -174,6 +174,8 @@ class Dispatcher:
     def run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[HostCell]:
         """Dispatch the backward jobs of ``call`` from the gradients of its outputs (per microbatch); returns the
         cells of its inputs' gradients."""
+        if call.held is not None:
+            call.held.claim()
         jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self.next_job)
         self.next_job += len(jobs)
         self.dispatch(call, jobs, first_output_grads=output_grads)

@@ -125,6 +125,16 @@ class HeldGraph:
     stage_copy: StageCopy | None = None  # the forward job's (set by the worker that makes it)
     microbatches: dict[int, Recomputed] = field(default_factory=dict)  # per microbatch, from its compute
     _release: weakref.finalize | None = None
+    _claimed: bool = False  # the call's backward has been dispatched
+
+    def claim(self) -> None:
+        """The call's backward is being dispatched, on the caller's thread: only once, since it frees the graphs.
+        Checked there, before any job runs, so a second backward fails the same way whatever the timing."""
+        if self._claimed:
+            raise PipelineError(
+                "the kept forward graphs of a pipelined call were already back-propagated: a pipelined call runs "
+                "backward once (backward(retain_graph=True) through it twice is not supported)")
+        self._claimed = True
 
     def keep(self, residency: Residency, nbytes: int) -> None:
         """The forward job is done: its stage copy's ``nbytes`` stay accounted on ``residency`` until the
@@ -132,11 +142,9 @@ class HeldGraph:
         self._release = weakref.finalize(self, residency.release, nbytes, stage=True)
 
     def adopt(self) -> None:
-        """The backward job takes the stage copy over, and releases it as its own."""
-        if self._release is None or self._release.detach() is None:
-            raise PipelineError(
-                "the kept forward graphs of a pipelined call were already back-propagated: a pipelined call runs "
-                "backward once (backward(retain_graph=True) through it twice is not supported)")
+        """The backward job (the only one: :meth:`claim`) takes the stage copy over, and releases it as its own."""
+        assert self._release is not None, "adopted before the forward job kept its stage copy"
+        self._release.detach()
 
     def take(self, microbatch: int) -> Recomputed:
         """``microbatch``'s forward graph, once: back-propagating it frees it."""
