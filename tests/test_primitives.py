@@ -3,6 +3,7 @@ layer replicas, byte counts. Expectations are worked out by hand; ordering is ch
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -10,13 +11,21 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.engine import replica
 from lightning_roundpipe.engine.call import HostCell
 from lightning_roundpipe.engine.device import AbortSignal, DeviceCounters, EngineAborted, HostEvent, Stream
 from lightning_roundpipe.engine.layers import Trunk, as_layer_input, single_argument
 from lightning_roundpipe.engine.step.window import GradWindow
-from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes, tree_nbytes
+from lightning_roundpipe.engine.transfer import (
+    nbytes_of,
+    tensors_nbytes,
+    tree_flatten,
+    tree_map,
+    tree_nbytes,
+    tree_unflatten,
+)
 
 WAIT = 10.0  # seconds: only a broken primitive ever waits this long
 
@@ -397,3 +406,34 @@ def test_the_layer_input_convention():
     layer_input = as_layer_input(output)
     assert layer_input == ((output,), {})
     assert single_argument(layer_input) is output
+
+
+# ------------------------------------------------------------------ tree walks
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extra: tuple = ()
+
+
+def test_tree_walks_agree_with_pytree_and_open_dataclasses():
+    a, b = torch.zeros(2), torch.ones(3)
+    parameter = nn.Parameter(torch.ones(1))
+    # without a dataclass the leaves and the spec are exactly ``_pytree``'s, the shortcuts for lone tensors and
+    # flat tuples and lists included
+    for tree in (a, parameter, (a, b), [a, b, parameter], (a, None), [a, 1.5], {"x": a, "y": (b, [a])}, (),
+                 (a, (b,))):
+        leaves, spec = tree_flatten(tree)
+        reference_leaves, reference_spec = pytree.tree_flatten(tree)
+        assert spec == reference_spec and len(leaves) == len(reference_leaves)
+        assert all(x is y for x, y in zip(leaves, reference_leaves, strict=True))
+        rebuilt = tree_unflatten(leaves, spec)
+        assert type(rebuilt) is type(tree) and pytree.tree_flatten(rebuilt)[1] == reference_spec
+        mapped = tree_map(lambda leaf: leaf + 1 if isinstance(leaf, torch.Tensor) else leaf, tree)
+        assert all(torch.equal(x, y + 1) if isinstance(y, torch.Tensor) else x == y
+                   for x, y in zip(pytree.tree_leaves(mapped), reference_leaves, strict=True))
+    # a dataclass is opened into its init fields and rebuilt
+    output = _Output(a, (b, 2))
+    leaves, spec = tree_flatten(output)
+    assert leaves[0] is a and leaves[1] is b and leaves[2] == 2
+    rebuilt = tree_unflatten(leaves, spec)
+    assert type(rebuilt) is _Output and rebuilt.logits is a and rebuilt.extra[0] is b and rebuilt.extra[1] == 2
