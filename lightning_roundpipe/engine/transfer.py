@@ -89,9 +89,9 @@ _LEAF_SPEC = pytree.tree_flatten(0)[1]
 
 
 @functools.cache
-def _flat_spec(kind: type, length: int) -> pytree.TreeSpec:
-    """The spec of a plain tuple or list of ``length`` leaves (specs are immutable: one is shared)."""
-    return pytree.tree_flatten(kind(range(length)))[1]
+def _flat_spec(is_list: bool, length: int) -> pytree.TreeSpec:
+    """The spec of a plain tuple (or list) of ``length`` leaves (specs are immutable: one is shared)."""
+    return pytree.tree_flatten((list if is_list else tuple)(range(length)))[1]
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
@@ -101,7 +101,7 @@ def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
         return [tree], _LEAF_SPEC
     kind = type(tree)
     if (kind is tuple or kind is list) and all(_is_tensor_leaf(leaf) for leaf in tree):
-        return list(tree), _flat_spec(kind, len(tree))
+        return list(tree), _flat_spec(kind is list, len(tree))
     leaves, spec = pytree.tree_flatten(tree)
     if any(_is_dataclass_instance(leaf) for leaf in leaves):
         leaves, spec = pytree.tree_flatten(_open(tree))
