@@ -21,6 +21,7 @@ from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.operations import StageOperations
 from lightning_roundpipe.engine.step.window import GradWindow, SumBuffers
 from lightning_roundpipe.engine.transport import GradStaging
+from lightning_roundpipe.planning.plan import Plan
 from lightning_roundpipe.planning.schedule import StageKind
 from tests.numerics import assert_float64_equal
 
@@ -193,3 +194,92 @@ def test_engine_sums_never_change_a_gradient_someone_kept(keep):
     F.mse_loss(reference(inputs), target).backward()
     for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
         assert_float64_equal(param.grad, reference_param.grad, what="a second-step gradient")
+
+
+def test_a_sum_given_back_serves_any_later_sum_of_its_shape_unless_someone_kept_it():
+    params = [nn.Parameter(torch.zeros(4, 4)) for _ in range(4)] + [nn.Parameter(torch.zeros(2, 8))]
+    sums = SumBuffers()
+    first = _first_sums(sums, params[:2], 1.0)
+    addresses = [tensor.data_ptr() for tensor in first]
+    kept = first[1]
+    sums.give_back([(params[0], first.pop(0)), (params[1], first.pop(0))])
+    assert first == [] and sums.fresh_bytes == 2 * 64
+    # another parameter of the same shape takes the first; the second is seen (kept) and let go; a third
+    # parameter finds nothing left, and one of another shape never takes memory of this one
+    second = _first_sums(sums, params[2:], 2.0)
+    assert [tensor.data_ptr() == addresses[0] for tensor in second] == [True, False, False]
+    assert sums.fresh_bytes == 2 * 64 + 64 + 64
+    assert torch.equal(kept, torch.full((4, 4), 1.0))
+    assert all(torch.equal(tensor, torch.full_like(tensor, 2.0)) for tensor in second)
+
+
+class _Gated(nn.Module):
+    """A linear layer whose backward first waits until the optimizer thread has updated the layer after it (its
+    ``watched`` weight differs from ``before``): a deeper group must be stepped before this one's gradients
+    exist, which bounds the groups in flight whatever the threads' timing."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width, dtype=torch.float64)
+        self.watch: list[torch.Tensor] = []  # [the next layer's weight, its value before this step]: no submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _WaitInBackward.apply(self.linear(x), self.watch)
+
+
+class _WaitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, watch: list[torch.Tensor]) -> torch.Tensor:
+        ctx.watch = watch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.watch:
+            weight, before = ctx.watch
+            released = threading.Event()
+            while torch.equal(weight, before) and not released.wait(0.001):
+                pass  # the deeper group's step is on the optimizer thread: it changes the weight in place
+        return grad, None
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["in-flight", "kept"])
+def test_gradients_the_step_does_not_keep_live_only_while_their_groups_are_in_flight(keep, roundpipe_threads):
+    """Eight equal layers, a backward stage each, so the step has eight groups. Each layer's backward waits until
+    the optimizer has stepped the layer after it, so at most about two groups' gradients are summed and not yet
+    stepped at any time. Without ``keep_gradients`` the memory of every gradient sum the engine keeps for reuse,
+    and every one it ever allocated, stays within three layers' gradients (the model's are eight); kept in
+    ``param.grad`` (the control), the sums hold the whole model's. The weights equal plain PyTorch's after three
+    steps either way."""
+    width, depth, steps = 16, 8, 3
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Gated(width) for _ in range(depth)])
+    reference = nn.Sequential(*[nn.Linear(width, width, dtype=torch.float64) for _ in range(depth)])
+    reference.load_state_dict({key.replace("linear.", ""): value for key, value in model.state_dict().items()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    inputs, target = (torch.randn(8, width, dtype=torch.float64), torch.randn(8, width, dtype=torch.float64))
+    layer_bytes = (width * width + width) * 8
+    plan = Plan((range(0, depth - 1),), range(depth - 1, depth), tuple(range(k, k + 1) for k in range(depth - 2, -1, -1)))
+    with RoundPipeEngine(model, 1, EngineOptions(num_stages=plan, freeze_plan=True, wait_timeout=60.0)) as engine:
+        for _ in range(steps):
+            for layer, deeper in zip(model[:-1], model[1:], strict=True):
+                layer.watch[:] = [deeper.linear.weight, deeper.linear.weight.detach().clone()]
+            F.mse_loss(engine(inputs), target).backward()
+            engine.step(optimizer, keep_gradients=keep)
+            engine.synchronize()
+            if keep:
+                engine.restore_gradients()
+                assert all(param.grad is not None for param in model.parameters())
+            held = engine.dispatcher.sum_buffers.held_bytes()
+            assert (held == depth * layer_bytes) if keep else (held <= 3 * layer_bytes), held
+            optimizer.zero_grad()
+        fresh = engine.dispatcher.sum_buffers.fresh_bytes
+    assert fresh >= depth * layer_bytes if keep else fresh <= 3 * layer_bytes, fresh
+    for _ in range(steps):
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(inputs), target).backward()
+        reference_optimizer.step()
+    for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_float64_equal(param, reference_param, what="a weight after three steps")
+    assert roundpipe_threads() == []

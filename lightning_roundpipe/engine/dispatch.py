@@ -54,8 +54,8 @@ class Dispatcher:
         self.next_job = 0                       # ring position of the next job: job j runs on device j mod N
         self.step = 0                           # optimizer steps queued so far: calls now belong to the next one
         self._calls_in_step = 0
-        self._sum_buffers = SumBuffers()        # each parameter's last gradient sum, reused where nothing holds it
-        self.window = GradWindow(abort, sums=self._sum_buffers)  # the gradients of the step being accumulated
+        self.sum_buffers = SumBuffers()         # each parameter's last gradient sum, reused where nothing holds it
+        self.window = GradWindow(abort, sums=self.sum_buffers)  # the gradients of the step being accumulated
         # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
         self.upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(trunk))]
         self._buffer_ready: dict[int, HostEvent] = {}    # per layer: its buffers are back on the host
@@ -75,13 +75,13 @@ class Dispatcher:
     def restore(self, step: int, ring_position: int | None) -> None:
         """Continue a checkpointed run (before the engine starts): its step count and, if given, ring position."""
         self.step = step
-        self.window = GradWindow(self._abort, step, self._sum_buffers)
+        self.window = GradWindow(self._abort, step, self.sum_buffers)
         if ring_position is not None:
             self.next_job = ring_position
 
     def next_window(self) -> GradWindow:
         """Close step :attr:`step` for dispatch: its window is returned, and later jobs add into the next one."""
-        window, self.window = self.window, GradWindow(self._abort, self.step + 1, self._sum_buffers)
+        window, self.window = self.window, GradWindow(self._abort, self.step + 1, self.sum_buffers)
         self.step += 1
         self._calls_in_step = 0
         return window

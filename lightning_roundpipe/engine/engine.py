@@ -263,6 +263,8 @@ class RoundPipeEngine:
         :meth:`wait_for_steps` (the step reads those tensors). Either way gradients may be read or cleared
         on this thread as soon as this returns. With ``keep_gradients=True`` in sync mode,
         :meth:`restore_gradients` afterwards puts the gradients the step applied into ``param.grad``.
+        Without it (and always in async mode) the step gives each group's summed gradients back once the group
+        has stepped, and later sums reuse that memory: the host holds gradients only while they are in flight.
         """
         self._life.check_running()
         window = self.stepping.step(optimizer, before_step, keep_gradients)

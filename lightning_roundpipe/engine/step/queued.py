@@ -144,8 +144,10 @@ class QueuedStep:
                     self.stepped_with.update(grads)
                 if not self.proceed:
                     group.ready.set()
+                    self._give_back(group, grads)
                     continue
                 self._step(index, grads, seconds)
+                self._give_back(group, grads)
                 applied.append(group.label)
                 if self.sharding is None:
                     group.ready.set()
@@ -229,6 +231,17 @@ class QueuedStep:
         grads = self.averaging.receive(group.params)
         self.timeline.add("allreduce", f"average step {self.number} {group.label}", self._sent_at[index])
         return grads
+
+    def _give_back(self, group: StepGroup, grads: dict[int, torch.Tensor]) -> None:
+        """Once a group has stepped, the memory of its summed gradients serves the next sums, unless the caller
+        keeps them (``keep_gradients``) or they are the caller's own (lent) or the processes' mean. Given back, they
+        leave ``grads``, so that the pool alone references them."""
+        if self.keep_gradients or self.averaging is not None or self.sharding is not None:
+            return
+        sums = [(param, grads.pop(id(param))) for param in group.params
+                if id(param) in grads and id(param) not in self.lent]
+        grads.clear()
+        self.window.give_back(sums)
 
     def _label(self, group: StepGroup) -> str:
         return f"step {self.number} {group.label}" if len(self.groups) > 1 else f"step {self.number}"

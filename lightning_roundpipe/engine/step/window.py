@@ -49,33 +49,70 @@ def _unseen(tensor: torch.Tensor) -> bool:
 
 
 class SumBuffers:
-    """The host memory of each parameter's last gradient sum, reused for its next sum (C1's persistent
-    accumulators): a fresh allocation of the whole model's float32 gradients every step costs the host as much
-    again as the copy into it (page faults), and grows with the model.
+    """The host memory of gradient sums, reused for later sums (C1's persistent accumulators): a fresh allocation
+    of the whole model's float32 gradients every step costs the host as much again as the copy into it (page
+    faults), and grows with the model.
 
-    A buffer is reused only where nothing else can see it (:func:`_unseen`): once the step that read it is over
-    and ``param.grad`` no longer holds it, and no callback kept a reference, a view or a weak reference. Otherwise
-    the sum goes into fresh memory, as before, and what a caller kept stays as it was. One per engine; the
-    summing threads call it."""
+    Two sources of memory, both reused only where nothing else can see it (:func:`_unseen`):
+
+    * each parameter's **last sum**, for its next one: once the step that read it is over and ``param.grad`` no
+      longer holds it, and no callback kept a reference, a view or a weak reference;
+    * sums a step **gave back** (:meth:`give_back`) once it had applied them and nothing keeps them
+      (``keep_gradients=False``): any later sum of the same shape and dtype reuses them, in the same step too.
+      Gradients then exist on the host only while in flight: from a parameter's first contribution until its
+      group is stepped, and the memory follows the groups in flight, not the model.
+
+    Otherwise a sum goes into fresh memory, and what a caller kept stays as it was. One per engine; the summing
+    threads take from it, the optimizer thread gives back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[int, torch.Tensor] = {}  # by parameter id: the buffer of its latest sum
+        self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = {}  # given back
+        self.fresh_bytes = 0  #: bytes of the sums that found no reusable memory, over the engine's life
 
     def first_sum(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """A tensor of ``param``'s dtype holding a copy of ``grad``, the first contribution to its sum."""
-        key = id(param)
+        key, kind = id(param), (grad.shape, param.dtype, grad.device)
+        buffer = None
         with self._lock:
             last = self._last.pop(key, None)
-        if (last is not None and last.shape == grad.shape and last.dtype == param.dtype
-                and last.device == grad.device and _unseen(last)):
-            buffer = last.copy_(grad)
-        else:
+            free = self._free.get(kind)
+            while free and buffer is None:  # what is seen now stays seen by whoever holds it: let it go
+                candidate = free.pop()
+                buffer = candidate if _unseen(candidate) else None
+                del candidate
+        if buffer is None and (last is not None and last.shape == grad.shape and last.dtype == param.dtype
+                               and last.device == grad.device and _unseen(last)):
+            buffer, last = last, None
+        del last  # a last sum not reused goes with its last holder
+        if buffer is None:
             buffer = grad.to(param.dtype, copy=True)
-        del last
+            with self._lock:
+                self.fresh_bytes += buffer.numel() * buffer.element_size()
+        else:
+            buffer.copy_(grad)
         with self._lock:
             self._last[key] = buffer
         return buffer
+
+    def give_back(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Sums a step applied and keeps no more, for any later sum of their shape and dtype; ``sums`` is emptied
+        (the only references left are this pool's, so a summing thread may take them at once)."""
+        with self._lock:
+            while sums:
+                param, buffer = sums.pop()
+                if self._last.get(id(param)) is buffer:
+                    del self._last[id(param)]
+                self._free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
+                del param, buffer
+
+    def held_bytes(self) -> int:
+        """Bytes of the memory this pool holds for reuse (a buffer in use elsewhere too counts)."""
+        with self._lock:
+            buffers = {id(buffer): buffer for buffer in self._last.values()}
+            buffers.update((id(buffer), buffer) for free in self._free.values() for buffer in free)
+            return sum(buffer.numel() * buffer.element_size() for buffer in buffers.values())
 
 
 class GradWindow:
@@ -284,6 +321,13 @@ class GradWindow:
             keys = list(self._grads) if params is None else [id(param) for param in params if id(param) in self._grads]
             taken = {key: (self._params.pop(key), self._grads.pop(key)) for key in keys}
         return taken
+
+    def give_back(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Sums taken from this window that a step applied and keeps no more: their memory serves later sums
+        (:meth:`SumBuffers.give_back`; without a pool they are simply dropped). ``sums`` is emptied."""
+        if self._sums is not None:
+            self._sums.give_back(sums)
+        sums.clear()
 
     def publish(self, lent: Container[int] = (), params: Iterable[nn.Parameter] | None = None) -> None:
         """Move the summed gradients (of ``params``; ``None``: all) into ``param.grad`` (adding to what is
