@@ -22,7 +22,6 @@ copies) and complete on a CPU stand-in (a synchronize, at which stress mode's la
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -79,29 +78,8 @@ def spec_has_dataclass(spec: pytree.TreeSpec) -> bool:
         spec_has_dataclass(child) for child in (children() if callable(children) else spec.children_specs))
 
 
-def _is_tensor_leaf(value: Any) -> bool:
-    """A tensor that ``_pytree`` takes as a leaf (a tensor subclass may be registered as a node)."""
-    return isinstance(value, torch.Tensor) and type(value) not in pytree.SUPPORTED_NODES
-
-
-_LEAF_SPEC = pytree.tree_flatten(0)[1]
-"""The spec of a lone leaf."""
-
-
-@functools.cache
-def _flat_spec(is_list: bool, length: int) -> pytree.TreeSpec:
-    """The spec of a plain tuple (or list) of ``length`` leaves (specs are immutable: one is shared)."""
-    return pytree.tree_flatten((list if is_list else tuple)(range(length)))[1]
-
-
 def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """``_pytree.tree_flatten`` that also walks into dataclass instances (see the module docstring)."""
-    # the trees of every stage boundary and copy: a tensor, a tuple or list of tensors; their specs need no walk
-    if _is_tensor_leaf(tree):
-        return [tree], _LEAF_SPEC
-    kind = type(tree)
-    if (kind is tuple or kind is list) and all(_is_tensor_leaf(leaf) for leaf in tree):
-        return list(tree), _flat_spec(kind is list, len(tree))
     leaves, spec = pytree.tree_flatten(tree)
     if any(_is_dataclass_instance(leaf) for leaf in leaves):
         leaves, spec = pytree.tree_flatten(_open(tree))
@@ -110,8 +88,6 @@ def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
 
 def tree_unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
     """The inverse of :func:`tree_flatten`."""
-    if spec is _LEAF_SPEC and len(leaves) == 1:
-        return leaves[0]
     tree = pytree.tree_unflatten(leaves, spec)
     return _close(tree) if spec_has_dataclass(spec) else tree
 
