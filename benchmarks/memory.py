@@ -23,7 +23,9 @@ sample in an optimizer step pre-hook, when the step holds every one of its gradi
 * ``parameters``: the module's parameters, the master weights (module dtype: fp32).
 * ``gradients``: ``param.grad`` plus every gradient window still alive (the open one and the ones
   queued steps hold: in async mode iteration k+1's gradients accumulate while step k runs), plus the
-  gradients the step being run holds (its stand-in parameters' ``.grad``).
+  gradients the step being run holds (its stand-in parameters' ``.grad``), plus the memory of earlier sums the
+  engine keeps for reuse (``SumBuffers``). Where nothing reads a step's whole gradients (``keep_gradients``), each
+  group's exist only while in flight.
 * ``optimizer state``: the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step).
 * ``low-precision copies`` and ``published (full precision)``: the host copies devices read instead of
   the masters (``transport.UploadSources``). Under bf16-mixed (``transport_dtype="auto"``) the Linear
@@ -53,7 +55,7 @@ it is given (the engine's stand-ins for the parameters, which only that thread t
 read after the run. There is no
 public API for any of this, so the accountant reaches into engine internals, read-only: it wraps the
 engine instance's ``_new_call`` and ``step`` (to hold weak references to calls and gradient windows)
-and reads ``_window._grads``, ``_sources._low``/``_published``, the workers' ``operations.grad_staging`` and the ``Call``'s host cells; it may need updating
+and reads ``_window._grads``, ``dispatcher.sum_buffers``, ``_sources._low``/``_published``, the workers' ``operations.grad_staging`` and the ``Call``'s host cells; it may need updating
 when those change.
 
 Also printed: parameter bytes uploaded per parameter per optimizer step (the engine's counters), which the
@@ -227,6 +229,8 @@ class HostAccountant(pl.Callback):
             for grad in list(window._grads.values()):
                 add("gradients", grad)
         self._windows = [ref for ref in self._windows if ref() is not None]
+        for memory in engine.dispatcher.sum_buffers.held():  # the sums' memory, kept for reuse
+            add("gradients", memory)
         for worker in engine.dispatcher.workers:
             for memory in worker.operations.grad_staging.allocated():
                 add("staging buffers", memory)

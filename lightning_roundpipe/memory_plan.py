@@ -68,6 +68,7 @@ class MemoryPlan:
     world_size: int = 1               # processes in the whole run (on every node)
     unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
     staging_bytes: int = 0            # gradients on their way into the step: the download buffers of every device
+    gradients_kept_for: str | None = "param.grad"  # what keeps the whole model's gradients; None: only in flight
 
     @property
     def resident_bytes(self) -> int:
@@ -127,6 +128,14 @@ class MemoryPlan:
                  ("simulated device copies", self.device_copy_bytes), ("gradient staging", self.staging_bytes)]
         return sorted([item for item in items if item[1] > 0], key=lambda item: -item[1])
 
+    def _gradients_note(self, training: bool) -> str:
+        if not training:
+            return "none: not training"
+        if self.gradients_kept_for is None:
+            return (f"only in flight: the step groups being summed or stepped, about {self.num_devices + 1} of the "
+                    "largest (nothing reads them whole; keep_gradients='always' keeps them)")
+        return f"every trainable parameter's, in its dtype, kept whole for {self.gradients_kept_for}"
+
     def rows(self) -> list[tuple[str, str, str]]:
         """The table: (item, bytes, note)."""
         return [*self._host_rows(), *self._device_rows()]
@@ -139,8 +148,7 @@ class MemoryPlan:
             (f"host (each of {processes} processes on this node)" if processes > 1 else "host", "", ""),
             ("parameters", format_bytes(self.parameter_bytes), f"allocated; {dtypes or 'none'}"),
             ("buffers", format_bytes(self.buffer_bytes), "allocated"),
-            ("gradients", "+" + format_bytes(self.gradient_bytes),
-             "param.grad of trainable parameters, in their dtype" if training else "none: not training"),
+            ("gradients", "+" + format_bytes(self.gradient_bytes), self._gradients_note(training)),
         ]
         if self.next_gradient_bytes:
             rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),

@@ -103,42 +103,47 @@ def backward_scale(plugin: Precision, module: LightningModule | None) -> float:
     return scale
 
 
-def needs_final_gradients(plugin: Precision, model: LightningModule) -> bool:
-    """Whether the plugin's ``optimizer_step`` may read this step's gradients: a plugin's own
+def final_gradients_reader(plugin: Precision, model: LightningModule) -> str | None:
+    """What in the plugin's ``optimizer_step`` may read this step's gradients, or ``None``: a plugin's own
     ``optimizer_step``, a loss scaler's unscale and inf check, or clipping and the hooks, which Lightning's
-    runs. Otherwise it runs before the engine's step, and the main thread does not wait for the gradients."""
-    own = type(plugin).optimizer_step
-    if own not in (Precision.optimizer_step, MixedPrecision.optimizer_step) or loss_scaler(plugin) is not None:
-        return True
+    runs. With none it runs before the engine's step, and the main thread does not wait for the gradients."""
+    if type(plugin).optimizer_step not in (Precision.optimizer_step, MixedPrecision.optimizer_step):
+        return f"the precision plugin's own optimizer_step ({type(plugin).__name__})"
+    if loss_scaler(plugin) is not None:
+        return "the loss scaler's unscale and inf check"
     trainer = model.trainer
-    return bool(
-        trainer.gradient_clip_val
-        or is_overridden("configure_gradient_clipping", model, LightningModule)
-        or is_overridden("on_before_optimizer_step", model, LightningModule)
-        or any(is_overridden("on_before_optimizer_step", callback, Callback)
-               for callback in trainer.callbacks)  # type: ignore[attr-defined]
-    )
+    if trainer.gradient_clip_val:
+        return f"gradient clipping (gradient_clip_val={trainer.gradient_clip_val})"
+    if is_overridden("configure_gradient_clipping", model, LightningModule):
+        return f"{type(model).__name__}.configure_gradient_clipping"
+    if is_overridden("on_before_optimizer_step", model, LightningModule):
+        return f"{type(model).__name__}.on_before_optimizer_step"
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if is_overridden("on_before_optimizer_step", callback, Callback):
+            return f"{type(callback).__name__}.on_before_optimizer_step"
+    return None
 
 
 def queue_step(plugin: Precision, engine: RoundPipeEngine, optimizer: torch.optim.Optimizer,
-               model: LightningModule, closure_result: Any, **kwargs: Any) -> None:
+               model: LightningModule, closure_result: Any, *, keep_gradients: bool = True, **kwargs: Any) -> None:
     """Run ``plugin.optimizer_step`` with the closure's result and queue the engine's step if it steps.
 
     Lightning's own plugins do what they do under Lightning's default strategy: clipping and the hooks, and
     with a loss scaler the unscale, the inf check (no step on inf or NaN) and the scale's update; a plugin's
-    own ``optimizer_step`` runs with the final gradients, as Lightning's would run it. Either way
+    own ``optimizer_step`` runs with the final gradients, as Lightning's would run it. With ``keep_gradients``
     ``param.grad`` keeps what it holds until ``zero_grad()``, as in plain training (the engine steps its own
-    references to those tensors)."""
+    references to those tensors); without it (nothing reads them: the strategy's choice) the engine clears it
+    and gives each group's summed gradients back once applied."""
     def run_plugin() -> bool:
         with _steps_on_the_engine(optimizer) as asked:
             plugin.optimizer_step(optimizer, model=model, closure=lambda: closure_result, **kwargs)
         return bool(asked)
 
-    if needs_final_gradients(plugin, model):
-        engine.step(optimizer, before_step=run_plugin, keep_gradients=True)
+    if final_gradients_reader(plugin, model) is not None:
+        engine.step(optimizer, before_step=run_plugin, keep_gradients=keep_gradients)
     else:  # Precision.optimizer_step without clipping or hooks: it reads no gradient, and always steps
         run_plugin()
-        engine.step(optimizer, keep_gradients=True)
+        engine.step(optimizer, keep_gradients=keep_gradients)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,9 @@ the engine's plan and the optimizers (before their first step), what the host wi
 
 * **parameters and buffers** as stored (their dtypes): already allocated when the strategy sets up;
 * **gradients**: one ``param.grad`` per trainable parameter, in its dtype (training only); in async mode
-  the next iteration's gradients gather in a second window while the step reads the current ones;
+  the next iteration's gradients gather in a second window while the step reads the current ones. When nothing
+  reads them whole (``StrategyOptions.keep_gradients``), only those in flight: the step groups being summed or
+  stepped; the plan names what keeps them whole otherwise;
 * **optimizer state**, estimated per optimizer class from its hyperparameters (``Adam``/``AdamW``: two
   buffers in the parameter's dtype plus a scalar step, three with ``amsgrad``; ``SGD``: one buffer with
   ``momentum``, none without; other ``torch.optim`` classes likewise; an unknown class is assumed to keep
@@ -184,7 +186,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 device_memory_limit: int | None = None, pin_memory: bool = True, training: bool = True,
                 trainer_fn: str | None = None, limits: HostLimits | None = None,
                 host_optimizer: str | None = None, transport: torch.dtype | None = None,
-                processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1) -> MemoryPlan:
+                processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1,
+                gradients_kept_for: str | None = "param.grad") -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
@@ -197,11 +200,17 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     ``optimizer_shards``: the processes the optimizer state is split over (the world size with
     ``shard_optimizer``, else 1); one process's share is estimated as ``1/optimizer_shards`` of the state
     (it keeps whole parameters' state, so its share is about that). ``world_size``: the processes of the whole
-    run, for advice (sharding the optimizer state helps once there are several, on any nodes)."""
+    run, for advice (sharding the optimizer state helps once there are several, on any nodes).
+    ``gradients_kept_for``: what keeps the whole model's gradients through a step (the strategy's
+    ``whole_gradients_reader``); ``None``: each step group's exist only while in flight, counted as the gradients
+    outside the trunk plus one device's number plus one of the largest step group's (capped at the whole)."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits
     host = _host_figures(module, trunk, optimizers, training, async_step)
+    if training and gradients_kept_for is None:
+        host = host._replace(next_gradient_bytes=0, gradient_bytes=_in_flight_gradient_bytes(
+            module, trunk, plan, len(devices), host.gradient_bytes))
     # the host copies uploads read instead of the masters: async's published copy, the low-precision copies
     upload_copies, upload_reads = upload_copy_bytes(trunk, async_step=async_step, transport=transport)
     sync_copies = upload_copy_bytes(trunk, async_step=False, transport=transport)[0]
@@ -232,6 +241,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         async_only_copy_bytes=upload_copies - sync_copies,
         processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
         unsharded_optimizer_state_bytes=host.optimizer_bytes, staging_bytes=staging,
+        gradients_kept_for=gradients_kept_for if training else None,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
@@ -242,12 +252,12 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
 
 
 def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[Any], trainer_fn: str,
-             processes_per_node: int = 1) -> MemoryPlan:
+             processes_per_node: int = 1, gradients_kept_for: str | None = "param.grad") -> MemoryPlan:
     """:func:`plan_memory` of ``module`` as ``engine`` (planned, not yet started) runs it: the engine's trunk,
     plan, devices, options, device budget and data-parallel group (its world size, and whether the optimizer
     state is sharded over it). ``trainer_fn``: Lightning's ``TrainerFn`` (or its value); ``"fit"`` trains
     (``optimizers`` are counted and timed), anything else evaluates. ``processes_per_node``: the processes on
-    this node (``rings_per_node``)."""
+    this node (``rings_per_node``); ``gradients_kept_for``: see :func:`plan_memory`."""
     trainer_fn = str(getattr(trainer_fn, "value", trainer_fn))  # "fit", not "TrainerFn.FITTING"
     options, data_parallel = engine.options, engine.data_parallel
     world_size = 1 if data_parallel is None else data_parallel.world_size
@@ -258,13 +268,26 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         async_step=options.async_step, recompute=options.recompute, device_memory_limit=engine.device_budget,
         pin_memory=options.pin_memory, training=training, trainer_fn=trainer_fn,
         host_optimizer=options.host_optimizer, transport=engine.transport, processes_per_node=processes_per_node,
-        optimizer_shards=world_size if sharded else 1, world_size=world_size)
+        optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for)
 
 
 def _check_process_counts(**counts: int) -> None:
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+
+
+def _in_flight_gradient_bytes(module: nn.Module, trunk: Trunk, plan: Plan, num_devices: int, whole: int) -> int:
+    """Host gradient bytes when each step group's exist only while in flight (``keep_gradients``): those outside
+    the trunk (computed by autograd on the main thread, until the step), plus a job's on every device being summed
+    and a group's being stepped, each at most the largest stage's (summed in the parameters' dtype on the host);
+    never more than ``whole``."""
+    inside = {id(param) for param in trunk.trainable_parameters()}
+    outside = tensors_nbytes(p for p in module.parameters() if p.requires_grad and id(p) not in inside)
+    largest = max(tensors_nbytes({id(param): param for layer in stage for param in trunk.states[layer].params
+                                  if param.requires_grad}.values())
+                  for stage in (plan.fused, *plan.backward))
+    return min(whole, outside + (num_devices + 1) * largest)
 
 
 class _HostFigures(NamedTuple):

@@ -55,6 +55,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
@@ -71,7 +72,13 @@ from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
 from lightning_roundpipe.strategy_names import register_near_misses
-from lightning_roundpipe.strategy_options import TIMELINE_MAX_EVENTS, PreflightMode, ReduceDtype, build_options
+from lightning_roundpipe.strategy_options import (
+    TIMELINE_MAX_EVENTS,
+    KeepGradients,
+    PreflightMode,
+    ReduceDtype,
+    build_options,
+)
 from lightning_roundpipe.strategy_processes import RingProcessStrategy
 from lightning_roundpipe.trunk import build_module_trunk
 
@@ -141,6 +148,9 @@ class RoundPipeStrategy(RingProcessStrategy):
         preflight: the memory plan at setup: ``"refuse"`` what does not fit, ``"warn"``, or ``"off"``.
         fp16_accumulation: CUDA, ``16-mixed`` only: fp16 matmuls accumulate in fp16 (faster, less precise; see
             ``StrategyOptions.fp16_accumulation``), for the run's duration.
+        keep_gradients: sync mode: ``"auto"`` keeps each step's gradients in ``param.grad`` until ``zero_grad``
+            only where something may read them whole (a gradient hook, clipping, ...); otherwise they exist only
+            while in flight. ``"always"``: keep them (``StrategyOptions.keep_gradients``).
         freeze_plan: never replan from measured times.
         replan_hysteresis: adopt a new plan only when predicted this fraction faster.
         deferred_batchnorm: BatchNorm running statistics updated once per batch from all its microbatches
@@ -168,6 +178,7 @@ class RoundPipeStrategy(RingProcessStrategy):
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", fp16_accumulation: bool = False,
+                 keep_gradients: KeepGradients = "auto",
                  freeze_plan: bool = False, replan_hysteresis: float = 0.1,
                  deferred_batchnorm: bool = False, seed: int | None = None, jitter: float = 0.0, stress: bool = False,
                  wait_timeout: float = 600.0,
@@ -179,7 +190,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, shard_optimizer=shard_optimizer,
             reduce_dtype=reduce_dtype, log_pipeline_metrics=log_pipeline_metrics, timeline=timeline,
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
-            fp16_accumulation=fp16_accumulation,
+            fp16_accumulation=fp16_accumulation, keep_gradients=keep_gradients,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
@@ -194,6 +205,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         self._stepping = False  # inside optimizer_step's closure: the backward there is shown after its step
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
         self._restore_matmul: Callable[[], None] | None = None  # undoes fp16_accumulation's process-global flag
+        self._gradients_said: tuple[str | None] | None = None  # what kept the last step's gradients, once logged
 
     # ------------------------------------------------------------------ the host as root device
     @property
@@ -250,7 +262,8 @@ class RoundPipeStrategy(RingProcessStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         if mode != "off":
-            self.memory_plan = preflight.plan_for(engine, module, self.optimizers, trainer.state.fn, self.num_processes)
+            self.memory_plan = preflight.plan_for(engine, module, self.optimizers, trainer.state.fn, self.num_processes,
+                                                  gradients_kept_for=self.whole_gradients_reader())
             preflight.enforce(self.memory_plan, mode, log)
         self.engine = engine.start()
         if self.options.timeline:
@@ -363,6 +376,43 @@ class RoundPipeStrategy(RingProcessStrategy):
         return _overrides_gradient_hook(module, pl.LightningModule, hooks) or any(
             _overrides_gradient_hook(callback, pl.Callback, hooks) for callback in callbacks)
 
+    def whole_gradients_reader(self) -> str | None:
+        """What may read the whole model's gradients of a step, so that the host keeps them through it (and a
+        sync step leaves them in ``param.grad``); ``None``: nothing, and each step group's gradients exist only
+        while in flight (``StrategyOptions.keep_gradients``). Asked at every step: the answer may change during
+        a run (``GradientAccumulationScheduler``)."""
+        module = self.lightning_module
+        if module is None:
+            return None
+        if self.options.keep_gradients == "always" and not self.engine_options.async_step:
+            return "keep_gradients='always'"
+        if not module.automatic_optimization:
+            return "manual optimization"
+        trainer = _trainer_of(module)
+        callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+        for obj, base in [(module, pl.LightningModule), *((callback, pl.Callback) for callback in callbacks)]:
+            hook = _gradient_hook_override(obj, base)
+            if hook is not None:
+                return f"{type(obj).__name__}.{hook}"
+        if trainer is None:
+            return None
+        if trainer.accumulate_grad_batches > 1:
+            return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
+        if any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks):
+            return "StochasticWeightAveraging (its BatchNorm epoch steps again with the last gradients)"
+        return precision.final_gradients_reader(self.precision_plugin, module)
+
+    def _say_gradients_kept(self, reader: str | None) -> None:
+        """Log, when it changes, whether the steps keep the whole model's gradients and for what."""
+        if self._gradients_said == (reader,):
+            return
+        self._gradients_said = (reader,)
+        if reader is None:
+            log.info("RoundPipe holds each step group's gradients only while in flight: nothing reads them whole, so "
+                     "param.grad is None after each step (keep_gradients='always' keeps them, as Lightning does)")
+        else:
+            log.info(f"RoundPipe keeps the whole model's gradients through each step: {reader} may read them")
+
     def gathers_after_backward(self) -> bool:
         """Whether the backward running now must be waited for and its gradients gathered into ``param.grad``
         before it returns: a hook before the step may read them; or a hook after it, where no step will show
@@ -406,7 +456,10 @@ class RoundPipeStrategy(RingProcessStrategy):
             result = closure()  # the training step and its backward, which feeds the pipeline's gradients
         finally:
             self._stepping = False
-        precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result, **kwargs)
+        reader = self.whole_gradients_reader()
+        self._say_gradients_kept(reader)
+        precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result,
+                             keep_gradients=reader is not None, **kwargs)
         if not self.engine_options.async_step:
             # what Lightning runs next (on_train_batch_end, an epoch's end and start, the next batch's hooks)
             # sees the step done and every buffer copied back, as under its default strategy: a callback may
@@ -491,17 +544,22 @@ def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
 def _overrides_gradient_hook(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> bool:
     """Whether ``obj`` (a LightningModule or a callback) has user code in one of ``hooks``: an override defined
     outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
+    return _gradient_hook_override(obj, base, hooks) is not None
+
+
+def _gradient_hook_override(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
+    """The first of ``hooks`` that ``obj`` overrides with user code (see :func:`_overrides_gradient_hook`)."""
     if getattr(obj, "roundpipe_reads_gradients", True) is False:
-        return False
+        return None
     for hook in hooks:
         if hook in vars(obj):
-            return True
+            return hook
         for cls in type(obj).__mro__:
             if hook in vars(cls):
                 if cls is not base and not (cls.__module__ or "").startswith(_NOT_USER_CODE):
-                    return True
+                    return hook
                 break
-    return False
+    return None
 
 
 def register() -> None:

@@ -29,6 +29,8 @@ ReduceDtype = Literal["auto", "float32", "bfloat16"]
 REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
 PreflightMode = Literal["refuse", "warn", "off"]
 PREFLIGHT_MODES: tuple[str, ...] = get_args(PreflightMode)
+KeepGradients = Literal["auto", "always"]
+KEEP_GRADIENTS: tuple[str, ...] = get_args(KeepGradients)
 
 TIMELINE_MAX_EVENTS = 200_000
 """The most timeline events a strategy keeps (about 40 MB), whatever ``timeline_steps`` says."""
@@ -108,6 +110,18 @@ class StrategyOptions:
     mantissa: a dot product of length K loses about log2(K) of those bits, and a partial sum past 65504 becomes
     inf). Refused on CPU devices, under another precision and with a torch that lacks the flag."""
 
+    keep_gradients: KeepGradients = "auto"
+    """Sync mode: whether ``param.grad`` holds each step's gradients after it, until ``zero_grad``, as under
+    Lightning's default strategy. ``"auto"``: only where something may read them whole: a gradient hook
+    (``on_after_backward``, ``on_train_batch_end``, ... of the module or a callback; ``strategy.GRADIENT_HOOKS``),
+    clipping, ``on_before_optimizer_step``, a loss scaler's inf check, a precision plugin's own step, manual
+    optimization, gradient accumulation, ``StochasticWeightAveraging`` (its BatchNorm epoch steps again with
+    them). Otherwise each step group's gradients exist on the host only while in flight, from their first
+    contribution until the group steps, in reused memory (4 bytes per parameter less at fp32), and ``param.grad``
+    is ``None`` after each step: code outside those hooks that reads it (in ``training_step``, or after ``fit``)
+    should set ``"always"``. The pre-flight plan says which was chosen and why. Async mode never shows a step's
+    gradients after it; its sums are given back the same way unless one of those readers needs them."""
+
     def __post_init__(self) -> None:
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
             raise OptionError("pipeline", f"must be a dotted attribute path such as 'net' or 'model.blocks', or "
@@ -139,6 +153,9 @@ class StrategyOptions:
             raise OptionError("preflight", f"must be one of {', '.join(map(repr, PREFLIGHT_MODES))}, "
                                            f"got {self.preflight!r}")
         check_flag("fp16_accumulation", self.fp16_accumulation)
+        if self.keep_gradients not in KEEP_GRADIENTS:
+            raise OptionError("keep_gradients", f"must be one of {', '.join(map(repr, KEEP_GRADIENTS))}, "
+                                                f"got {self.keep_gradients!r}")
 
 
     def ring_members(self, num_devices: int, whose: str = "the Trainer's") -> list[int]:

@@ -182,6 +182,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "timeline_steps": ("5", 5),
     "preflight": ("warn", "warn"),
     "fp16_accumulation": ("true", True),
+    "keep_gradients": ("always", "always"),
     "num_microbatches": ("4", 4),
     "num_stages": ("6", 6),
     "round_size": ("whole", "whole"),

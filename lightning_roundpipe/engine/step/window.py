@@ -107,12 +107,16 @@ class SumBuffers:
                 self._free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
                 del param, buffer
 
-    def held_bytes(self) -> int:
-        """Bytes of the memory this pool holds for reuse (a buffer in use elsewhere too counts)."""
+    def held(self) -> list[torch.Tensor]:
+        """The memory this pool holds for reuse, each buffer once (one may be in use elsewhere too)."""
         with self._lock:
             buffers = {id(buffer): buffer for buffer in self._last.values()}
             buffers.update((id(buffer), buffer) for free in self._free.values() for buffer in free)
-            return sum(buffer.numel() * buffer.element_size() for buffer in buffers.values())
+        return list(buffers.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of :meth:`held`."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.held())
 
 
 class GradWindow:
