@@ -32,8 +32,8 @@ sample in an optimizer step pre-hook, when the step holds every one of its gradi
   weights travel from a bf16 copy, 2 B per such parameter, in both modes (in async mode it is their
   published copy); async mode also publishes the other trainable weights (embeddings, norms) in their
   own dtype.
-* ``staging buffers``: the reused gradient download buffers. The engine has them on CUDA devices only
-  (pinned); on CPU devices gradients are copied straight into the window, so this row is 0 here.
+* ``staging buffers``: the reused gradient download buffers (each device's two, a stage's gradients each;
+  pinned on CUDA devices).
 * ``checkpoints`` and ``other activations``: what live trunk calls keep on the host (every ``HostCell`` of
   every ``Call``; calls are tracked with weak references, so the benchmark does not extend their life).
   ``checkpoints``: the inputs backward stages recompute from (and buffer snapshots); ``other``: the

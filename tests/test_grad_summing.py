@@ -283,3 +283,19 @@ def test_gradients_the_step_does_not_keep_live_only_while_their_groups_are_in_fl
     for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
         assert_float64_equal(param, reference_param, what="a weight after three steps")
     assert roundpipe_threads() == []
+
+
+def test_after_a_step_the_pool_keeps_only_what_the_step_had_out_at_once():
+    """A first step with three sums out at once keeps three buffers; a second with one at a time keeps one: the
+    pool follows the groups in flight, not the largest step ever."""
+    params = [nn.Parameter(torch.zeros(4, 4)) for _ in range(3)]
+    sums = SumBuffers()
+    taken = _first_sums(sums, params, 1.0)
+    sums.give_back(list(zip(params, taken, strict=True)))
+    del taken
+    sums.trim()
+    assert sums.held_bytes() == 3 * 64
+    for param in params:  # one at a time: taken, stepped, given back
+        sums.give_back([(param, sums.first_sum(param, torch.ones(4, 4)))])
+    sums.trim()
+    assert sums.held_bytes() == 64 and sums.fresh_bytes == 3 * 64

@@ -164,6 +164,8 @@ class QueuedStep:
                 if self.averaging is None:
                     self._finish_broadcast(seconds)
             self._finish_broadcast(seconds)
+            if self._gives_back():
+                self.window.trim_given_back()
             if self.proceed:
                 self.on_whole(seconds)
         except BaseException:
@@ -232,11 +234,14 @@ class QueuedStep:
         self.timeline.add("allreduce", f"average step {self.number} {group.label}", self._sent_at[index])
         return grads
 
+    def _gives_back(self) -> bool:
+        return not (self.keep_gradients or self.averaging is not None or self.sharding is not None)
+
     def _give_back(self, group: StepGroup, grads: dict[int, torch.Tensor]) -> None:
         """Once a group has stepped, the memory of its summed gradients serves the next sums, unless the caller
         keeps them (``keep_gradients``) or they are the caller's own (lent) or the processes' mean. Given back, they
         leave ``grads``, so that the pool alone references them."""
-        if self.keep_gradients or self.averaging is not None or self.sharding is not None:
+        if not self._gives_back():
             return
         sums = [(param, grads.pop(id(param))) for param in group.params
                 if id(param) in grads and id(param) not in self.lent]

@@ -48,6 +48,10 @@ def _unseen(tensor: torch.Tensor) -> bool:
                  <= torch._C._storage_Use_Count(probe.untyped_storage()._cdata)))
 
 
+_Kind = tuple[torch.Size, torch.dtype, torch.device]
+"""What a gradient sum's memory can serve: its shape, dtype and device."""
+
+
 class SumBuffers:
     """The host memory of gradient sums, reused for later sums (C1's persistent accumulators): a fresh allocation
     of the whole model's float32 gradients every step costs the host as much again as the copy into it (page
@@ -63,12 +67,16 @@ class SumBuffers:
       group is stepped, and the memory follows the groups in flight, not the model.
 
     Otherwise a sum goes into fresh memory, and what a caller kept stays as it was. One per engine; the summing
-    threads take from it, the optimizer thread gives back."""
+    threads take from it, the optimizer thread gives back. Given-back memory is kept only as far as the last step
+    needed it (:meth:`trim`): a step whose groups all waited at once (the first, while the optimizer builds its
+    state) does not make the pool hold the whole model's gradients for the rest of the run."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[int, torch.Tensor] = {}  # by parameter id: the buffer of its latest sum
-        self._free: dict[tuple[torch.Size, torch.dtype, torch.device], list[torch.Tensor]] = {}  # given back
+        self._free: dict[_Kind, list[torch.Tensor]] = {}  # given back, by shape, dtype and device
+        self._out: dict[_Kind, int] = {}   # per kind, sums handed out and not given back
+        self._peak: dict[_Kind, int] = {}  # per kind, the most handed out at once since the last trim
         self.fresh_bytes = 0  #: bytes of the sums that found no reusable memory, over the engine's life
 
     def first_sum(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
@@ -94,6 +102,8 @@ class SumBuffers:
             buffer.copy_(grad)
         with self._lock:
             self._last[key] = buffer
+            self._out[kind] = self._out.get(kind, 0) + 1
+            self._peak[kind] = max(self._peak.get(kind, 0), self._out[kind])
         return buffer
 
     def give_back(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
@@ -104,8 +114,21 @@ class SumBuffers:
                 param, buffer = sums.pop()
                 if self._last.get(id(param)) is buffer:
                     del self._last[id(param)]
-                self._free.setdefault((buffer.shape, buffer.dtype, buffer.device), []).append(buffer)
+                kind = (buffer.shape, buffer.dtype, buffer.device)
+                self._free.setdefault(kind, []).append(buffer)
+                self._out[kind] = max(0, self._out.get(kind, 0) - 1)
                 del param, buffer
+
+    def trim(self) -> None:
+        """After a step: keep of each kind only as many given-back buffers as were handed out at once since the
+        last trim (those still out included); the rest goes back to the allocator."""
+        with self._lock:
+            for kind, free in self._free.items():
+                excess = len(free) + self._out.get(kind, 0) - self._peak.get(kind, 0)
+                if excess > 0:
+                    del free[:excess]  # the oldest
+            self._free = {kind: free for kind, free in self._free.items() if free}
+            self._peak = {kind: out for kind, out in self._out.items() if out}
 
     def held(self) -> list[torch.Tensor]:
         """The memory this pool holds for reuse, each buffer once (one may be in use elsewhere too)."""
@@ -332,6 +355,11 @@ class GradWindow:
         if self._sums is not None:
             self._sums.give_back(sums)
         sums.clear()
+
+    def trim_given_back(self) -> None:
+        """A step that gave its sums back is over: :meth:`SumBuffers.trim`."""
+        if self._sums is not None:
+            self._sums.trim()
 
     def publish(self, lent: Container[int] = (), params: Iterable[nn.Parameter] | None = None) -> None:
         """Move the summed gradients (of ``params``; ``None``: all) into ``param.grad`` (adding to what is
