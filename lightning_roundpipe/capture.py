@@ -164,6 +164,7 @@ class ConcreteTracer(fx.Tracer):
         self._example: tuple[list[Any], pytree.TreeSpec] | None = None
         self._recorded_output: tuple[pytree.TreeSpec, list[Any]] | None = None
         self.constants: dict[str, torch.Tensor] = {}
+        self._buffer_views: dict[int, tuple[torch.Tensor, fx.Node]] = {}  # by id: the view, and its node
 
     def failure(self, reason: str) -> CaptureError:
         return CaptureError(self._describe(reason))
@@ -218,6 +219,9 @@ class ConcreteTracer(fx.Tracer):
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and not _is_state(self.root, a):
+            view = self._buffer_view(a)
+            if view is not None:
+                return view
             # a tensor made during the trace without a proxy (`torch.ones(3)`), or a plain tensor attribute
             # (not a registered buffer): a constant of this capture, captured by reference
             name = next((key for key, constant in self.constants.items() if constant is a), None)
@@ -231,6 +235,31 @@ class ConcreteTracer(fx.Tracer):
         if isinstance(argument, fx.Node) and argument.op == "get_attr" and VALUE not in argument.meta:
             argument.meta[VALUE], argument.meta[DATA] = a, True  # a parameter or buffer met as a plain value
         return argument
+
+    def _buffer_view(self, tensor: torch.Tensor) -> fx.Node | None:
+        """``tensor`` as a view of a registered buffer, recorded as such (``torch.as_strided`` of the buffer), or
+        ``None`` when it is no view of one. fx does not proxy buffers, so ``self.cos[:t]`` runs eagerly and hands
+        the blocks a view of the host's rotary table: captured as a constant, every layer on every device would
+        read the host's buffer instead of its own copy (a GPU could not, and a CPU stand-in's job writing the
+        buffer back would change memory a saved view reads). Recorded from the buffer, each layer takes the view
+        of the copy bound where it runs. Only views of a contiguous buffer that starts its storage qualify: the
+        layout of its device copies is then the same."""
+        held = self._buffer_views.get(id(tensor))
+        if held is not None and held[0] is tensor:
+            return held[1]
+        storage = tensor.untyped_storage().data_ptr()
+        for name, buffer in self.root.named_buffers():
+            if (buffer is None or buffer.untyped_storage().data_ptr() != storage or buffer.device != tensor.device
+                    or not buffer.is_contiguous() or buffer.storage_offset() != 0):
+                continue
+            base = self.create_node("get_attr", name, (), {})
+            base.meta[VALUE], base.meta[DATA] = buffer, True
+            node = self.create_node("call_function", torch.as_strided,
+                                    (base, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()), {})
+            node.meta[VALUE], node.meta[DATA] = tensor, False  # read-only, from the signature: travels in the NoGrad
+            self._buffer_views[id(tensor)] = (tensor, node)
+            return node
+        return None
 
     def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
                              concrete_args: Any = None) -> tuple[Any, list[Any]]:

@@ -139,6 +139,52 @@ def test_nanogpt_style_module_equals_the_default_strategy(fused, devices, roundp
     assert roundpipe_threads() == []
 
 
+class ScaledBlock(Block):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x * scale[None, :, None], mask)
+
+
+class TableGPT(GPT):
+    """A rotary-table-like buffer of the root, sliced in the forward before the blocks and passed to each (as
+    litgpt's ``cos``/``sin``): fx does not proxy buffers, so the slice is taken eagerly while recording."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer.h = nn.ModuleList([ScaledBlock() for _ in range(3)])
+        self.register_buffer("table", torch.linspace(0.5, 1.5, CONTEXT))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).tril()
+        scale = self.table[:t]
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x, mask, scale)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class TableModule(GPTModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TableGPT()
+
+
+def test_a_view_of_a_buffer_taken_in_the_forward_is_read_from_each_layers_own_copy(roundpipe_threads):
+    """The slice of the root's table reaches every block as a view of the copy bound where the layer runs, never
+    as a constant holding the host's buffer (which a GPU could not read, and which a CPU device's forward job
+    writes back while another device's backward job has saved a view of it)."""
+    reference, module, strategy = _fit_both(TableModule, batches(tokens()), devices=2)
+    assert_float64_equal(module.losses, reference.losses, what="losses")
+    assert_states_float64_equal(module, reference)
+    table = module.model.table.untyped_storage().data_ptr()
+    held = [name for layer in strategy.engine.trunk.layers for name, value in vars(layer).items()
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == table]
+    assert held == []
+    assert roundpipe_threads() == []
+
+
 def test_a_new_sequence_length_is_recorded_once_and_trains():
     data = [batch for length in (8, 5) for batch in tokens(samples=12, length=length)]  # 8, 8, 5, 5
     data = [data[0], data[2], data[1], data[3]]  # lengths 8, 5, 8, 5

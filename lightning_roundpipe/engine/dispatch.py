@@ -54,7 +54,7 @@ class Dispatcher:
         self.next_job = 0                       # ring position of the next job: job j runs on device j mod N
         self.step = 0                           # optimizer steps queued so far: calls now belong to the next one
         self._calls_in_step = 0
-        self.sum_buffers = SumBuffers()         # each parameter's last gradient sum, reused where nothing holds it
+        self.sum_buffers = SumBuffers()         # the memory of gradient sums, reused where nothing else holds it
         self.window = GradWindow(abort, sums=self.sum_buffers)  # the gradients of the step being accumulated
         # per layer, what its next upload waits for: the step groups of the last queued step owning its weights
         self.upload_waits: list[tuple[HostEvent, ...]] = [() for _ in range(len(trunk))]
