@@ -244,12 +244,12 @@ class ConcreteTracer(fx.Tracer):
         buffer back would change memory a saved view reads). Recorded from the buffer, each layer takes the view
         of the copy bound where it runs. Only views of a contiguous buffer that starts its storage qualify: the
         layout of its device copies is then the same."""
-        held = self._buffer_views.get(id(tensor))
-        if held is not None and held[0] is tensor:
+        held = self._buffer_views.get(id(tensor))  # the view is held there too: its id stays its own
+        if held is not None:
             return held[1]
         storage = tensor.untyped_storage().data_ptr()
         for name, buffer in self.root.named_buffers():
-            if (buffer is None or buffer.untyped_storage().data_ptr() != storage or buffer.device != tensor.device
+            if (buffer.untyped_storage().data_ptr() != storage or buffer.device != tensor.device
                     or not buffer.is_contiguous() or buffer.storage_offset() != 0):
                 continue
             base = self.create_node("get_attr", name, (), {})

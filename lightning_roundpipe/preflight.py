@@ -203,7 +203,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     run, for advice (sharding the optimizer state helps once there are several, on any nodes).
     ``gradients_kept_for``: what keeps the whole model's gradients through a step (the strategy's
     ``whole_gradients_reader``); ``None``: each step group's exist only while in flight, counted as the gradients
-    outside the trunk plus one device's number plus one of the largest step group's (capped at the whole)."""
+    outside the trunk plus (devices + 1) times the largest stage's (capped at the whole)."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits

@@ -366,15 +366,23 @@ class RoundPipeStrategy(RingProcessStrategy):
         """Whether user code may read ``param.grad`` in ``hooks`` (by default any hook of :data:`GRADIENT_HOOKS`),
         or anywhere in manual optimization (right after ``manual_backward``, say): a module or callback overrides
         one of them."""
+        return self._gradient_hook_reader(hooks) is not None
+
+    def _gradient_hook_reader(self, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
+        """Who may read ``param.grad`` in ``hooks`` (:meth:`gradients_read`): ``"Owner.hook"`` for the first
+        override of the module's or a callback's, ``"manual optimization"``, or ``None``."""
         module = self.lightning_module
         if module is None:
-            return False
+            return None
         if not module.automatic_optimization:
-            return True
+            return "manual optimization"
         trainer = _trainer_of(module)
         callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-        return _overrides_gradient_hook(module, pl.LightningModule, hooks) or any(
-            _overrides_gradient_hook(callback, pl.Callback, hooks) for callback in callbacks)
+        for obj, base in [(module, pl.LightningModule), *((callback, pl.Callback) for callback in callbacks)]:
+            hook = _gradient_hook_override(obj, base, hooks)
+            if hook is not None:
+                return f"{type(obj).__name__}.{hook}"
+        return None
 
     def whole_gradients_reader(self) -> str | None:
         """What may read the whole model's gradients of a step, so that the host keeps them through it (and a
@@ -386,19 +394,13 @@ class RoundPipeStrategy(RingProcessStrategy):
             return None
         if self.options.keep_gradients == "always" and not self.engine_options.async_step:
             return "keep_gradients='always'"
-        if not module.automatic_optimization:
-            return "manual optimization"
+        reader = self._gradient_hook_reader()
         trainer = _trainer_of(module)
-        callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-        for obj, base in [(module, pl.LightningModule), *((callback, pl.Callback) for callback in callbacks)]:
-            hook = _gradient_hook_override(obj, base)
-            if hook is not None:
-                return f"{type(obj).__name__}.{hook}"
-        if trainer is None:
-            return None
+        if reader is not None or trainer is None:
+            return reader
         if trainer.accumulate_grad_batches > 1:
             return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
-        if any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks):
+        if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):  # type: ignore[attr-defined]
             return "StochasticWeightAveraging (its BatchNorm epoch steps again with the last gradients)"
         return precision.final_gradients_reader(self.precision_plugin, module)
 
@@ -541,14 +543,9 @@ def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
         return None
 
 
-def _overrides_gradient_hook(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> bool:
-    """Whether ``obj`` (a LightningModule or a callback) has user code in one of ``hooks``: an override defined
-    outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
-    return _gradient_hook_override(obj, base, hooks) is not None
-
-
 def _gradient_hook_override(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
-    """The first of ``hooks`` that ``obj`` overrides with user code (see :func:`_overrides_gradient_hook`)."""
+    """The first of ``hooks`` in which ``obj`` (a LightningModule or a callback) has user code: an override
+    defined outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
     if getattr(obj, "roundpipe_reads_gradients", True) is False:
         return None
     for hook in hooks:

@@ -418,8 +418,8 @@ class _Output:
 def test_tree_walks_agree_with_pytree_and_open_dataclasses():
     a, b = torch.zeros(2), torch.ones(3)
     parameter = nn.Parameter(torch.ones(1))
-    # without a dataclass the leaves and the spec are exactly ``_pytree``'s, the shortcuts for lone tensors and
-    # flat tuples and lists included
+    # without a dataclass the leaves and the spec are exactly ``_pytree``'s, lone tensors and flat tuples and lists
+    # included
     for tree in (a, parameter, (a, b), [a, b, parameter], (a, None), [a, 1.5], {"x": a, "y": (b, [a])}, (),
                  (a, (b,))):
         leaves, spec = tree_flatten(tree)
