@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -63,7 +63,7 @@ from typing_extensions import override
 from lightning_roundpipe import metrics, precision, preflight
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
 from lightning_roundpipe.engine.engine import RoundPipeEngine
-from lightning_roundpipe.engine.options import Recompute, TransportDtype
+from lightning_roundpipe.engine.options import Offload, Recompute, TransportDtype
 from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step.groups import StreamingStep
 from lightning_roundpipe.engine.step.kernels import HostKernels
@@ -128,6 +128,9 @@ class RoundPipeStrategy(RingProcessStrategy):
             also another optimizer, declared to update each parameter on its own; ``"off"``: whole steps.
         host_optimizer: ``"exact"``: torch's fused CPU kernel only where it is bitwise the default (SGD without
             momentum). ``"fused"``: also Adam, AdamW and SGD with momentum (faster; equal within float rounding).
+        offload: ``"none"``: the optimizer state in host memory. ``"optimizer"``: in files under ``offload_dir``,
+            read ahead of each step group and written behind it (bitwise the same results; Linux).
+        offload_dir: the directory of ``offload``'s files, on a local disk with room for the state.
         recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
         pin_memory: CUDA: pin the host weights in place for fast uploads.
         transport_dtype: under ``bf16-mixed``/``16-mixed`` (``"auto"``), upload the Linear and Conv weights in
@@ -173,6 +176,7 @@ class RoundPipeStrategy(RingProcessStrategy):
                  recompute: Recompute = "stage", pin_memory: bool = True,
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
                  streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
+                 offload: Offload = "none", offload_dir: str | os.PathLike[str] | None = None,
                  round_size: Literal["auto", "whole"] | int = "auto", ring: list[int] | None = None,
                  rings_per_node: int = 1, shard_optimizer: bool = False, reduce_dtype: ReduceDtype = "auto",
                  log_pipeline_metrics: bool = True, timeline: bool = False,
@@ -194,6 +198,8 @@ class RoundPipeStrategy(RingProcessStrategy):
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
+            offload=offload,
+            offload_dir=os.fspath(offload_dir) if isinstance(offload_dir, os.PathLike) else offload_dir,
             freeze_plan=freeze_plan, replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm,
             seed=seed, jitter=jitter, stress=stress, wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
@@ -517,7 +523,18 @@ class RoundPipeStrategy(RingProcessStrategy):
                 log.warning(f"RoundPipe did not write the checkpoint {filepath}: {torn}")
                 return
             checkpoint = {**checkpoint, CHECKPOINT_KEY: self.engine.state_dict()}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        finally:
+            if self.engine is not None:
+                self.engine.drop_offloaded_pages()  # the save read every file's pages: out of memory again
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.engine is not None:
+            for optimizer in self.optimizers:  # a loaded state is in memory (or the checkpoint's pages): to its files
+                self.engine.offload_state(optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

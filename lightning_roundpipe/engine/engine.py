@@ -97,7 +97,7 @@ class RoundPipeEngine:
             self.follower.start_pinning(ring.sources)
         ring.measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
         self.dispatcher.workers = ring.workers
-        self.stepping.attach(ring.sources, ring.optimizer, ring.timeline)
+        self.stepping.attach(ring.sources, ring.optimizer, ring.timeline, ring.disk)
         self._life.started = True
         return self
 
@@ -300,6 +300,21 @@ class RoundPipeEngine:
         self._life.check_running()
         self.dispatcher.wait_for_jobs()
         self.wait_for_steps()
+
+    def offload_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """``offload="optimizer"``: move ``optimizer``'s state into the disk tier's files now, one parameter at a
+        time (after ``optimizer.load_state_dict``, which makes it in memory; steps otherwise move what they
+        make). Between steps only: waits for those queued. No-op without offload."""
+        disk = self._started_part(self._ring).disk
+        if disk is not None:
+            self.wait_for_steps()
+            disk.adopt_all(optimizer)
+
+    def drop_offloaded_pages(self) -> None:
+        """``offload="optimizer"``: write every state page in memory to its file and drop it (after something
+        read the whole state: a checkpoint). No-op without offload or before start."""
+        if self._ring is not None and self._ring.disk is not None:
+            self._ring.disk.drop_all()
 
     # ------------------------------------------------------------------ the module's state between calls
     def _follow_module_state(self) -> None:

@@ -6,7 +6,7 @@ defined before (``call``, ``device``, ``dataparallel``, ``engine``) and ``Pipeli
 
 from __future__ import annotations
 
-__all__ = ["DataParallelError", "EngineAborted", "OutOfDeviceMemory", "PipelineError"]
+__all__ = ["DataParallelError", "EngineAborted", "OffloadError", "OutOfDeviceMemory", "PipelineError"]
 
 
 class PipelineError(RuntimeError):
@@ -23,3 +23,8 @@ class OutOfDeviceMemory(RuntimeError):
 
 class DataParallelError(RuntimeError):
     """A collective across the data-parallel processes failed or timed out (a process was lost or stopped)."""
+
+
+class OffloadError(PipelineError):
+    """The disk tier (``EngineOptions.offload``) cannot keep the state in its directory: the disk is full, or it
+    failed to read or write."""

@@ -72,8 +72,8 @@ class Lifecycle:
         self._close()
         torn = self._torn_step()
         suffix = (" " if str(error).endswith(".") else ". ") + torn if torn else ""  # one full stop between them
-        if isinstance(error, PipelineError):
-            raise PipelineError(f"{error}{suffix}") from error.__cause__
+        if isinstance(error, PipelineError):  # its own type (an OffloadError stays one), with the torn step
+            raise type(error)(f"{error}{suffix}") from error.__cause__
         raise PipelineError(f"the pipeline failed: {type(error).__name__}: {error}{suffix}") from error
 
     @contextmanager

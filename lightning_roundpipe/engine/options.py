@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from lightning_roundpipe.engine.step.disk_tier import offload_refusal
 from lightning_roundpipe.engine.step.groups import STREAMING_STEPS, StreamingStep
 from lightning_roundpipe.engine.step.kernels import HOST_KERNELS, HostKernels
 from lightning_roundpipe.planning.partition import Plan
@@ -23,6 +24,9 @@ RECOMPUTE_GRAINS: tuple[str, ...] = get_args(Recompute)
 
 TransportDtype = Literal["auto", "off", "bfloat16", "float16"]
 TRANSPORT_DTYPES: tuple[str, ...] = get_args(TransportDtype)
+
+Offload = Literal["none", "optimizer"]
+OFFLOADS: tuple[str, ...] = get_args(Offload)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -126,6 +130,19 @@ class EngineOptions:
     state stay as plain training makes them. The pre-flight log shows the measured step time
     (:mod:`lightning_roundpipe.engine.step.kernels`)."""
 
+    offload: Offload = "none"
+    """Where the optimizer's state lives. ``"none"``: host memory. ``"optimizer"``: in files under
+    ``offload_dir`` (:mod:`lightning_roundpipe.engine.step.disk_tier`), each step group's state read ahead
+    before the group steps and written behind it, so host memory holds the state of the groups in flight only
+    (AdamW: 8 bytes per parameter move to disk). Results are bitwise those of ``"none"``; checkpoints are
+    plain, and a run may resume into either. Costs the state's bytes read and written per step on that disk
+    (the pre-flight log gives the bandwidth that hides it). Linux only."""
+
+    offload_dir: str | None = None
+    """The directory of ``offload="optimizer"``'s files (made if missing): a local disk with room for the
+    whole state, fast enough for the figure the pre-flight log gives. The files have no names and vanish
+    with the process, a crashed one too."""
+
     recompute: Recompute = "stage"
     """Recomputation grain of backward stages: ``"stage"`` keeps one input per backward stage, ``"layer"``
     keeps every layer's input (less device memory, more host traffic)."""
@@ -226,6 +243,15 @@ class EngineOptions:
         if self.host_optimizer not in HOST_KERNELS:
             raise OptionError("host_optimizer", f"must be {' or '.join(map(repr, HOST_KERNELS))}, "
                                                 f"got {self.host_optimizer!r}")
+        if self.offload not in OFFLOADS:
+            raise OptionError("offload", f"must be one of {', '.join(map(repr, OFFLOADS))}, got {self.offload!r}")
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            raise OptionError("offload_dir", f"must be a directory path (str) or None, got {self.offload_dir!r}")
+        if self.offload != "none" and not self.offload_dir:
+            raise OptionError("offload", f"{self.offload!r} keeps state in files: set `offload_dir` to a directory "
+                                         "on a local disk with room for it")
+        if self.offload != "none" and offload_refusal() is not None:
+            raise OptionError("offload", f"{self.offload!r} cannot work here: {offload_refusal()}")
         if self.recompute not in RECOMPUTE_GRAINS:
             raise OptionError("recompute", f"must be {' or '.join(map(repr, RECOMPUTE_GRAINS))}, "
                                            f"got {self.recompute!r}")

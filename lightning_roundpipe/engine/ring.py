@@ -23,6 +23,7 @@ from lightning_roundpipe.engine.figures import PipelineFigures
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.options import EngineOptions
 from lightning_roundpipe.engine.stage import StageRunner
+from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.summing import GradSummer
 from lightning_roundpipe.engine.step.thread import HostOptimizer
 from lightning_roundpipe.engine.transport import UploadSources
@@ -44,13 +45,14 @@ class Ring:
     optimizer: HostOptimizer
     figures: PipelineFigures
     summers: list[GradSummer]  # per device: sums its jobs' downloaded gradients into their windows
+    disk: DiskTier | None  # offload: the optimizer state's files and their I/O thread
 
     @staticmethod
     def start(trunk: Trunk, torch_devices: list[torch.device], options: EngineOptions, abort: AbortSignal, *,
               budget: int | None, base_seed: int, transport: torch.dtype | None, num_microbatches: int,
               measure_times: bool) -> Ring:
-        """Make the devices (their stream threads start), the stage runner, the measurements, a worker per device
-        and the optimizer thread."""
+        """Make the devices (their stream threads start), the stage runner, the measurements, a worker per device,
+        the optimizer thread and, with ``offload``, the disk tier's I/O thread."""
         timeline = Timeline(options.record_timeline)
         advice = memory_advice(recompute=options.recompute, num_stages=options.num_stages, num_layers=len(trunk),
                                num_microbatches=num_microbatches)
@@ -66,8 +68,9 @@ class Ring:
         workers = [Worker(runner, measurements, device, abort, summer) for device, summer in zip(devices, summers,
                                                                                                  strict=True)]
         optimizer = HostOptimizer(abort, timeline)
+        disk = DiskTier(options.offload_dir, abort) if options.offload_dir and options.offload != "none" else None
         return Ring(timeline, devices, sources, runner, measurements, workers, optimizer,
-                    PipelineFigures(devices, optimizer, timeline), summers)
+                    PipelineFigures(devices, optimizer, timeline), summers, disk)
 
     @property
     def has_cuda(self) -> bool:
@@ -96,6 +99,8 @@ class Ring:
         for device in self.devices:
             stuck += device.join(deadline)
         stuck += [summer.close(deadline) for summer in self.summers]  # after the download threads that feed them
+        if self.disk is not None:  # after the optimizer thread, the one that asks it for work
+            stuck.append(self.disk.close(deadline))
         still_running = [name for name in stuck if name is not None]
         if still_running:
             warnings.warn(

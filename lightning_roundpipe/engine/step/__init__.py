@@ -6,7 +6,9 @@
 * ``window.py``: :class:`~.window.GradWindow`, a step's gradients in a fixed order, never in ``param.grad``;
 * ``summing.py``: :class:`~.summing.GradSummer`, the threads that sum the jobs' gradients into the window;
 * ``groups.py``: the policy, how a step is cut into groups and when an optimizer may be cut;
-* ``kernels.py``: torch's fused CPU kernels where they are safe, and the step's measured cost.
+* ``kernels.py``: torch's fused CPU kernels where they are safe, and the step's measured cost;
+* ``disk_tier.py``: :class:`~.disk_tier.DiskTier`, the optimizer state in files (``offload="optimizer"``), read
+  ahead of each group and written behind it by a thread of its own.
 
 The module's parameters are the master weights. Devices never read them while a step may be writing:
 

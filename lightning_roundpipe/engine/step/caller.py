@@ -25,6 +25,7 @@ from lightning_roundpipe.engine.device import HostEvent
 from lightning_roundpipe.engine.dispatch import Dispatcher
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.step.queued import QueuedStep, StepRequest
 from lightning_roundpipe.engine.step.thread import HostOptimizer, snapshot_param_groups
@@ -51,6 +52,7 @@ class StepQueue:
         self._retired_ids = retired_ids
         self._surfaced = surfaced
         self._parts: tuple[UploadSources, HostOptimizer, Timeline] | None = None  # attach: made by start
+        self.disk: DiskTier | None = None  # attach: offload's files, where the steps keep the optimizer state
         self.last_step_done: HostEvent | None = None
         self.torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
         self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
@@ -59,9 +61,10 @@ class StepQueue:
         self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
         self._warned_unstepped = False
 
-    def attach(self, sources: UploadSources, host: HostOptimizer, timeline: Timeline) -> None:
-        """What the engine's start made: the upload sources, the optimizer thread and the timeline."""
+    def attach(self, sources: UploadSources, host: HostOptimizer, timeline: Timeline, disk: DiskTier | None) -> None:
+        """What the engine's start made: the upload sources, the optimizer thread, the timeline and the disk tier."""
         self._parts = (sources, host, timeline)
+        self.disk = disk
 
     def _started(self) -> tuple[UploadSources, HostOptimizer, Timeline]:
         assert self._parts is not None, "the engine's start attaches its parts before any step"
@@ -178,7 +181,7 @@ class StepQueue:
             hyperparameters=hyperparameters, proceed=proceed, averaging=averaging, keep_gradients=keep,
             trunk=self.trunk, sources=sources, host=host, timeline=timeline,
             host_kernels=self.options.host_optimizer, async_step=self.options.async_step,
-            sharding=self.data_parallel if self.data_parallel.sharded else None,
+            sharding=self.data_parallel if self.data_parallel.sharded else None, disk=self.disk,
             on_whole=self._record_step_seconds, on_torn=self._record_torn_step))
         self._kept = (step, params, lent) if keep else None
         host.submit(step.run, finished, f"step {number}")

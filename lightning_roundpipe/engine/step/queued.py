@@ -26,6 +26,7 @@ from torch import nn
 from lightning_roundpipe.engine.dataparallel import Averaging, Broadcast, DataParallel
 from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.groups import StepGroup
 from lightning_roundpipe.engine.step.thread import HostOptimizer, step_with_groups
 from lightning_roundpipe.engine.step.window import GradWindow
@@ -34,6 +35,9 @@ from lightning_roundpipe.observe.trace import Timeline
 
 SENT_AHEAD = 1
 """Data parallel: groups whose gradients may be on their way to be averaged beyond the one stepped next."""
+
+READ_AHEAD = 2
+"""Offload: groups whose optimizer state may be asked for before they step (the one stepped next among them)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class StepRequest:
     host_kernels: str
     async_step: bool
     sharding: DataParallel | None
+    disk: DiskTier | None
     # where what it learns goes (on the optimizer thread)
     on_whole: Callable[[list[float]], None]
     on_torn: Callable[[int, list[str]], None]
@@ -104,6 +109,8 @@ class QueuedStep:
         self.averaging = request.averaging
         self.on_whole = request.on_whole
         self.on_torn = request.on_torn
+        self.disk = request.disk
+        self._read_ahead_asked: set[int] = set()  # offload: the groups whose state was asked for, not stepped yet
         # keep_gradients: the gradients each parameter was stepped with, by id, for the caller's thread to put
         # into param.grad once the step is done (RoundPipeEngine.restore_gradients)
         self.keep_gradients = request.keep_gradients
@@ -131,11 +138,13 @@ class QueuedStep:
         try:
             while pending:
                 index = self._next_final(pending)
+                self._read_ahead(pending, index)
                 if index is None:
                     self._finish_broadcast(seconds)  # nothing to step meanwhile: let its group's uploads go
                     self.window.wait_progress()
                     continue
                 pending.remove(index)
+                self._read_ahead_asked.discard(index)
                 group = self.groups[index]
                 if self.async_step:
                     self._publish(group, wait=True)
@@ -147,6 +156,8 @@ class QueuedStep:
                     self._give_back(group, grads)
                     continue
                 self._step(index, grads, seconds)
+                if self.disk is not None:  # the first step of a group made its state: from now on in files
+                    self.disk.adopt(self.optimizer, group.params)
                 self._give_back(group, grads)
                 applied.append(group.label)
                 if self.sharding is None:
@@ -186,6 +197,25 @@ class QueuedStep:
         elif self.sharding is not None:  # every gradient is final already (averaged on the caller's thread)
             final = [index for index in final if index == min(pending)]
         return final[0] if final else None
+
+    def _read_ahead(self, pending: list[int], next_index: int | None) -> None:
+        """Offload: ask for the optimizer state of the :data:`READ_AHEAD` groups likely to step next: the one
+        chosen, then those whose gradients are final (shallowest first), then the others in the order the
+        backward finishes them (deepest first)."""
+        if self.disk is None or not self.proceed:
+            return
+        final = set(self.window.final_groups(pending))
+        likely = ([] if next_index is None else [next_index]) + sorted(final - {next_index}) + sorted(
+            set(pending) - final - {next_index}, reverse=True)
+        for index in likely:
+            if len(self._read_ahead_asked) >= READ_AHEAD:
+                return
+            if index not in self._read_ahead_asked:
+                self._read_ahead_asked.add(index)
+                self.disk.read_ahead(self.optimizer, self._stepped_params(self.groups[index]))
+
+    def _stepped_params(self, group: StepGroup) -> list[nn.Parameter]:
+        return [param for param in group.params if id(param) in self.stepped]
 
     def _publish(self, group: StepGroup, wait: bool) -> bool:
         """Async: refresh the group's published copy once this iteration's uploads have read it."""

@@ -1,0 +1,331 @@
+"""The disk tier: the optimizer's state in files, read ahead of each step group and written behind it.
+
+With ``EngineOptions.offload="optimizer"`` every tensor of the optimizer's state larger than a page (Adam's
+``exp_avg`` and ``exp_avg_sq``, SGD's momentum; not the 0-dim step count) lives in a file under ``offload_dir``,
+mapped into memory (``mmap``, shared): ``optimizer.state`` keeps ordinary CPU tensors whose memory is the file's
+pages, so the optimizer's own arithmetic (fused kernel or not), ``state_dict()`` and the checkpoints read and write
+them as before, bit for bit. What bounds host memory is when the pages are in memory:
+
+* **read ahead**: before a step group steps, this module's I/O thread faults its state in
+  (``MADV_POPULATE_WRITE``; the step then finds it in memory);
+* **written behind**: once the group has stepped, the thread writes its pages to disk (``msync``), unmaps them
+  (``MADV_DONTNEED``) and drops them from the page cache (``POSIX_FADV_DONTNEED``), so that the memory the state
+  holds follows the groups in flight, not the model, and does not move into the page cache instead.
+
+Either order of the thread's work and the step's is correct: the mapping is the state, and a page the step
+touches before its read-ahead or after its write-behind is read from the file by the kernel. Only the memory in
+use depends on timing. The thread holds no device and never blocks the optimizer thread.
+
+The files have no names (``tempfile.TemporaryFile``: ``O_TMPFILE`` where the file system has it, else a name
+removed at once): they exist while the process does, so a crash leaves nothing a resume could mistake for state;
+resuming reads the last Lightning checkpoint. Each file's blocks are reserved when it is made
+(``posix_fallocate``): a full disk raises :class:`OffloadError` then, naming the directory and the bytes
+needed, never a ``SIGBUS`` in the middle of a step.
+
+State comes here (:meth:`DiskTier.adopt`) the first time a group steps (the optimizer makes its state then) and
+after ``optimizer.load_state_dict`` (a resumed checkpoint), in one file per adoption. Linux only (``madvise``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.engine.device import AbortSignal, join_until
+from lightning_roundpipe.engine.errors import EngineAborted, OffloadError
+
+PAGE = mmap.PAGESIZE
+QUEUED_WRITES = 2
+"""Write-behinds that may wait for the I/O thread before the optimizer thread waits for them (:meth:`DiskTier.adopt`):
+with the groups read ahead, what bounds the state in memory whatever the disk's speed."""
+_MADV_RANDOM = 1  # a fault reads its own page only: what is in memory is what was asked for
+_MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels: MADV_WILLNEED, which reads ahead without mapping
+_MADV_WILLNEED = 3
+_MS_SYNC = 4
+
+
+def offload_refusal() -> str | None:
+    """Why this machine cannot keep state in the disk tier, or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return f"the disk tier needs Linux (madvise and posix_fadvise); this is {sys.platform}"
+    return None
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)  # a foreign call releases the GIL while the kernel works
+    for name in ("madvise", "msync", "mincore"):
+        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_void_p if name == "mincore" else ctypes.c_int]
+        getattr(libc, name).restype = ctypes.c_int
+    return libc
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def human_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+class _File:
+    """One nameless file, its blocks reserved and mapped shared."""
+
+    def __init__(self, directory: str, nbytes: int, whole_state: int) -> None:
+        handle = tempfile.TemporaryFile(dir=directory, prefix=".roundpipe-state-", buffering=0)
+        try:
+            try:
+                os.posix_fallocate(handle.fileno(), 0, nbytes)
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                free = os.statvfs(directory)
+                raise OffloadError(
+                    f"offload_dir {directory!r} has no room for {human_bytes(nbytes)} more of optimizer state "
+                    f"({human_bytes(free.f_bavail * free.f_frsize)} free there; the whole state needs about "
+                    f"{human_bytes(whole_state)}): free space there or set offload_dir to a larger disk "
+                    f"({os.strerror(error.errno)}). Checkpoints already written are untouched.") from error
+            self.map = mmap.mmap(handle.fileno(), nbytes, flags=mmap.MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.map.madvise(_MADV_RANDOM)
+        except BaseException:
+            handle.close()
+            raise
+        self.handle = handle
+        self.nbytes = nbytes
+        self.address = torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
+    def tensor(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``like``'s dtype and shape (contiguous) in this file's pages from ``offset``."""
+        nbytes = like.numel() * like.element_size()
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset).view(
+            like.dtype).view(like.shape)
+
+
+@dataclass(frozen=True)
+class _Extent:
+    """Where one state tensor lives: a page-aligned run of one file, and the address of the tensor there."""
+
+    file: _File
+    offset: int
+    nbytes: int  # rounded up to whole pages
+    data_ptr: int
+
+
+class DiskTier:
+    """The optimizer state's files under ``directory`` and the thread that reads them ahead and writes them behind
+    (see the module docstring). ``abort`` is the engine's: an I/O error fails the engine; :meth:`close` ends the
+    thread."""
+
+    def __init__(self, directory: str, abort: AbortSignal) -> None:
+        refusal = offload_refusal()
+        if refusal is not None:
+            raise OffloadError(refusal)
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self._abort = abort
+        self._libc = _libc()
+        self._populate = _MADV_POPULATE_WRITE
+        # per optimizer, where each of its state tensors in a file lives, by (id(param), state key); an entry whose
+        # tensor the state no longer holds (a load_state_dict replaced it) is replaced at the next adopt
+        self._extents: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[tuple[int, str], _Extent]] = \
+            weakref.WeakKeyDictionary()
+        self.bytes_read_ahead = 0  # figures, written by the I/O thread
+        self.bytes_written_behind = 0
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._writes = threading.Condition()
+        self._queued_writes = 0  # write requests not done yet
+        self._thread = threading.Thread(target=self._run, name="roundpipe-disk", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the optimizer thread's (or the caller's) calls
+    def adopt(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
+        """Move the state of ``params`` that is not in a file yet into a new one (a bitwise copy), replacing the
+        tensors in ``optimizer.state``, then write the state of ``params`` behind. Call only while nothing else
+        uses that state (on the optimizer thread once they stepped; on the caller's between steps)."""
+        extents = self._extents.setdefault(optimizer, {})
+        params = list(params)
+        moving: list[tuple[nn.Parameter, str, torch.Tensor]] = []
+        for param in params:
+            for key, value in optimizer.state.get(param, {}).items():
+                known = extents.get((id(param), key))
+                if _belongs_here(value) and (known is None or known.data_ptr != value.data_ptr()):
+                    moving.append((param, key, value))
+        if moving:
+            sizes = [_round_up(value.numel() * value.element_size()) for _, _, value in moving]
+            file = _File(self.directory, sum(sizes), _whole_state(optimizer, moving, sum(sizes)))
+            offset = 0
+            for (param, key, value), size in zip(moving, sizes, strict=True):
+                mapped = file.tensor(offset, value)
+                mapped.copy_(value)
+                optimizer.state[param][key] = mapped
+                extents[(id(param), key)] = _Extent(file, offset, size, mapped.data_ptr())
+                offset += size
+        self.write_behind(optimizer, params)
+
+    def adopt_all(self, optimizer: torch.optim.Optimizer) -> None:
+        """:meth:`adopt` every parameter's state, one parameter at a time, so that state loaded into memory
+        (``optimizer.load_state_dict``) is never whole there. The files of the state it replaced go once nothing
+        maps them."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self.adopt(optimizer, [param])
+
+    def read_ahead(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
+        """Ask the I/O thread to bring the state of ``params`` into memory."""
+        extents = self._extents_of(optimizer, params)
+        if extents:
+            self._requests.put(("read", extents))
+
+    def write_behind(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
+        """Ask the I/O thread to write the state of ``params`` to disk and drop it from memory; first wait while
+        :data:`QUEUED_WRITES` requests are still waiting (a disk slower than the step holds the step back instead
+        of letting the state in memory grow)."""
+        extents = self._extents_of(optimizer, params)
+        if extents:
+            self._queue_write(extents)
+
+    def drop_all(self, wait: bool = False) -> None:
+        """Write every file's pages behind (after a checkpoint read them all, say); with ``wait``, return once
+        the I/O thread has done so and every write asked before."""
+        self._queue_write([extent for extents in list(self._extents.values()) for extent in extents.values()])
+        if wait:
+            self._wait_writes(0)
+
+    def _queue_write(self, extents: list[_Extent]) -> None:
+        self._wait_writes(QUEUED_WRITES - 1)
+        with self._writes:
+            self._queued_writes += 1
+        self._requests.put(("write", extents))
+
+    def _wait_writes(self, at_most: int) -> None:
+        """Until at most ``at_most`` write requests are queued (or the engine aborts: :class:`EngineAborted`)."""
+        deadline = time.monotonic() + self._abort.timeout
+        with self._writes:
+            while self._queued_writes > at_most:
+                if self._abort.aborted:
+                    raise EngineAborted("engine stopped while waiting for the disk tier's writes")
+                if time.monotonic() > deadline:
+                    error = TimeoutError(f"the disk tier's writes to {self.directory!r} took more than "
+                                         f"{self._abort.timeout:g} s; raise `wait_timeout` if the disk is that slow")
+                    self._abort.fail(error)
+                    raise error
+                self._writes.wait(0.05)
+
+    def _files(self) -> list[_File]:
+        return list({id(extent.file): extent.file for extents in list(self._extents.values())
+                     for extent in extents.values()}.values())
+
+    def file_bytes(self) -> int:
+        """The bytes reserved on disk for the state in files."""
+        return sum(file.nbytes for file in self._files())
+
+    def state_bytes(self) -> int:
+        """The bytes of the state tensors in files."""
+        return sum(extent.nbytes for extents in list(self._extents.values()) for extent in extents.values())
+
+    def resident_bytes(self) -> int:
+        """The files' bytes in memory now (mapped or in the page cache; ``mincore``)."""
+        total = 0
+        for file in self._files():
+            pages = file.nbytes // PAGE
+            flags = (ctypes.c_ubyte * pages)()
+            if self._libc.mincore(file.address, file.nbytes, flags) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            total += sum(flag & 1 for flag in flags) * PAGE
+        return total
+
+    def close(self, deadline: float) -> str | None:
+        """End the I/O thread once the work asked of it is done (after an abort, after the request it is running);
+        wait until ``deadline`` at most and return its name if it is still running then. The files go when the
+        last tensor in them does."""
+        self._requests.put(None)
+        return join_until(self._thread, deadline)
+
+    def _extents_of(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> list[_Extent]:
+        known = self._extents.get(optimizer, {})
+        extents = []
+        for param in params:
+            for key, value in optimizer.state.get(param, {}).items():
+                extent = known.get((id(param), key))
+                if extent is not None and isinstance(value, torch.Tensor) and extent.data_ptr == value.data_ptr():
+                    extents.append(extent)
+        return extents
+
+    # ------------------------------------------------------------------ the I/O thread
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None or self._abort.aborted:
+                return
+            kind, extents = request
+            try:
+                for extent in extents:
+                    if kind == "read":
+                        self._read(extent)
+                    else:
+                        self._write(extent)
+            except BaseException as error:  # noqa: BLE001 - the engine's next wait raises it
+                self._abort.fail(OffloadError(f"the disk tier in {self.directory!r} failed: {error}"))
+                return
+            finally:
+                if kind == "write":
+                    with self._writes:
+                        self._queued_writes -= 1
+                        self._writes.notify_all()
+
+    def _advise(self, extent: _Extent, advice: int) -> int:
+        return self._libc.madvise(extent.file.address + extent.offset, extent.nbytes, advice)
+
+    def _read(self, extent: _Extent) -> None:
+        # the whole run from the disk in large reads, then mapped (the mapping faults one page at a time)
+        os.posix_fadvise(extent.file.handle.fileno(), extent.offset, extent.nbytes, os.POSIX_FADV_WILLNEED)
+        if self._advise(extent, self._populate) != 0:
+            if ctypes.get_errno() != errno.EINVAL or self._populate == _MADV_WILLNEED:
+                raise OSError(ctypes.get_errno(), f"madvise: {os.strerror(ctypes.get_errno())}")
+            self._populate = _MADV_WILLNEED  # an older kernel: reading ahead into the page cache still helps
+            self._advise(extent, self._populate)
+        self.bytes_read_ahead += extent.nbytes
+
+    def _write(self, extent: _Extent) -> None:
+        address = extent.file.address + extent.offset
+        if self._libc.msync(address, extent.nbytes, _MS_SYNC) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"msync: {os.strerror(error)}")
+        self._advise(extent, _MADV_DONTNEED)  # a shared mapping: the pages stay in the file
+        os.posix_fadvise(extent.file.handle.fileno(), extent.offset, extent.nbytes, os.POSIX_FADV_DONTNEED)
+        self.bytes_written_behind += extent.nbytes
+
+
+def _whole_state(optimizer: torch.optim.Optimizer, moving: list[tuple[nn.Parameter, str, torch.Tensor]],
+                 nbytes: int) -> int:
+    """About what the files take once every parameter of ``optimizer`` has state: ``nbytes`` for the parameters
+    in ``moving``, scaled to all of them (for the error message of a full disk)."""
+    moved = sum({id(param): param.numel() for param, _, _ in moving}.values())
+    every = sum(param.numel() for group in optimizer.param_groups for param in group["params"])
+    return nbytes * every // max(moved, 1)
+
+
+def _belongs_here(value: object) -> bool:
+    """A state tensor the files keep: a dense CPU tensor of at least a page (not a step count)."""
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+            and value.is_contiguous() and value.numel() * value.element_size() >= PAGE)

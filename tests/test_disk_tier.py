@@ -1,0 +1,272 @@
+"""The disk tier for the optimizer state (``offload="optimizer"``, issue 26 item 2).
+
+The reference is the same run with the state in memory (``offload="none"``, itself bitwise Lightning's default
+strategy: ``test_strategy.py``, ``test_gradients_in_flight.py``): weights and optimizer state must be bitwise equal,
+sync and async, transparent and fused, with a per-step scheduler, and across a resume from a checkpoint into the
+other tier. Where the state is, the kernel says: ``/proc/self/maps`` lists the mappings of the tier's files, and
+every large state tensor must lie in one. What it holds in memory is read with ``mincore`` and bounded by the
+groups in flight, computed here from the plan. A full disk is injected (``posix_fallocate`` raising ``ENOSPC``);
+a crash is a child process that exits in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
+from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrategy, pipeline_loss
+from lightning_roundpipe.engine.errors import OffloadError
+from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
+from lightning_roundpipe.engine.step.queued import READ_AHEAD
+from tests.numerics import assert_states_equal
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the disk tier is Linux only")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+WIDTH = 64  # a Linear weight of 64 x 64 fp32 is 16 KiB: its AdamW state goes to the files; the biases' stays
+
+
+class Wide(pl.LightningModule):
+    """Linear layers wide enough for the tier, AdamW and a per-step StepLR; ``fused`` uses ``pipeline_loss``."""
+
+    def __init__(self, fused: bool = False, layers: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks = [module for _ in range(layers) for module in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
+        self.net = nn.Sequential(*blocks, nn.Linear(WIDTH, 3))
+        self.fused = fused
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.fused:
+            return pipeline_loss(self.net, x, y, F.cross_entropy)
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data(samples: int = 24) -> DataLoader:
+    """Three batches an epoch (Lightning resumes a plain DataLoader at an epoch's end only)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, WIDTH, generator=generator)
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator)), batch_size=8)
+
+
+def _strategy(offload_dir: pathlib.Path | None, **kwargs) -> RoundPipeStrategy:
+    tier = {"offload": "optimizer", "offload_dir": offload_dir} if offload_dir is not None else {}
+    return RoundPipeStrategy(ring=[0, 0], num_microbatches=2, num_stages=3, jitter=0.0005, **tier, **kwargs)
+
+
+def _trainer(strategy: RoundPipeStrategy, epochs: int, root: pathlib.Path) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=root)
+
+
+def _fit(offload_dir: pathlib.Path | None, root: pathlib.Path, *, fused: bool = False, epochs: int = 2,
+         ckpt_path: pathlib.Path | None = None, **kwargs) -> tuple[Wide, pl.Trainer]:
+    module = Wide(fused)
+    trainer = _trainer(_strategy(offload_dir, **kwargs), epochs, root)
+    trainer.fit(module, _data(), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def _file_mappings(directory: pathlib.Path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of files in ``directory`` (nameless ones included)."""
+    ranges = []
+    prefix = os.path.realpath(directory) + "/"
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(prefix):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def _large_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor) and value.nbytes >= PAGE]
+
+
+def _assert_same_optimizer_state(ours: pl.Trainer, reference: pl.Trainer) -> None:
+    ours_state, reference_state = (trainer.optimizers[0].state_dict() for trainer in (ours, reference))
+    assert ours_state["param_groups"] == reference_state["param_groups"]
+    assert ours_state["state"].keys() == reference_state["state"].keys()
+    for key, entry in ours_state["state"].items():
+        assert_states_equal(entry, reference_state["state"][key])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_the_state_in_files_trains_bitwise_as_in_memory(tmp_path, fused, async_step):
+    offload_dir = tmp_path / "state"
+    module, trainer = _fit(offload_dir, tmp_path, fused=fused, async_step=async_step)
+    reference, reference_trainer = _fit(None, tmp_path, fused=fused, async_step=async_step)
+    assert_states_equal(module, reference)
+    _assert_same_optimizer_state(trainer, reference_trainer)
+    # every large state tensor lies in a mapping of a file in offload_dir, a file with no name left there
+    mappings = _file_mappings(offload_dir)
+    large = _large_state(trainer.optimizers[0])
+    assert len(large) == 2 * 4  # exp_avg and exp_avg_sq of the four 64 x 64 weights (the 64 x 3 head: 768 B)
+    for tensor in large:
+        assert any(start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end
+                   for start, end in mappings), "a state tensor outside the tier's files"
+    assert os.listdir(offload_dir) == []
+
+
+@pytest.mark.parametrize("first, then", [("memory", "disk"), ("disk", "memory")])
+def test_a_checkpoint_resumes_into_the_other_tier_bitwise(tmp_path, first, then):
+    tier = {"memory": None, "disk": tmp_path / "state"}
+    _, trainer = _fit(tier[first], tmp_path, epochs=1)
+    checkpoint = tmp_path / "epoch0.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    plain = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
+    assert all(type(value) is torch.Tensor for entry in plain.values() for value in entry.values()
+               if isinstance(value, torch.Tensor))  # a plain checkpoint, whatever the tier
+    resumed, resumed_trainer = _fit(tier[then], tmp_path, ckpt_path=checkpoint)
+    reference, reference_trainer = _fit(None, tmp_path, )
+    assert_states_equal(resumed, reference)
+    _assert_same_optimizer_state(resumed_trainer, reference_trainer)
+
+
+class _Sampler:
+    """The largest ``resident()`` seen, sampled on a thread of its own until stopped."""
+
+    def __init__(self, resident) -> None:
+        self.peak = 0
+        self._resident = resident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0005):
+            self.peak = max(self.peak, self._resident())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_the_state_in_memory_follows_the_groups_in_flight_not_the_model(tmp_path, async_step):
+    """16 layers in 8 forward stages: the state in memory never exceeds the groups read ahead, the one stepping
+    and the writes queued, however slow the disk (they hold the step back): a fraction of 16 layers' state."""
+    torch.manual_seed(0)
+    width = 128  # 64 KiB weights: 128 KiB of AdamW state each
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(16)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = EngineOptions(num_microbatches=2, num_stages=8, async_step=async_step, offload="optimizer",
+                            offload_dir=str(tmp_path), jitter=0.0005, freeze_plan=True)
+    generator = torch.Generator().manual_seed(1)
+    with RoundPipeEngine(model, devices=2, options=options) as engine:
+        disk = engine.stepping.disk
+        assert disk is not None
+        sampler = _Sampler(disk.resident_bytes)
+        for _ in range(4):
+            x = torch.randn(8, width, generator=generator)
+            engine.forward_backward(x, x, F.mse_loss)
+            engine.step(optimizer)
+        engine.synchronize()
+        peak = sampler.stop()
+        layer_state = 2 * width * width * 4
+        widest = max(len(stage) for stage in (*engine.plan.backward, engine.plan.fused))  # layers a group steps
+        bound = (READ_AHEAD + 1 + QUEUED_WRITES) * widest * layer_state
+        assert disk.state_bytes() == 16 * layer_state  # the biases' state (512 B each) stays in memory
+        assert 0 < peak <= bound < disk.state_bytes(), (peak, bound)
+        disk.drop_all(wait=True)
+        assert disk.resident_bytes() == 0
+
+
+def test_a_full_disk_stops_the_run_with_one_clear_error_and_the_checkpoint_stays_loadable(tmp_path, monkeypatch):
+    offload_dir = tmp_path / "state"
+    _, trainer = _fit(offload_dir, tmp_path, epochs=1)
+    checkpoint = tmp_path / "epoch0.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    before = checkpoint.read_bytes()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    for ckpt_path in (None, checkpoint):  # a new run's first step, and a resume that moves the loaded state
+        with pytest.raises(OffloadError) as caught:
+            _fit(offload_dir, tmp_path, ckpt_path=ckpt_path)
+        message = str(caught.value)
+        assert repr(str(offload_dir)) in message and "no room for" in message and "free space there" in message
+        assert isinstance(caught.value, PipelineError)
+    monkeypatch.undo()
+    assert checkpoint.read_bytes() == before
+    resumed, _ = _fit(offload_dir, tmp_path, ckpt_path=checkpoint)
+    reference, _ = _fit(None, tmp_path, )
+    assert_states_equal(resumed, reference)
+
+
+CRASHING_RUN = """
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, {repo!r})
+import lightning.pytorch as pl
+
+import tests.test_disk_tier as helpers
+from lightning_roundpipe.engine.step.disk_tier import DiskTier
+
+adopt = DiskTier.adopt
+armed = []
+
+
+def adopt_then_die(self, optimizer, params):
+    adopt(self, optimizer, params)
+    if armed:  # the first group of step 5 has stepped, the others have not: the process dies mid-step
+        os._exit(17)
+
+
+class SaveThenArm(pl.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.global_step == 3:
+            trainer.save_checkpoint({checkpoint!r})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 4:
+            armed.append(True)
+
+
+DiskTier.adopt = adopt_then_die
+helpers._trainer = lambda strategy, epochs, root: pl.Trainer(
+    strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, callbacks=[SaveThenArm()])
+helpers._fit(pathlib.Path({offload_dir!r}), pathlib.Path({root!r}), )
+"""
+
+
+def test_a_crash_mid_step_then_a_resume_gives_the_uninterrupted_weights(tmp_path):
+    offload_dir, checkpoint = tmp_path / "state", tmp_path / "epoch0.ckpt"
+    script = CRASHING_RUN.format(repo=str(REPO), checkpoint=str(checkpoint), offload_dir=str(offload_dir),
+                                 root=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 17, result.stderr[-3000:]
+    assert checkpoint.is_file()
+    assert os.listdir(offload_dir) == []  # nothing a resume could mistake for state
+    resumed, _ = _fit(offload_dir, tmp_path, ckpt_path=checkpoint)
+    reference, _ = _fit(None, tmp_path, )
+    assert_states_equal(resumed, reference)
