@@ -130,6 +130,8 @@ class RoundPipeStrategy(RingProcessStrategy):
             momentum). ``"fused"``: also Adam, AdamW and SGD with momentum (faster; equal within float rounding).
         offload: ``"none"``: the optimizer state in host memory. ``"optimizer"``: in files under ``offload_dir``,
             read ahead of each step group and written behind it (bitwise the same results; Linux).
+            ``"optimizer+masters"``: under ``bf16-mixed``/``16-mixed`` also the fp32 masters devices upload from
+            a low-precision copy (the Linear and Conv weights).
         offload_dir: the directory of ``offload``'s files, on a local disk with room for the state.
         recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
         pin_memory: CUDA: pin the host weights in place for fast uploads.

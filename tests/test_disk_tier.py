@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrategy, pipeline_loss
 from lightning_roundpipe.engine.errors import OffloadError
-from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.queued import READ_AHEAD
 from tests.numerics import assert_states_equal
@@ -68,21 +68,30 @@ def _data(samples: int = 24) -> DataLoader:
     return DataLoader(TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator)), batch_size=8)
 
 
-def _strategy(offload_dir: pathlib.Path | None, **kwargs) -> RoundPipeStrategy:
-    tier = {"offload": "optimizer", "offload_dir": offload_dir} if offload_dir is not None else {}
-    return RoundPipeStrategy(ring=[0, 0], num_microbatches=2, num_stages=3, jitter=0.0005, **tier, **kwargs)
+def _strategy(offload_dir: pathlib.Path | None, offload: str = "optimizer", **kwargs) -> RoundPipeStrategy:
+    tier = {"offload": offload, "offload_dir": offload_dir} if offload_dir is not None else {}
+    # whole jobs and a frozen plan: measured times (which a checkpoint carries) would otherwise choose rounds,
+    # which sum the microbatches' gradients in another order than the reference's
+    return RoundPipeStrategy(ring=[0, 0], num_microbatches=2, num_stages=3, round_size="whole", freeze_plan=True,
+                             jitter=0.0005, **tier, **kwargs)
 
 
-def _trainer(strategy: RoundPipeStrategy, epochs: int, root: pathlib.Path) -> pl.Trainer:
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+def _trainer(strategy: RoundPipeStrategy, epochs: int, root: pathlib.Path, precision: str = "32-true",
+             callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, precision=precision,
+                      callbacks=callbacks, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=root)
 
 
 def _fit(offload_dir: pathlib.Path | None, root: pathlib.Path, *, fused: bool = False, epochs: int = 2,
-         ckpt_path: pathlib.Path | None = None, **kwargs) -> tuple[Wide, pl.Trainer]:
+         ckpt_path: pathlib.Path | None = None, offload: str = "optimizer", precision: str = "32-true",
+         frozen: bool = False, callbacks: list[pl.Callback] | None = None, **kwargs) -> tuple[Wide, pl.Trainer]:
     module = Wide(fused)
-    trainer = _trainer(_strategy(offload_dir, **kwargs), epochs, root)
+    if frozen:  # a frozen base: the first two Linear weights train no more (their masters are never read again)
+        for index in (0, 2):
+            module.net[index].weight.requires_grad_(False)
+    trainer = _trainer(_strategy(offload_dir, offload, **kwargs), epochs, root, precision, callbacks)
     trainer.fit(module, _data(), ckpt_path=ckpt_path)
     return module, trainer
 
@@ -112,6 +121,10 @@ def _assert_same_optimizer_state(ours: pl.Trainer, reference: pl.Trainer) -> Non
         assert_states_equal(entry, reference_state["state"][key])
 
 
+def _in_files(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -> bool:
+    return any(start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end for start, end in mappings)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
 def test_the_state_in_files_trains_bitwise_as_in_memory(tmp_path, fused, async_step):
@@ -124,23 +137,53 @@ def test_the_state_in_files_trains_bitwise_as_in_memory(tmp_path, fused, async_s
     mappings = _file_mappings(offload_dir)
     large = _large_state(trainer.optimizers[0])
     assert len(large) == 2 * 4  # exp_avg and exp_avg_sq of the four 64 x 64 weights (the 64 x 3 head: 768 B)
-    for tensor in large:
-        assert any(start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end
-                   for start, end in mappings), "a state tensor outside the tier's files"
+    assert all(_in_files(tensor, mappings) for tensor in large), "a state tensor outside the tier's files"
+    assert not any(_in_files(param, mappings) for param in module.parameters())  # the masters stay in memory
     assert os.listdir(offload_dir) == []
 
 
-@pytest.mark.parametrize("first, then", [("memory", "disk"), ("disk", "memory")])
-def test_a_checkpoint_resumes_into_the_other_tier_bitwise(tmp_path, first, then):
-    tier = {"memory": None, "disk": tmp_path / "state"}
-    _, trainer = _fit(tier[first], tmp_path, epochs=1)
+@pytest.mark.parametrize("frozen", [False, True], ids=["full", "frozen-base"])
+@pytest.mark.parametrize("fused", [False, True], ids=["transparent", "fused"])
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_masters_in_files_train_bitwise_as_in_memory(tmp_path, fused, async_step, frozen):
+    """bf16-mixed: the Linear weights travel as bf16 copies, so their fp32 masters can live in the files too."""
+    offload_dir = tmp_path / "state"
+    kwargs = {"fused": fused, "async_step": async_step, "precision": "bf16-mixed", "frozen": frozen}
+    module, trainer = _fit(offload_dir, tmp_path, offload="optimizer+masters", **kwargs)
+    reference, reference_trainer = _fit(None, tmp_path, **kwargs)
+    assert_states_equal(module, reference)
+    _assert_same_optimizer_state(trainer, reference_trainer)
+    mappings = _file_mappings(offload_dir)
+    in_files = {name for name, param in module.named_parameters() if _in_files(param, mappings)}
+    # the Linear weights of at least a page (the head's 64 x 3 is 768 B); biases, a page at most, stay
+    assert in_files == {f"net.{index}.weight" for index in (0, 2, 4, 6)}
+    assert os.listdir(offload_dir) == []
+
+
+def test_masters_in_files_need_a_low_precision_transport(tmp_path):
+    with pytest.raises(OptionError, match="^`offload` 'optimizer\\+masters' keeps on disk the masters that devices upload"):
+        _fit(tmp_path / "state", tmp_path, offload="optimizer+masters")
+
+
+TIERS = {"memory": (False, "none"), "state": (True, "optimizer"), "masters": (True, "optimizer+masters")}
+
+
+@pytest.mark.parametrize("first, then", [("memory", "state"), ("state", "memory"), ("memory", "masters"),
+                                         ("masters", "memory")])
+def test_a_checkpoint_resumes_into_another_tier_bitwise(tmp_path, first, then):
+    def fit(tier: str, **kwargs):
+        on_disk, offload = TIERS[tier]
+        return _fit(tmp_path / "state" if on_disk else None, tmp_path, offload=offload, precision="bf16-mixed",
+                    **kwargs)
+
+    _, trainer = fit(first, epochs=1)
     checkpoint = tmp_path / "epoch0.ckpt"
     trainer.save_checkpoint(checkpoint)
-    plain = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
-    assert all(type(value) is torch.Tensor for entry in plain.values() for value in entry.values()
-               if isinstance(value, torch.Tensor))  # a plain checkpoint, whatever the tier
-    resumed, resumed_trainer = _fit(tier[then], tmp_path, ckpt_path=checkpoint)
-    reference, reference_trainer = _fit(None, tmp_path, )
+    plain = torch.load(checkpoint, weights_only=False)
+    assert all(type(value) is torch.Tensor for entry in plain["optimizer_states"][0]["state"].values()
+               for value in entry.values() if isinstance(value, torch.Tensor))  # a plain checkpoint, any tier
+    resumed, resumed_trainer = fit(then, ckpt_path=checkpoint)
+    reference, reference_trainer = fit("memory")
     assert_states_equal(resumed, reference)
     _assert_same_optimizer_state(resumed_trainer, reference_trainer)
 
@@ -195,7 +238,8 @@ def test_the_state_in_memory_follows_the_groups_in_flight_not_the_model(tmp_path
         assert disk.resident_bytes() == 0
 
 
-def test_a_full_disk_stops_the_run_with_one_clear_error_and_the_checkpoint_stays_loadable(tmp_path, monkeypatch):
+def test_a_full_disk_stops_the_run_with_one_clear_error_and_the_checkpoint_stays_loadable(tmp_path, monkeypatch,
+                                                                                           roundpipe_threads):
     offload_dir = tmp_path / "state"
     _, trainer = _fit(offload_dir, tmp_path, epochs=1)
     checkpoint = tmp_path / "epoch0.ckpt"
@@ -206,16 +250,21 @@ def test_a_full_disk_stops_the_run_with_one_clear_error_and_the_checkpoint_stays
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    for ckpt_path in (None, checkpoint):  # a new run's first step, and a resume that moves the loaded state
+    attempts = [  # a new run's first step, a resume that moves the loaded state, masters moved at setup
+        ({}, "optimizer state"), ({"ckpt_path": checkpoint}, "optimizer state"),
+        ({"offload": "optimizer+masters", "precision": "bf16-mixed"}, "master weights")]
+    for kwargs, what in attempts:
         with pytest.raises(OffloadError) as caught:
-            _fit(offload_dir, tmp_path, ckpt_path=ckpt_path)
+            _fit(offload_dir, tmp_path, **kwargs)
         message = str(caught.value)
-        assert repr(str(offload_dir)) in message and "no room for" in message and "free space there" in message
+        assert f"offload_dir {str(offload_dir)!r} has no room for" in message and f"of {what}" in message
+        assert "free space there or set offload_dir to a larger disk" in message
         assert isinstance(caught.value, PipelineError)
+        assert roundpipe_threads() == []  # the engine closed, its disk thread too
     monkeypatch.undo()
     assert checkpoint.read_bytes() == before
     resumed, _ = _fit(offload_dir, tmp_path, ckpt_path=checkpoint)
-    reference, _ = _fit(None, tmp_path, )
+    reference, _ = _fit(None, tmp_path)
     assert_states_equal(resumed, reference)
 
 
@@ -251,14 +300,14 @@ class SaveThenArm(pl.Callback):
 
 
 DiskTier.adopt = adopt_then_die
-helpers._trainer = lambda strategy, epochs, root: pl.Trainer(
-    strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-    enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, callbacks=[SaveThenArm()])
-helpers._fit(pathlib.Path({offload_dir!r}), pathlib.Path({root!r}), )
+helpers._fit(pathlib.Path({offload_dir!r}), pathlib.Path({root!r}), offload="optimizer+masters",
+             precision="bf16-mixed", callbacks=[SaveThenArm()])
 """
 
 
 def test_a_crash_mid_step_then_a_resume_gives_the_uninterrupted_weights(tmp_path):
+    """State and masters in files; the process dies in step 5 with some groups stepped (their files written into),
+    after a checkpoint at step 3."""
     offload_dir, checkpoint = tmp_path / "state", tmp_path / "epoch0.ckpt"
     script = CRASHING_RUN.format(repo=str(REPO), checkpoint=str(checkpoint), offload_dir=str(offload_dir),
                                  root=str(tmp_path))
@@ -267,6 +316,6 @@ def test_a_crash_mid_step_then_a_resume_gives_the_uninterrupted_weights(tmp_path
     assert result.returncode == 17, result.stderr[-3000:]
     assert checkpoint.is_file()
     assert os.listdir(offload_dir) == []  # nothing a resume could mistake for state
-    resumed, _ = _fit(offload_dir, tmp_path, ckpt_path=checkpoint)
-    reference, _ = _fit(None, tmp_path, )
+    resumed, _ = _fit(offload_dir, tmp_path, ckpt_path=checkpoint, offload="optimizer+masters", precision="bf16-mixed")
+    reference, _ = _fit(None, tmp_path, precision="bf16-mixed")
     assert_states_equal(resumed, reference)

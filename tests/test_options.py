@@ -250,7 +250,7 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
     ("rings_per_node", 0, "0",
      "must be a positive int (processes per node, each driving a ring of devices // rings_per_node devices), got 0"),
     ("reduce_dtype", "float16", "float16", "must be one of 'auto', 'float32', 'bfloat16', got 'float16'"),
-    ("offload", "gpu", "gpu", "must be one of 'none', 'optimizer', got 'gpu'"),
+    ("offload", "gpu", "gpu", "must be one of 'none', 'optimizer', 'optimizer+masters', got 'gpu'"),
     ("offload", "optimizer", "optimizer",
      "'optimizer' keeps state in files: set `offload_dir` to a directory on a local disk with room for it"),
 ]

@@ -29,7 +29,7 @@ from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
 from lightning_roundpipe.engine.lifecycle import Lifecycle
 from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
-from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
 from lightning_roundpipe.engine.step.caller import StepQueue
 from lightning_roundpipe.engine.step.window import GradWindow
@@ -65,6 +65,11 @@ class RoundPipeEngine:
         self.num_microbatches = self.options.microbatches_for(self.num_devices)
         # the dtype autocast-only weights travel in (``transport.py``), and the bytes a layer takes on a device
         self.transport = transport_torch_dtype(self.options.transport_dtype)
+        if self.options.offload == "optimizer+masters" and self.transport is None:
+            raise OptionError("offload", "'optimizer+masters' keeps on disk the masters that devices upload from a "
+                                         "low-precision copy, and without a transport dtype there is none: train "
+                                         "under precision='bf16-mixed' or '16-mixed' (transport_dtype='auto'), or "
+                                         "use offload='optimizer'")
         self.layer_device_bytes = layer_sizes(self.trunk, self.transport)
         self.device_budget, self.planner = initial_plan(self.trunk, self.torch_devices, self.options,
                                                         self.layer_device_bytes)
@@ -93,6 +98,15 @@ class RoundPipeEngine:
         ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
                                        budget=self.device_budget, base_seed=self.base_seed, transport=self.transport,
                                        num_microbatches=self.num_microbatches, measure_times=not self.deterministic)
+        if ring.disk is not None and self.options.offload == "optimizer+masters":
+            try:  # before pinning: what uploads read stays in memory, the masters in files are never pinned
+                ring.disk.adopt_masters(ring.sources.read_low_precision_only(self.trunk))
+                for layer in self.trunk.changed_layers():  # the same values in other memory: copies stay as made
+                    self.trunk.recollect(layer)
+            except BaseException:
+                self._life.started = True
+                self.close(finish_steps=False)
+                raise
         if self.options.pin_memory and ring.has_cuda:
             self.follower.start_pinning(ring.sources)
         ring.measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))

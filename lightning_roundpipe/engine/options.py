@@ -25,7 +25,7 @@ RECOMPUTE_GRAINS: tuple[str, ...] = get_args(Recompute)
 TransportDtype = Literal["auto", "off", "bfloat16", "float16"]
 TRANSPORT_DTYPES: tuple[str, ...] = get_args(TransportDtype)
 
-Offload = Literal["none", "optimizer"]
+Offload = Literal["none", "optimizer", "optimizer+masters"]
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -134,12 +134,15 @@ class EngineOptions:
     """Where the optimizer's state lives. ``"none"``: host memory. ``"optimizer"``: in files under
     ``offload_dir`` (:mod:`lightning_roundpipe.engine.step.disk_tier`), each step group's state read ahead
     before the group steps and written behind it, so host memory holds the state of the groups in flight only
-    (AdamW: 8 bytes per parameter move to disk). Results are bitwise those of ``"none"``; checkpoints are
-    plain, and a run may resume into either. Costs the state's bytes read and written per step on that disk
-    (the pre-flight log gives the bandwidth that hides it). Linux only."""
+    (AdamW: 8 bytes per parameter move to disk). ``"optimizer+masters"``: also the fp32 master weights that
+    devices upload from a low-precision copy (the Linear and Conv weights under ``bf16-mixed``/``16-mixed``,
+    ``transport_dtype``): only the step and a checkpoint read them, so they are read ahead and written behind
+    with their state (4 more bytes per such parameter; a frozen one, a LoRA base, is never read again). Results
+    are bitwise those of ``"none"``; checkpoints are plain, and a run may resume into any. Costs those bytes
+    read and written per step on that disk. Linux only."""
 
     offload_dir: str | None = None
-    """The directory of ``offload="optimizer"``'s files (made if missing): a local disk with room for the
+    """The directory of ``offload``'s files (made if missing): a local disk with room for the
     whole state, fast enough for the figure the pre-flight log gives. The files have no names and vanish
     with the process, a crashed one too."""
 

@@ -184,6 +184,12 @@ class UploadSources:
             for key in published - self._published.keys():
                 self._published[key] = current[key].detach().clone()
 
+    def read_low_precision_only(self, trunk: Trunk) -> list[nn.Parameter]:
+        """The trunk's parameters that every layer reading them uploads from a low-precision copy: under autocast
+        no upload reads their masters (``offload="optimizer+masters"`` keeps those masters on disk)."""
+        everywhere = _low_sets(trunk, self._low_by_layer)[1]
+        return [param for param in trunk.parameters() if id(param) in everywhere]
+
     def is_low_precision(self, layer: int, param: nn.Parameter) -> bool:
         """Whether ``layer`` uploads ``param`` in the transport dtype (under autocast in that dtype)."""
         return id(param) in self._low_by_layer[layer]

@@ -1,10 +1,12 @@
-"""The disk tier: the optimizer's state in files, read ahead of each step group and written behind it.
+"""The disk tier: the optimizer's state (and masters) in files, read ahead of each step group and written behind it.
 
 With ``EngineOptions.offload="optimizer"`` every tensor of the optimizer's state larger than a page (Adam's
 ``exp_avg`` and ``exp_avg_sq``, SGD's momentum; not the 0-dim step count) lives in a file under ``offload_dir``,
 mapped into memory (``mmap``, shared): ``optimizer.state`` keeps ordinary CPU tensors whose memory is the file's
 pages, so the optimizer's own arithmetic (fused kernel or not), ``state_dict()`` and the checkpoints read and write
-them as before, bit for bit. What bounds host memory is when the pages are in memory:
+them as before, bit for bit. ``"optimizer+masters"`` also maps there the parameters no upload reads
+(:meth:`DiskTier.adopt_masters`: their devices read a low-precision copy), through ``param.data``: the module keeps
+its parameters, whose memory is the file's. What bounds host memory is when the pages are in memory:
 
 * **read ahead**: before a step group steps, this module's I/O thread faults its state in
   (``MADV_POPULATE_WRITE``; the step then finds it in memory);
@@ -89,7 +91,7 @@ def human_bytes(nbytes: float) -> str:
 class _File:
     """One nameless file, its blocks reserved and mapped shared."""
 
-    def __init__(self, directory: str, nbytes: int, whole_state: int) -> None:
+    def __init__(self, directory: str, nbytes: int, whole_state: int, what: str = "optimizer state") -> None:
         handle = tempfile.TemporaryFile(dir=directory, prefix=".roundpipe-state-", buffering=0)
         try:
             try:
@@ -99,8 +101,8 @@ class _File:
                     raise
                 free = os.statvfs(directory)
                 raise OffloadError(
-                    f"offload_dir {directory!r} has no room for {human_bytes(nbytes)} more of optimizer state "
-                    f"({human_bytes(free.f_bavail * free.f_frsize)} free there; the whole state needs about "
+                    f"offload_dir {directory!r} has no room for {human_bytes(nbytes)} more of {what} "
+                    f"({human_bytes(free.f_bavail * free.f_frsize)} free there; the whole {what} needs about "
                     f"{human_bytes(whole_state)}): free space there or set offload_dir to a larger disk "
                     f"({os.strerror(error.errno)}). Checkpoints already written are untouched.") from error
             self.map = mmap.mmap(handle.fileno(), nbytes, flags=mmap.MAP_SHARED,
@@ -148,6 +150,7 @@ class DiskTier:
         # tensor the state no longer holds (a load_state_dict replaced it) is replaced at the next adopt
         self._extents: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[tuple[int, str], _Extent]] = \
             weakref.WeakKeyDictionary()
+        self._masters: dict[int, _Extent] = {}  # by id(param): the parameters whose memory is a file's
         self.bytes_read_ahead = 0  # figures, written by the I/O thread
         self.bytes_written_behind = 0
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -181,6 +184,29 @@ class DiskTier:
                 offset += size
         self.write_behind(optimizer, params)
 
+    def adopt_masters(self, params: list[nn.Parameter]) -> None:
+        """Map ``params`` into a new file (``param.data`` becomes the file's pages, the values bitwise the same),
+        each written behind once copied, so that they are never all in memory twice. Call before the engine's
+        first call (its follower then sees the new memory) and only with parameters no upload reads."""
+        params = [param for param in params if id(param) not in self._masters and _belongs_here(param.data)]
+        if not params:
+            return
+        sizes = [_round_up(param.numel() * param.element_size()) for param in params]
+        file = _File(self.directory, sum(sizes), sum(sizes), what="master weights")
+        offset = 0
+        with torch.no_grad():
+            for param, size in zip(params, sizes, strict=True):
+                mapped = file.tensor(offset, param.data)
+                mapped.copy_(param.data)
+                param.data = mapped
+                extent = self._masters[id(param)] = _Extent(file, offset, size, mapped.data_ptr())
+                self._queue_write([extent])
+                offset += size
+
+    def master_bytes(self) -> int:
+        """The bytes of the master weights in files."""
+        return sum(extent.nbytes for extent in self._masters.values())
+
     def adopt_all(self, optimizer: torch.optim.Optimizer) -> None:
         """:meth:`adopt` every parameter's state, one parameter at a time, so that state loaded into memory
         (``optimizer.load_state_dict``) is never whole there. The files of the state it replaced go once nothing
@@ -190,13 +216,14 @@ class DiskTier:
                 self.adopt(optimizer, [param])
 
     def read_ahead(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
-        """Ask the I/O thread to bring the state of ``params`` into memory."""
+        """Ask the I/O thread to bring the state of ``params`` (and their masters in files) into memory."""
         extents = self._extents_of(optimizer, params)
         if extents:
             self._requests.put(("read", extents))
 
     def write_behind(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
-        """Ask the I/O thread to write the state of ``params`` to disk and drop it from memory; first wait while
+        """Ask the I/O thread to write the state of ``params`` (and their masters in files) to disk and drop it
+        from memory; first wait while
         :data:`QUEUED_WRITES` requests are still waiting (a disk slower than the step holds the step back instead
         of letting the state in memory grow)."""
         extents = self._extents_of(optimizer, params)
@@ -206,7 +233,8 @@ class DiskTier:
     def drop_all(self, wait: bool = False) -> None:
         """Write every file's pages behind (after a checkpoint read them all, say); with ``wait``, return once
         the I/O thread has done so and every write asked before."""
-        self._queue_write([extent for extents in list(self._extents.values()) for extent in extents.values()])
+        self._queue_write([*(extent for extents in list(self._extents.values()) for extent in extents.values()),
+                           *self._masters.values()])
         if wait:
             self._wait_writes(0)
 
@@ -231,11 +259,12 @@ class DiskTier:
                 self._writes.wait(0.05)
 
     def _files(self) -> list[_File]:
-        return list({id(extent.file): extent.file for extents in list(self._extents.values())
-                     for extent in extents.values()}.values())
+        extents = [*(extent for extents in list(self._extents.values()) for extent in extents.values()),
+                   *self._masters.values()]
+        return list({id(extent.file): extent.file for extent in extents}.values())
 
     def file_bytes(self) -> int:
-        """The bytes reserved on disk for the state in files."""
+        """The bytes reserved on disk for the state and masters in files."""
         return sum(file.nbytes for file in self._files())
 
     def state_bytes(self) -> int:
@@ -264,6 +293,9 @@ class DiskTier:
         known = self._extents.get(optimizer, {})
         extents = []
         for param in params:
+            master = self._masters.get(id(param))
+            if master is not None and master.data_ptr == param.data_ptr():  # not replaced since (param.data = ...)
+                extents.append(master)
             for key, value in optimizer.state.get(param, {}).items():
                 extent = known.get((id(param), key))
                 if extent is not None and isinstance(value, torch.Tensor) and extent.data_ptr == value.data_ptr():
