@@ -18,7 +18,7 @@ from lightning_roundpipe.planning.partition import format_layers
 class Problem:
     """Something that does not fit: ``kind`` says where, ``message`` what, by how much, and what to change."""
 
-    kind: Literal["device", "host"]
+    kind: Literal["device", "host", "disk"]
     message: str
 
 
@@ -69,6 +69,12 @@ class MemoryPlan:
     unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
     staging_bytes: int = 0            # gradients on their way into the step: the download buffers of every device
     gradients_kept_for: str | None = "param.grad"  # what keeps the whole model's gradients; None: only in flight
+    # the disk tier (offload): what goes to offload_dir, and what it has free (None: not known)
+    offload: str = "none"
+    offload_dir: str | None = None
+    disk_state_bytes: int = 0         # this process's optimizer state in files (optimizer_state_bytes: in memory)
+    disk_master_bytes: int = 0        # masters in files (offload="optimizer+masters"), freed from memory at start
+    disk_free_bytes: int | None = None
 
     @property
     def resident_bytes(self) -> int:
@@ -154,9 +160,18 @@ class MemoryPlan:
             rows.append(("next iteration's gradients", "+" + format_bytes(self.next_gradient_bytes),
                          "async: gather while the step reads param.grad"))
         optimizer_notes = self._optimizer_notes()
+        if self.disk_state_bytes:
+            optimizer_notes = [f"in memory only for the step groups in flight; {format_bytes(self.disk_state_bytes)} "
+                               f"in files in {self.offload_dir}", *optimizer_notes]
         rows.append(("optimizer state", "+" + format_bytes(self.optimizer_state_bytes),
                      "; ".join(optimizer_notes) if optimizer_notes
                      else ("no optimizer" if training else "none: not training")))
+        if self.offload != "none":
+            free = "" if self.disk_free_bytes is None else f", {format_bytes(self.disk_free_bytes)} free there"
+            rows.append(("disk tier", format_bytes(self.disk_state_bytes + self.disk_master_bytes),
+                         f"offload={self.offload!r} in {self.offload_dir}: optimizer state "
+                         f"{format_bytes(self.disk_state_bytes)}, masters {format_bytes(self.disk_master_bytes)} "
+                         f"(out of host memory once the engine starts){free}"))
         rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
         if self.staging_bytes:
             rows.append(("gradient staging", "+" + format_bytes(self.staging_bytes),

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -69,9 +70,16 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.kernels import SCRATCH_ELEMENTS, StepFigure, measure_step
+from lightning_roundpipe.engine.step.queued import READ_AHEAD
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
-from lightning_roundpipe.engine.transport import GRAD_STAGING_BUFFERS, layer_sizes, upload_copy_bytes
+from lightning_roundpipe.engine.transport import (
+    GRAD_STAGING_BUFFERS,
+    layer_sizes,
+    read_low_precision_only,
+    upload_copy_bytes,
+)
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
 from lightning_roundpipe.memory_plan import MemoryPlan, Problem
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
@@ -87,8 +95,8 @@ if TYPE_CHECKING:
     from lightning_roundpipe.engine.engine import RoundPipeEngine
 
 __all__ = [
-    "DeviceMemoryError", "HostMemoryError", "MemoryPlan", "PreflightError", "Problem", "check_layers", "enforce",
-    "enforce_layers", "optimizer_state_bytes", "plan_for", "plan_memory",
+    "DeviceMemoryError", "DiskSpaceError", "HostMemoryError", "MemoryPlan", "PreflightError", "Problem",
+    "check_layers", "enforce", "enforce_layers", "optimizer_state_bytes", "plan_for", "plan_memory",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,6 +112,10 @@ class HostMemoryError(PreflightError):
 
 class DeviceMemoryError(PreflightError):
     """A layer or stage cannot fit in ``device_memory_limit``."""
+
+
+class DiskSpaceError(PreflightError):
+    """``offload_dir`` has no room for what the disk tier keeps there (``offload``)."""
 
 
 # ---------------------------------------------------------------------------------------------- device side
@@ -187,7 +199,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 trainer_fn: str | None = None, limits: HostLimits | None = None,
                 host_optimizer: str | None = None, transport: torch.dtype | None = None,
                 processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1,
-                gradients_kept_for: str | None = "param.grad") -> MemoryPlan:
+                gradients_kept_for: str | None = "param.grad", offload: str = "none",
+                offload_dir: str | None = None) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
@@ -203,7 +216,9 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     run, for advice (sharding the optimizer state helps once there are several, on any nodes).
     ``gradients_kept_for``: what keeps the whole model's gradients through a step (the strategy's
     ``whole_gradients_reader``); ``None``: each step group's exist only while in flight, counted as the gradients
-    outside the trunk plus (devices + 1) times the largest stage's (capped at the whole)."""
+    outside the trunk plus (devices + 1) times the largest stage's (capped at the whole). ``offload``,
+    ``offload_dir``: the engine options; the state in files is in memory only for the step groups in flight
+    (:func:`_in_flight_state_bytes`), and ``offload_dir`` must have room for it (and the masters)."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits
@@ -220,13 +235,18 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     layer_totals = [sum(need) for need in needs]
     worst_layer = max(range(len(trunk)), key=lambda i: layer_totals[i])
     staging = GRAD_STAGING_BUFFERS * len(devices) * _largest_gradient_stage(needs, plan) if training else 0
+    state_share = -(-host.optimizer_bytes // optimizer_shards)  # this process's share, rounded up
+    disk_state = state_share if training and offload != "none" else 0
+    disk_masters = (tensors_nbytes(param for param in read_low_precision_only(trunk, transport)
+                                   if nbytes_of(param) >= PAGE)  # what the tier moves: a page or more
+                    if offload == "optimizer+masters" and transport is not None else 0)
     memory_plan = MemoryPlan(
         trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
         device_type=device_type, async_step=async_step, recompute=recompute,
         parameter_bytes=sum(host.by_dtype.values()), parameter_bytes_by_dtype=host.by_dtype,
         buffer_bytes=host.buffer_bytes, gradient_bytes=host.gradient_bytes,
         next_gradient_bytes=host.next_gradient_bytes,
-        optimizer_state_bytes=-(-host.optimizer_bytes // optimizer_shards),  # this process's share, rounded up
+        optimizer_state_bytes=_in_flight_state_bytes(trunk, plan, state_share) if disk_state else state_share,
         optimizer_notes=host.notes, optimizer_state_assumed=host.assumed, upload_copy_bytes=upload_copies,
         device_copy_bytes=stages.resident_copies if device_type == "cpu" else 0, activation_bytes=None,
         activation_layers=_activation_layers(plan, len(trunk), training, recompute), checkpoint_save_bytes=0,
@@ -242,6 +262,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
         unsharded_optimizer_state_bytes=host.optimizer_bytes, staging_bytes=staging,
         gradients_kept_for=gradients_kept_for if training else None,
+        offload=offload, offload_dir=offload_dir, disk_state_bytes=disk_state, disk_master_bytes=disk_masters,
+        disk_free_bytes=_free_bytes(offload_dir) if offload != "none" else None,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
@@ -268,7 +290,32 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         async_step=options.async_step, recompute=options.recompute, device_memory_limit=engine.device_budget,
         pin_memory=options.pin_memory, training=training, trainer_fn=trainer_fn,
         host_optimizer=options.host_optimizer, transport=engine.transport, processes_per_node=processes_per_node,
-        optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for)
+        optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for,
+        offload=options.offload, offload_dir=options.offload_dir)
+
+
+def _in_flight_state_bytes(trunk: Trunk, plan: Plan, whole: int) -> int:
+    """The optimizer state in memory with the disk tier: the step groups read ahead, the one stepping and the
+    writes queued (``disk_tier.QUEUED_WRITES``, ``queued.READ_AHEAD``), each at most the largest stage's share of
+    ``whole`` (by trainable elements); never more than ``whole``."""
+    trainable = sum(param.numel() for param in trunk.trainable_parameters())
+    if not trainable:
+        return whole
+    largest = max(sum({id(param): param.numel() for layer in stage for param in trunk.states[layer].params
+                       if param.requires_grad}.values()) for stage in (plan.fused, *plan.backward))
+    return min(whole, (READ_AHEAD + 1 + QUEUED_WRITES) * whole * largest // trainable)
+
+
+def _free_bytes(directory: str | None) -> int | None:
+    """What ``directory`` (or the nearest existing parent) has free for this user, or ``None``."""
+    path = directory
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path.rstrip("/")) or None
+    try:
+        stat = os.statvfs(path or ".")
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def _check_process_counts(**counts: int) -> None:
@@ -394,6 +441,13 @@ def _judge(plan: MemoryPlan, trunk: Trunk, transport: torch.dtype | None) -> Non
         ))
     if plan.shortfall > 0:
         plan.problems.append(Problem("host", _host_message(plan)))
+    on_disk = plan.disk_state_bytes + plan.disk_master_bytes
+    if plan.disk_free_bytes is not None and on_disk > plan.disk_free_bytes:
+        plan.problems.append(Problem(
+            "disk", f"RoundPipe pre-flight: offload={plan.offload!r} keeps {format_bytes(on_disk)} in files in "
+                    f"{plan.offload_dir} (optimizer state {format_bytes(plan.disk_state_bytes)}, masters "
+                    f"{format_bytes(plan.disk_master_bytes)}), which has {format_bytes(plan.disk_free_bytes)} free: "
+                    "free space there or set offload_dir to a larger disk."))
     if plan.optimizer_state_assumed:
         plan.warnings.append(
             "RoundPipe pre-flight: the optimizer state of " + ", ".join(
@@ -489,7 +543,9 @@ def enforce(plan: MemoryPlan, mode: str, logger: logging.Logger | None = None) -
         logger.warning(message)
     if not plan.problems:
         return
-    error = DeviceMemoryError if {problem.kind for problem in plan.problems} == {"device"} else HostMemoryError
+    kinds = {problem.kind for problem in plan.problems}
+    error = {"device": DeviceMemoryError, "disk": DiskSpaceError}.get(kinds.pop(), HostMemoryError) if len(
+        kinds) == 1 else HostMemoryError
     _refuse_or_warn("\n".join(problem.message for problem in plan.problems), mode, error, details=plan.table())
 
 

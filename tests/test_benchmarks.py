@@ -30,6 +30,7 @@ SMOKE_RUNS = {
     "bubble.py": README_ENTRY,
     "bubble_paper.py": README_ENTRY,
     "host_optimizer.py": README_ENTRY,
+    "host_memory.py": README_ENTRY,
     "memory.py": README_ENTRY,
     "overhead.py": README_ENTRY,
     "small_models.py": README_ENTRY,

@@ -26,11 +26,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
-from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrategy, pipeline_loss
+from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrategy, pipeline_loss, preflight
 from lightning_roundpipe.engine.errors import OffloadError
 from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.queued import READ_AHEAD
+from lightning_roundpipe.preflight import DiskSpaceError
 from tests.numerics import assert_states_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the disk tier is Linux only")
@@ -72,8 +73,9 @@ def _strategy(offload_dir: pathlib.Path | None, offload: str = "optimizer", **kw
     tier = {"offload": offload, "offload_dir": offload_dir} if offload_dir is not None else {}
     # whole jobs and a frozen plan: measured times (which a checkpoint carries) would otherwise choose rounds,
     # which sum the microbatches' gradients in another order than the reference's
-    return RoundPipeStrategy(ring=[0, 0], num_microbatches=2, num_stages=3, round_size="whole", freeze_plan=True,
-                             jitter=0.0005, **tier, **kwargs)
+    options = {"ring": [0, 0], "num_microbatches": 2, "num_stages": 3, "round_size": "whole", "freeze_plan": True,
+               "jitter": 0.0005, **tier, **kwargs}
+    return RoundPipeStrategy(**options)
 
 
 def _trainer(strategy: RoundPipeStrategy, epochs: int, root: pathlib.Path, precision: str = "32-true",
@@ -86,8 +88,9 @@ def _trainer(strategy: RoundPipeStrategy, epochs: int, root: pathlib.Path, preci
 
 def _fit(offload_dir: pathlib.Path | None, root: pathlib.Path, *, fused: bool = False, epochs: int = 2,
          ckpt_path: pathlib.Path | None = None, offload: str = "optimizer", precision: str = "32-true",
-         frozen: bool = False, callbacks: list[pl.Callback] | None = None, **kwargs) -> tuple[Wide, pl.Trainer]:
-    module = Wide(fused)
+         frozen: bool = False, callbacks: list[pl.Callback] | None = None, layers: int = 4,
+         **kwargs) -> tuple[Wide, pl.Trainer]:
+    module = Wide(fused, layers)
     if frozen:  # a frozen base: the first two Linear weights train no more (their masters are never read again)
         for index in (0, 2):
             module.net[index].weight.requires_grad_(False)
@@ -319,3 +322,29 @@ def test_a_crash_mid_step_then_a_resume_gives_the_uninterrupted_weights(tmp_path
     resumed, _ = _fit(offload_dir, tmp_path, ckpt_path=checkpoint, offload="optimizer+masters", precision="bf16-mixed")
     reference, _ = _fit(None, tmp_path, precision="bf16-mixed")
     assert_states_equal(resumed, reference)
+
+
+def test_the_pre_flight_plan_puts_the_state_on_disk_and_refuses_a_disk_too_small(tmp_path, monkeypatch):
+    """12 layers, a stage each: the groups in flight are part of the state only."""
+    offload_dir = tmp_path / "state"
+    plans = {}
+    for tier in ("memory", "state", "masters"):
+        on_disk, offload = TIERS[tier]
+        _, trainer = _fit(offload_dir if on_disk else None, tmp_path, offload=offload, precision="bf16-mixed",
+                          epochs=1, layers=12, num_stages=12)
+        plans[tier] = trainer.strategy.memory_plan
+    module = Wide(layers=12)
+    # AdamW: two buffers the size of each parameter, and a float32 step count each
+    whole_state = sum(2 * param.nbytes + 4 for param in module.parameters())
+    large_weights = sum(module.net[index].weight.nbytes for index in range(0, 24, 2))  # at least a page each
+    assert plans["memory"].optimizer_state_bytes == whole_state and plans["memory"].disk_state_bytes == 0
+    for tier in ("state", "masters"):
+        plan = plans[tier]
+        assert plan.disk_state_bytes == whole_state and plan.optimizer_state_bytes < whole_state
+        assert "disk tier" in plan.table() and str(offload_dir) in plan.table()
+    assert plans["state"].disk_master_bytes == 0
+    assert plans["masters"].disk_master_bytes == large_weights  # the biases and the 64 x 3 head: under a page
+    monkeypatch.setattr(preflight, "_free_bytes", lambda directory: 1000)
+    with pytest.raises(DiskSpaceError, match=f"offload='optimizer' keeps .* in files in {offload_dir}.*which has "
+                                             "1000 B free: free space there or set offload_dir to a larger disk"):
+        _fit(offload_dir, tmp_path, epochs=1)

@@ -218,6 +218,12 @@ COMMANDS: dict[str, Check] = {
         (r"^Device memory \(engine accounting", r"^Host bytes per parameter", r"^total +\d+\.\d\d +\d+\.\d\d$",
          r"^uploaded B/param/step", r"^Verdict: device peaks within the limit; host: sync \d"),
         sized=("--quick",), json=("config", "parameters", "parameter_bytes", "limit", "results")),
+    "python benchmarks/host_memory.py [--quick]": Benchmark(
+        (r"^\| configuration \| setup \| first step \| steady \| setup/steady \| disk read MB/step",
+         r"^\| state \+ masters on disk \| \d+\.\d\d \|", r"^\| LoRA, base frozen \| \d+\.\d\d \|",
+         r"^\| microbatches \| in memory ms/step \| state on disk ms/step \(ratio\)",
+         r"^state on disk: within 1\.05x of in memory ", r"^Verdict: state \+ masters on disk \d+\.\d\d B/param"),
+        sized=("--quick",), json=("config", "results", "timing", "verdicts", "seconds")),
     "python benchmarks/soak.py [--steps 2000]": Benchmark(
         (r"^ +step +seconds +rss MiB +fds +threads", r"^ +8 ", r"^verdict: .*(no thread left after teardown|GREW)"),
         sized=("--steps 2000",), grows=True, json=("samples", "problems")),

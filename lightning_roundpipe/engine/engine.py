@@ -32,8 +32,9 @@ from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_coun
 from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
 from lightning_roundpipe.engine.step.caller import StepQueue
+from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.window import GradWindow
-from lightning_roundpipe.engine.transport import layer_sizes, transport_torch_dtype
+from lightning_roundpipe.engine.transport import layer_sizes, read_low_precision_only, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import Plan
 
@@ -100,7 +101,7 @@ class RoundPipeEngine:
                                        num_microbatches=self.num_microbatches, measure_times=not self.deterministic)
         if ring.disk is not None and self.options.offload == "optimizer+masters":
             try:  # before pinning: what uploads read stays in memory, the masters in files are never pinned
-                ring.disk.adopt_masters(ring.sources.read_low_precision_only(self.trunk))
+                ring.disk.adopt_masters(read_low_precision_only(self.trunk, self.transport))
                 for layer in self.trunk.changed_layers():  # the same values in other memory: copies stay as made
                     self.trunk.recollect(layer)
             except BaseException:
@@ -314,6 +315,12 @@ class RoundPipeEngine:
         self._life.check_running()
         self.dispatcher.wait_for_jobs()
         self.wait_for_steps()
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier (``offload``), once started: what it holds (``state_bytes``, ``master_bytes``) and what of it
+        is in memory (``resident_bytes``). ``None`` without offload or before start."""
+        return self._ring.disk if self._ring is not None else None
 
     def offload_state(self, optimizer: torch.optim.Optimizer) -> None:
         """``offload="optimizer"``: move ``optimizer``'s state into the disk tier's files now, one parameter at a

@@ -111,6 +111,13 @@ def _copies_needed(trunk: Trunk, low_by_layer: list[set[int]], async_step: bool,
     return anywhere, published
 
 
+def read_low_precision_only(trunk: Trunk, transport: torch.dtype | None) -> list[nn.Parameter]:
+    """The trunk's parameters that every layer reading them uploads from a low-precision copy: under autocast no
+    upload reads their masters (``offload="optimizer+masters"`` keeps those masters on disk)."""
+    everywhere = _low_sets(trunk, _low_by_layer(trunk, transport))[1]
+    return [param for param in trunk.parameters() if id(param) in everywhere]
+
+
 def layer_sizes(trunk: Trunk, transport: torch.dtype | None) -> list[tuple[int, int]]:
     """:func:`layer_device_bytes` of every trunk layer."""
     return [layer_device_bytes(state, low, transport)
@@ -183,12 +190,6 @@ class UploadSources:
                 self._versions[key] = current[key]._version
             for key in published - self._published.keys():
                 self._published[key] = current[key].detach().clone()
-
-    def read_low_precision_only(self, trunk: Trunk) -> list[nn.Parameter]:
-        """The trunk's parameters that every layer reading them uploads from a low-precision copy: under autocast
-        no upload reads their masters (``offload="optimizer+masters"`` keeps those masters on disk)."""
-        everywhere = _low_sets(trunk, self._low_by_layer)[1]
-        return [param for param in trunk.parameters() if id(param) in everywhere]
 
     def is_low_precision(self, layer: int, param: nn.Parameter) -> bool:
         """Whether ``layer`` uploads ``param`` in the transport dtype (under autocast in that dtype)."""

@@ -8,8 +8,8 @@ them as before, bit for bit. ``"optimizer+masters"`` also maps there the paramet
 (:meth:`DiskTier.adopt_masters`: their devices read a low-precision copy), through ``param.data``: the module keeps
 its parameters, whose memory is the file's. What bounds host memory is when the pages are in memory:
 
-* **read ahead**: before a step group steps, this module's I/O thread faults its state in
-  (``MADV_POPULATE_WRITE``; the step then finds it in memory);
+* **read ahead**: before a step group steps, this module's I/O thread reads its state from the file in large
+  sequential reads and maps it (``MADV_POPULATE_WRITE``; the step then finds it in memory);
 * **written behind**: once the group has stepped, the thread writes its pages to disk (``msync``), unmaps them
   (``MADV_DONTNEED``) and drops them from the page cache (``POSIX_FADV_DONTNEED``), so that the memory the state
   holds follows the groups in flight, not the model, and does not move into the page cache instead.
@@ -53,10 +53,11 @@ PAGE = mmap.PAGESIZE
 QUEUED_WRITES = 2
 """Write-behinds that may wait for the I/O thread before the optimizer thread waits for them (:meth:`DiskTier.adopt`):
 with the groups read ahead, what bounds the state in memory whatever the disk's speed."""
+SCRATCH_BYTES = 4 * 2**20
+"""The I/O thread's read buffer: reads of this size keep the disk streaming."""
 _MADV_RANDOM = 1  # a fault reads its own page only: what is in memory is what was asked for
 _MADV_DONTNEED = 4
-_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels: MADV_WILLNEED, which reads ahead without mapping
-_MADV_WILLNEED = 3
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
 _MS_SYNC = 4
 
 
@@ -145,7 +146,7 @@ class DiskTier:
         self.directory = directory
         self._abort = abort
         self._libc = _libc()
-        self._populate = _MADV_POPULATE_WRITE
+        self._populate = True  # MADV_POPULATE_WRITE works here (until the kernel says otherwise)
         # per optimizer, where each of its state tensors in a file lives, by (id(param), state key); an entry whose
         # tensor the state no longer holds (a load_state_dict replaced it) is replaced at the next adopt
         self._extents: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[tuple[int, str], _Extent]] = \
@@ -153,7 +154,10 @@ class DiskTier:
         self._masters: dict[int, _Extent] = {}  # by id(param): the parameters whose memory is a file's
         self.bytes_read_ahead = 0  # figures, written by the I/O thread
         self.bytes_written_behind = 0
+        # one thread for reads and writes, in the order asked (two, one each, measured slower on 2 cores: the kernel's
+        # share of the work is CPU time, which the devices and the optimizer need too)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))  # the I/O thread's reads land here, then in the cache
         self._writes = threading.Condition()
         self._queued_writes = 0  # write requests not done yet
         self._thread = threading.Thread(target=self._run, name="roundpipe-disk", daemon=True)
@@ -215,11 +219,20 @@ class DiskTier:
             for param in group["params"]:
                 self.adopt(optimizer, [param])
 
-    def read_ahead(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
-        """Ask the I/O thread to bring the state of ``params`` (and their masters in files) into memory."""
+    def read_ahead(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> threading.Event:
+        """Ask the I/O thread to bring the state of ``params`` (and their masters in files) into memory; the event
+        is set once it is there (or at once if there is nothing to read)."""
+        done = threading.Event()
         extents = self._extents_of(optimizer, params)
         if extents:
-            self._requests.put(("read", extents))
+            self._requests.put(("read", extents, done))
+        else:
+            done.set()
+        return done
+
+    def wait(self, event: threading.Event, what: str) -> None:
+        """Until ``event`` (a :meth:`read_ahead`'s) is set; the engine's abort or ``wait_timeout`` end it."""
+        self._abort.wait(event, what)
 
     def write_behind(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
         """Ask the I/O thread to write the state of ``params`` (and their masters in files) to disk and drop it
@@ -242,7 +255,7 @@ class DiskTier:
         self._wait_writes(QUEUED_WRITES - 1)
         with self._writes:
             self._queued_writes += 1
-        self._requests.put(("write", extents))
+        self._requests.put(("write", extents, None))
 
     def _wait_writes(self, at_most: int) -> None:
         """Until at most ``at_most`` write requests are queued (or the engine aborts: :class:`EngineAborted`)."""
@@ -309,7 +322,7 @@ class DiskTier:
             request = self._requests.get()
             if request is None or self._abort.aborted:
                 return
-            kind, extents = request
+            kind, extents, done = request
             try:
                 for extent in extents:
                     if kind == "read":
@@ -320,6 +333,8 @@ class DiskTier:
                 self._abort.fail(OffloadError(f"the disk tier in {self.directory!r} failed: {error}"))
                 return
             finally:
+                if done is not None:
+                    done.set()
                 if kind == "write":
                     with self._writes:
                         self._queued_writes -= 1
@@ -329,13 +344,19 @@ class DiskTier:
         return self._libc.madvise(extent.file.address + extent.offset, extent.nbytes, advice)
 
     def _read(self, extent: _Extent) -> None:
-        # the whole run from the disk in large reads, then mapped (the mapping faults one page at a time)
-        os.posix_fadvise(extent.file.handle.fileno(), extent.offset, extent.nbytes, os.POSIX_FADV_WILLNEED)
-        if self._advise(extent, self._populate) != 0:
-            if ctypes.get_errno() != errno.EINVAL or self._populate == _MADV_WILLNEED:
+        # into the page cache in large sequential reads (the mapping is MADV_RANDOM: a fault reads one page), then
+        # mapped without another read. Reading it through the file costs a copy into the scratch buffer, which is
+        # far cheaper than the disk (fadvise's WILLNEED is asynchronous and left the mapping to fault page by page)
+        fd, done = extent.file.handle.fileno(), 0
+        while done < extent.nbytes:
+            read = os.preadv(fd, [self._scratch[:extent.nbytes - done]], extent.offset + done)
+            if read <= 0:
+                raise OSError(errno.EIO, f"the disk tier's file ended at {extent.offset + done} bytes")
+            done += read
+        if self._populate and self._advise(extent, _MADV_POPULATE_WRITE) != 0:
+            if ctypes.get_errno() != errno.EINVAL:
                 raise OSError(ctypes.get_errno(), f"madvise: {os.strerror(ctypes.get_errno())}")
-            self._populate = _MADV_WILLNEED  # an older kernel: reading ahead into the page cache still helps
-            self._advise(extent, self._populate)
+            self._populate = False  # a kernel before 5.14: the pages are in the cache, the step maps them
         self.bytes_read_ahead += extent.nbytes
 
     def _write(self, extent: _Extent) -> None:

@@ -16,6 +16,7 @@ request.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -110,7 +111,8 @@ class QueuedStep:
         self.on_whole = request.on_whole
         self.on_torn = request.on_torn
         self.disk = request.disk
-        self._read_ahead_asked: set[int] = set()  # offload: the groups whose state was asked for, not stepped yet
+        # offload: the groups whose state was asked for and not stepped yet, each with the event of its arrival
+        self._read_ahead_asked: dict[int, threading.Event] = {}
         # keep_gradients: the gradients each parameter was stepped with, by id, for the caller's thread to put
         # into param.grad once the step is done (RoundPipeEngine.restore_gradients)
         self.keep_gradients = request.keep_gradients
@@ -144,7 +146,7 @@ class QueuedStep:
                     self.window.wait_progress()
                     continue
                 pending.remove(index)
-                self._read_ahead_asked.discard(index)
+                self._wait_read_ahead(index)
                 group = self.groups[index]
                 if self.async_step:
                     self._publish(group, wait=True)
@@ -211,8 +213,16 @@ class QueuedStep:
             if len(self._read_ahead_asked) >= READ_AHEAD:
                 return
             if index not in self._read_ahead_asked:
-                self._read_ahead_asked.add(index)
-                self.disk.read_ahead(self.optimizer, self._stepped_params(self.groups[index]))
+                self._read_ahead_asked[index] = self.disk.read_ahead(self.optimizer,
+                                                                     self._stepped_params(self.groups[index]))
+
+    def _wait_read_ahead(self, index: int) -> None:
+        """Offload: before group ``index`` steps, wait for its state asked for ahead to be in memory: stepping
+        it meanwhile would fault it in a page at a time. A group not asked for (its first step, or one the order
+        did not foresee) steps at once."""
+        arrived = self._read_ahead_asked.pop(index, None)
+        if arrived is not None and self.disk is not None:
+            self.disk.wait(arrived, f"the disk tier's read of step {self.number} {self.groups[index].label}")
 
     def _stepped_params(self, group: StepGroup) -> list[nn.Parameter]:
         return [param for param in group.params if id(param) in self.stepped]

@@ -1,0 +1,373 @@
+"""Host memory per tier: resident bytes per parameter, disk bytes per step and step time, per configuration.
+
+Run: ``python benchmarks/host_memory.py [--quick]`` (default about 4 minutes on 2 cores, ``--quick`` about 2,
+``--smoke`` seconds: width 128, 4 layers, 1 measured step, one batch size). Not a test: it prints tables and
+verdicts and always exits 0.
+
+Setup: ``sync_async.py``'s emulated trunk (``--layers`` blocks ``x + tanh(Linear(width, width)(x))``, each
+followed by a sleep that stands for device time: ``--forward-ms`` per microbatch in forward, twice that in
+backward), 48 x 1024 wide by default: 50.4M parameters. ``RoundPipeStrategy`` on 2 CPU devices, one stage per
+``--layers-per-stage`` layers (1: a step group is a layer, and the groups in flight are a small part of the model),
+``precision="bf16-mixed"`` (the Linear weights travel as bf16 copies), AdamW, ``torch.set_num_threads(1)``. Each
+configuration runs in a fresh process (its memory is its own), with ``MALLOC_MMAP_THRESHOLD_=65536``: otherwise
+glibc keeps freed blocks of up to 32 MB in its heap once one was freed, and the resident set would keep the
+high-water mark of every allocation rather than what is live (a setting worth having in training jobs too).
+
+* ``gradients kept``: ``keep_gradients="always"``, what a step held before issue 26 (the whole model's fp32
+  gradients in ``param.grad`` between steps);
+* ``in flight``: the default, each step group's gradients only while in flight;
+* ``state on disk``: ``offload="optimizer"`` under ``--dir`` (default: a temporary directory in the working
+  directory's file system: point it at the disk to measure);
+* ``state + masters on disk``: ``offload="optimizer+masters"``;
+* ``LoRA, base frozen``: every Linear frozen, a rank ``--rank`` adapter beside each trained (``B @ A``, B zero at
+  first), ``offload="optimizer+masters"``: the frozen base's fp32 masters go to disk at setup and are never read
+  again; its bf16 copy is what stays.
+
+Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's resident set (``VmRSS``) less
+what the CPU stand-in devices hold in it (:func:`stand_in_bytes`: on GPUs it is device memory) and, with a disk
+tier, adds the page cache its files hold outside the process's mappings (``mincore`` over the files, less what
+``/proc/self/smaps`` says is mapped of them): memory the tier keeps busy either way. Per parameter: the
+largest sample less the process before the model was built (imports, data), over the model's parameters. Setup:
+from building the model to the first batch (the strategy's setup, the engine's start, the masters moved to disk);
+steady: from the second batch on (the first makes the optimizer state). Disk bytes: ``read_bytes`` and
+``write_bytes`` of ``/proc/self/io`` over the measured steps, per step (what reached the disk, not the page cache).
+Step time: the median from one batch start to the next, over ``--steps`` steps after one warm-up.
+
+Where a tier slows the step: each tier's step against ``in flight`` at several microbatch counts (``--sweep``):
+more microbatches per step means more device time per step for the same disk bytes, so the first count at which
+the ratio is at most ``TOLERANCE`` is the batch at which the tier stops costing (on this machine's disk).
+
+A second table splits the steady peak's sample: what the engine's own parts held then (:func:`known_parts`: the
+upload copies, the tier's pages in memory, the gradient sums kept for reuse, the download buffers) and the rest
+(the gradients and state being summed and stepped, activations, the allocator's own).
+
+Targets (issue 26): full fine-tuning with state and masters on disk at most 4 resident B/param; LoRA on a bf16
+base at most 2.2 B/param (here over all the parameters, adapters included); setup peak within 1.1x of the steady
+state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CONFIGS = {  # name: (label, strategy options, LoRA)
+    "kept": ("gradients kept", {"keep_gradients": "always"}, False),
+    "in-flight": ("in flight", {}, False),
+    "state": ("state on disk", {"offload": "optimizer"}, False),
+    "masters": ("state + masters on disk", {"offload": "optimizer+masters"}, False),
+    "lora": ("LoRA, base frozen", {"offload": "optimizer+masters"}, True),
+}
+TIERS = ("state", "masters")
+TOLERANCE = 1.05
+MMAP_THRESHOLD = 65536
+TARGETS = {"masters": 4.0, "lora": 2.2}
+SETUP_TARGET = 1.1
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def _disk_io() -> tuple[int, int]:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def _mapped_bytes(directory: str) -> int:
+    """What the process's mappings of files in ``directory`` hold in memory (their ``Rss`` in smaps)."""
+    total, inside = 0, False
+    prefix = os.path.realpath(directory) + "/"
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if not line[0].isupper() or ":" not in line.split()[0]:  # a mapping's header line
+                parts = line.split(maxsplit=5)
+                inside = len(parts) == 6 and parts[5].startswith(prefix)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def stand_in_bytes(engine: Any) -> int:
+    """What the CPU stand-in devices hold in host memory now: their accounted bytes (stage copies, gradients,
+    activations) and the released stage copies they keep for reuse (``UploadSpares``, read from the engine's
+    internals). On GPUs that memory is the devices'; here it is subtracted."""
+    ring = engine._ring
+    return (sum(device.residency.current for device in engine.devices)
+            + sum(spares._free_bytes for spares in ring.runner._spares))
+
+
+KNOWN = ("upload copies", "disk tier", "gradient sums", "gradient staging")
+
+
+def known_parts(engine: Any) -> dict[str, int]:
+    """What the engine's own parts hold on the host now (from its internals, read-only): the copies uploads read
+    (bf16 Linear weights), the disk tier's pages in memory (mapped or cached), the gradient sums it keeps for
+    reuse, the download buffers."""
+    ring = engine._ring
+    return {"upload copies": ring.sources.nbytes(),
+            "disk tier": engine.disk.resident_bytes() if engine.disk is not None else 0,
+            "gradient sums": engine.dispatcher.sum_buffers.held_bytes(),
+            "gradient staging": sum(worker.operations.grad_staging.nbytes() for worker in ring.workers)}
+
+
+class Sampler:
+    """The largest resident figure seen since each :meth:`phase` (a thread of its own)."""
+
+    def __init__(self, interval: float, directory: str) -> None:
+        self.interval, self.directory = interval, directory
+        self.engine: Any = None  # the strategy's engine, once started
+        self.peaks: dict[str, int] = {}
+        self.parts: dict[str, dict[str, int]] = {}  # per phase, the parts of its peak sample
+        self._phase = "setup"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def resident(self) -> tuple[int, dict[str, int]]:
+        parts = {"rss": _rss(), "stand-in devices": 0, "tier page cache": 0}
+        engine = self.engine
+        if engine is not None and not engine.closed:
+            parts["stand-in devices"] = stand_in_bytes(engine)
+            parts.update(known_parts(engine))
+            if engine.disk is not None:
+                parts["tier page cache"] = max(0, parts["disk tier"] - _mapped_bytes(self.directory))
+        return parts["rss"] - parts["stand-in devices"] + parts["tier page cache"], parts
+
+    def phase(self, name: str) -> None:
+        self.sample()
+        self._phase = name
+
+    def sample(self) -> None:
+        resident, parts = self.resident()
+        if resident > self.peaks.get(self._phase, 0):
+            self.peaks[self._phase], self.parts[self._phase] = resident, parts
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, in this process: the figures of the module docstring."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from common import quiet
+    from overhead import StepTimer
+    from sync_async import EmulatedLayer, make_batches, make_plan
+    from torch import nn
+
+    from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
+
+    quiet()
+    torch.set_num_threads(1)
+    label, options, lora = CONFIGS[args.child]
+
+    class Adapted(nn.Module):
+        """A frozen Linear plus a trainable rank-``rank`` update ``B @ A`` (B zero: the same function at first)."""
+
+        def __init__(self, base: nn.Linear, rank: int) -> None:
+            super().__init__()
+            self.base = base.requires_grad_(False)
+            self.down = nn.Linear(base.in_features, rank, bias=False)
+            self.up = nn.Linear(rank, base.out_features, bias=False)
+            nn.init.zeros_(self.up.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.up(self.down(x))
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1234)
+            layers = [EmulatedLayer(args.width, args.forward_ms / 1e3, 2.0) for _ in range(args.layers)]
+            if lora:
+                for layer in layers:
+                    layer.linear = Adapted(layer.linear, args.rank)
+            self.net = nn.Sequential(*layers)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return pipeline_loss(self.net, x, y, F.mse_loss)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    class Phases(pl.Callback):
+        roundpipe_reads_gradients = False
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            sampler.engine = trainer.strategy.engine
+            if batch_idx == 0:
+                sampler.phase("first step")
+            elif batch_idx == 1:
+                sampler.phase("steady")
+                io.append(_disk_io())
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            io.append(_disk_io())
+            sampler.phase("teardown")  # not reported: the engine closes, its devices' memory is no longer counted
+
+    steps = 1 + args.steps + 1  # a warm-up, the measured ones, and one whose start ends the last
+    args.rows = 2
+    data = make_batches(args, steps)
+    io: list[tuple[int, int]] = []
+    directory = tempfile.mkdtemp(prefix="roundpipe-host-memory-", dir=args.dir)
+    baseline = _rss()
+    sampler = Sampler(args.interval, directory)
+    model = Model()
+    params = sum(p.numel() for p in model.parameters())
+    tier = {"offload_dir": directory} if "offload" in options else {}
+    strategy = RoundPipeStrategy(num_microbatches=args.microbatches, log_pipeline_metrics=False, preflight="off",
+                                 num_stages=make_plan(args.layers, args.layers_per_stage), **options, **tier)
+    timer = StepTimer(warmup=1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, precision="bf16-mixed",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[timer, Phases()])
+    trainer.fit(model, data)
+    sampler.stop()
+    os.rmdir(directory)  # the tier's files had no names: nothing is left in it
+    measured = max(1, len(timer.step_seconds()))
+    (read0, write0), (read1, write1) = io[0], io[-1]
+    return {"config": args.child, "label": label, "parameters": params, "baseline": baseline,
+            "peaks": sampler.peaks, "parts": sampler.parts, "read_per_step": (read1 - read0) / measured,
+            "written_per_step": (write1 - write0) / measured, "step_s": statistics.median(timer.step_seconds()),
+            "microbatches": args.microbatches}
+
+
+def run_child(config: str, microbatches: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, __file__, "--child", config, "--out", out.name, "--microbatches", str(microbatches),
+                   "--width", str(args.width), "--layers", str(args.layers), "--steps", str(args.steps),
+                   "--forward-ms", str(args.forward_ms), "--layers-per-stage", str(args.layers_per_stage),
+                   "--rank", str(args.rank), "--interval", str(args.interval)]
+        if args.dir is not None:
+            command += ["--dir", args.dir]
+        # glibc keeps a freed block of up to 32 MB in its heap once one such block was freed (its dynamic mmap
+        # threshold), so the resident set would keep the high-water mark of every allocation; with a fixed
+        # threshold, large blocks go back to the system when freed and the resident set follows what is live
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"{config} failed:\n{result.stderr[-3000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
+def per_param(result: dict[str, Any], phase: str) -> float:
+    peak = result["peaks"].get(phase, 0)
+    return (peak - result["baseline"]) / result["parameters"]
+
+
+def main() -> int:
+    from common import add_smoke, sized
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and batch sizes")
+    parser.add_argument("--width", type=int, default=None, help="layer width (default 1024, smoke 128)")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default 48, smoke 4)")
+    parser.add_argument("--layers-per-stage", type=int, default=1, help="layers a stage, hence a step group")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 4, quick 2, smoke 1)")
+    parser.add_argument("--forward-ms", type=float, default=None, help="emulated device ms per layer and microbatch "
+                                                                       "in forward (default 1, smoke 0.5)")
+    parser.add_argument("--microbatches", type=int, default=None, help="for the memory table (default 4)")
+    parser.add_argument("--sweep", type=str, default=None,
+                        help="microbatch counts of the step-time table (default 4,8,16; quick 4,16; smoke 2)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument("--interval", type=float, default=0.01, help="sampler period, seconds")
+    parser.add_argument("--dir", type=str, default=None, help="offload_dir's parent (default: the system's temp)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    parser.add_argument("--child", choices=tuple(CONFIGS), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    add_smoke(parser, "width 128, 4 layers, 1 measured step, microbatches 2")
+    args = parser.parse_args()
+    args.width = sized(args.width, args, full=1024, smoke=128)
+    args.layers = sized(args.layers, args, full=48, smoke=4)
+    args.steps = sized(args.steps, args, full=4, quick=2, smoke=1)
+    args.forward_ms = sized(args.forward_ms, args, full=1.0, smoke=0.5)
+    args.microbatches = sized(args.microbatches, args, full=4, smoke=2)
+    sweep = [int(part) for part in sized(args.sweep, args, full="4,8,16", quick="4,16", smoke="2").split(",")]
+    if args.child is not None:
+        args.out.write_text(json.dumps(child(args)))
+        return 0
+
+    began = time.perf_counter()
+    print(f"Emulated trunk: {args.layers} x Linear({args.width}, {args.width}), {args.layers_per_stage} layers a "
+          f"stage, 2 CPU devices, bf16-mixed, AdamW, {args.forward_ms:g} ms forward per layer and microbatch; "
+          f"{args.steps} measured steps")
+    results = {config: run_child(config, args.microbatches, args) for config in CONFIGS}
+    print(f"\nHost bytes per parameter ({results['kept']['parameters']:,} parameters; LoRA: "
+          f"{results['lora']['parameters']:,} with its adapters), peak resident less the process before the model")
+    print("| configuration | setup | first step | steady | setup/steady | disk read MB/step | disk written MB/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for result in results.values():
+        setup, first, steady = (per_param(result, phase) for phase in ("setup", "first step", "steady"))
+        print(f"| {result['label']} | {setup:.2f} | {first:.2f} | {steady:.2f} | {setup / steady:.2f} | "
+              f"{result['read_per_step'] / 1e6:.1f} | {result['written_per_step'] / 1e6:.1f} |")
+    print("\nThe steady peak's sample, bytes per parameter: what the engine's parts held, and the rest")
+    print("| configuration | " + " | ".join(KNOWN) + " | rest |")
+    print("| --- | " + " | ".join("---" for _ in KNOWN) + " | --- |")
+    for result in results.values():
+        parts, params = result["parts"].get("steady", {}), result["parameters"]
+        known = [parts.get(name, 0) / params for name in KNOWN]
+        print(f"| {result['label']} | " + " | ".join(f"{value:.2f}" for value in known)
+              + f" | {per_param(result, 'steady') - sum(known):.2f} |")
+
+    timing = {tier: {} for tier in ("in-flight", *TIERS)}
+    for microbatches in sweep:
+        for tier in timing:
+            reuse = microbatches == args.microbatches
+            timing[tier][microbatches] = (results[tier] if reuse else run_child(tier, microbatches, args))["step_s"]
+    print("\nStep time against the in-memory run (in flight), by microbatches per step")
+    print("| microbatches | in memory ms/step | " + " | ".join(f"{CONFIGS[t][0]} ms/step (ratio)" for t in TIERS) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in TIERS) + " |")
+    for microbatches in sweep:
+        base = timing["in-flight"][microbatches]
+        cells = [f"{timing[t][microbatches] * 1e3:.0f} ({timing[t][microbatches] / base:.2f})" for t in TIERS]
+        print(f"| {microbatches} | {base * 1e3:.0f} | " + " | ".join(cells) + " |")
+    for tier in TIERS:
+        free = [m for m in sweep if timing[tier][m] / timing["in-flight"][m] <= TOLERANCE]
+        where = f"from {free[0]} microbatches per step" if free else f"not within {sweep[-1]} microbatches"
+        print(f"{CONFIGS[tier][0]}: within {TOLERANCE:.2f}x of in memory {where}")
+
+    verdicts = []
+    for config, target in TARGETS.items():
+        steady = per_param(results[config], "steady")
+        verdicts.append(f"{CONFIGS[config][0]} {steady:.2f} B/param (target <= {target:g}) "
+                        f"{'MET' if steady <= target else 'NOT MET'}")
+    setup_ratio = max(per_param(r, "setup") / per_param(r, "steady") for r in results.values())
+    verdicts.append(f"setup/steady at most {setup_ratio:.2f} (target <= {SETUP_TARGET:g}) "
+                    f"{'MET' if setup_ratio <= SETUP_TARGET else 'NOT MET'}")
+    print("\nVerdict: " + "; ".join(verdicts))
+    seconds = time.perf_counter() - began
+    print(f"({seconds:.0f} s)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"config": vars(args) | {"json": str(args.json), "out": None},
+                                         "results": results, "timing": timing, "verdicts": verdicts,
+                                         "seconds": seconds}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
