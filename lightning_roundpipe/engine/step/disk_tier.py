@@ -14,9 +14,12 @@ its parameters, whose memory is the file's. What bounds host memory is when the 
   (``MADV_DONTNEED``) and drops them from the page cache (``POSIX_FADV_DONTNEED``), so that the memory the state
   holds follows the groups in flight, not the model, and does not move into the page cache instead.
 
-Either order of the thread's work and the step's is correct: the mapping is the state, and a page the step
-touches before its read-ahead or after its write-behind is read from the file by the kernel. Only the memory in
-use depends on timing. The thread holds no device and never blocks the optimizer thread.
+Either order of the thread's work and the step's would be correct: the mapping is the state, and a page the step
+touches before its read-ahead or after its write-behind is read from the file by the kernel. For speed and a bound
+on memory the optimizer thread waits, though: for a group's read-ahead before stepping it (a step faulting its
+state in a page at a time was four times slower), and while :data:`QUEUED_WRITES` writes are queued. With the
+groups read ahead (``queued.READ_AHEAD``) and the one stepping, that bounds the state in memory whatever the
+disk's speed. The thread holds no device.
 
 The files have no names (``tempfile.TemporaryFile``: ``O_TMPFILE`` where the file system has it, else a name
 removed at once): they exist while the process does, so a crash leaves nothing a resume could mistake for state;
