@@ -112,6 +112,9 @@ class _File:
             self.map = mmap.mmap(handle.fileno(), nbytes, flags=mmap.MAP_SHARED,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self.map.madvise(_MADV_RANDOM)
+            # nor does a read through the file read ahead of what was asked (the next run, not in flight, would
+            # stay in the page cache until its own write-behind)
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
             handle.close()
             raise
