@@ -75,6 +75,10 @@ class MemoryPlan:
     disk_state_bytes: int = 0         # this process's optimizer state in files (optimizer_state_bytes: in memory)
     disk_master_bytes: int = 0        # masters in files (offload="optimizer+masters"), freed from memory at start
     disk_free_bytes: int | None = None
+    # what the disk tier would leave in memory: the optimizer state of the groups in flight, and the masters it
+    # could move (those devices upload from a low-precision copy); for the advice of a plan that does not fit
+    state_in_flight_bytes: int = 0
+    movable_master_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:

@@ -236,17 +236,19 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     worst_layer = max(range(len(trunk)), key=lambda i: layer_totals[i])
     staging = GRAD_STAGING_BUFFERS * len(devices) * _largest_gradient_stage(needs, plan) if training else 0
     state_share = -(-host.optimizer_bytes // optimizer_shards)  # this process's share, rounded up
+    in_flight_state = _in_flight_state_bytes(trunk, plan, state_share) if training else 0
+    movable_masters = (tensors_nbytes(param for param in read_low_precision_only(trunk, transport)
+                                      if nbytes_of(param) >= PAGE)  # what the tier moves: a page or more
+                       if training and transport is not None else 0)
     disk_state = state_share if training and offload != "none" else 0
-    disk_masters = (tensors_nbytes(param for param in read_low_precision_only(trunk, transport)
-                                   if nbytes_of(param) >= PAGE)  # what the tier moves: a page or more
-                    if offload == "optimizer+masters" and transport is not None else 0)
+    disk_masters = movable_masters if offload == "optimizer+masters" else 0
     memory_plan = MemoryPlan(
         trainer_fn=trainer_fn or ("fit" if training else "evaluate"), num_devices=len(devices),
         device_type=device_type, async_step=async_step, recompute=recompute,
         parameter_bytes=sum(host.by_dtype.values()), parameter_bytes_by_dtype=host.by_dtype,
         buffer_bytes=host.buffer_bytes, gradient_bytes=host.gradient_bytes,
         next_gradient_bytes=host.next_gradient_bytes,
-        optimizer_state_bytes=_in_flight_state_bytes(trunk, plan, state_share) if disk_state else state_share,
+        optimizer_state_bytes=in_flight_state if disk_state else state_share,
         optimizer_notes=host.notes, optimizer_state_assumed=host.assumed, upload_copy_bytes=upload_copies,
         device_copy_bytes=stages.resident_copies if device_type == "cpu" else 0, activation_bytes=None,
         activation_layers=_activation_layers(plan, len(trunk), training, recompute), checkpoint_save_bytes=0,
@@ -264,6 +266,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         gradients_kept_for=gradients_kept_for if training else None,
         offload=offload, offload_dir=offload_dir, disk_state_bytes=disk_state, disk_master_bytes=disk_masters,
         disk_free_bytes=_free_bytes(offload_dir) if offload != "none" else None,
+        state_in_flight_bytes=in_flight_state, movable_master_bytes=movable_masters,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
@@ -468,6 +471,27 @@ def _judge(plan: MemoryPlan, trunk: Trunk, transport: torch.dtype | None) -> Non
         )
 
 
+def _disk_tier_advice(plan: MemoryPlan) -> list[str]:
+    """What the disk tier would take off this node, whether that makes the plan fit, and what it costs a step."""
+    saved_state = (plan.optimizer_state_bytes - plan.state_in_flight_bytes) if plan.offload == "none" else 0
+    saved_masters = plan.movable_master_bytes if plan.offload != "optimizer+masters" else 0
+    options = []
+    if saved_state > 0:
+        options.append(("optimizer", saved_state, plan.optimizer_state_bytes))
+    if saved_state + saved_masters > saved_state and saved_masters > 0:
+        options.append(("optimizer+masters", saved_state + saved_masters,
+                        (plan.optimizer_state_bytes if plan.offload == "none" else plan.disk_state_bytes)
+                        + plan.movable_master_bytes))
+    advice = []
+    for offload, saved, per_step in options:
+        enough = plan.processes_per_node * saved >= plan.shortfall
+        advice.append(f"offload={offload!r} with offload_dir on a local disk: about {format_bytes(saved)} less in "
+                      f"each process ({'enough' if enough else 'not enough alone'}), for {format_bytes(per_step)} "
+                      f"read and written there per step ({per_step / 1e9:.1f} GB/s each way to hide it behind a "
+                      "one-second step)")
+    return advice
+
+
 def _host_message(plan: MemoryPlan) -> str:
     available = plan.host_available
     assert available is not None
@@ -486,6 +510,7 @@ def _host_message(plan: MemoryPlan) -> str:
         advice.append(f"shard_optimizer=True, which splits the optimizer state ({format_bytes(state)} in each "
                       "process) over all the processes, each keeping about 1/world size of it: at least "
                       f"{format_bytes(processes * state * (world - 1) // world)} less on this node")
+    advice += _disk_tier_advice(plan)
     if plan.optimizer_state_bytes:
         advice.append("an optimizer with less state (SGD without momentum keeps none; Adam/AdamW keep two "
                       "copies of every trainable parameter)")

@@ -28,9 +28,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrategy, pipeline_loss, preflight
 from lightning_roundpipe.engine.errors import OffloadError
+from lightning_roundpipe.engine.layers import build_trunk
 from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.queued import READ_AHEAD
+from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.preflight import DiskSpaceError
 from tests.numerics import assert_states_equal
 
@@ -348,3 +350,28 @@ def test_the_pre_flight_plan_puts_the_state_on_disk_and_refuses_a_disk_too_small
     with pytest.raises(DiskSpaceError, match=f"offload='optimizer' keeps .* in files in {offload_dir}.*which has "
                                              "1000 B free: free space there or set offload_dir to a larger disk"):
         _fit(offload_dir, tmp_path, epochs=1)
+
+
+def test_a_plan_that_does_not_fit_in_memory_names_the_disk_tier_and_what_it_saves():
+    """16 layers in 15 forward stages, AdamW, bf16 transport: the refusal names offload='optimizer' (the state
+    less the groups in flight) and 'optimizer+masters' (also the 16 fp32 weights), each with its cost per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(16)])
+    trunk = build_trunk(model)
+    engine = RoundPipeEngine(trunk, 2, EngineOptions(num_stages=15, transport_dtype="bfloat16"))  # plans only
+    optimizer = torch.optim.AdamW(model.parameters())
+    whole = sum(2 * param.nbytes + 4 for param in model.parameters())  # two buffers and a step count each
+    widest = max(len(stage) for stage in (engine.plan.fused, *engine.plan.backward))
+    in_flight = min(whole, (READ_AHEAD + 1 + QUEUED_WRITES) * whole * widest // 16)  # 16 equal layers
+    masters = 16 * 128 * 128 * 4  # the weights (64 KiB each); the biases are under a page
+    fits = preflight.plan_memory(model, trunk, engine.plan, [optimizer], devices=engine.torch_devices,
+                                 transport=torch.bfloat16, limits=HostLimits(mem_available=2**40))
+    tight = HostLimits(mem_available=fits.new_bytes - (whole - in_flight) // 2)  # short by half what it saves
+    plan = preflight.plan_memory(model, trunk, engine.plan, [optimizer], devices=engine.torch_devices,
+                                 transport=torch.bfloat16, limits=tight)
+    message = "\n".join(problem.message for problem in plan.problems)
+    assert (f"offload='optimizer' with offload_dir on a local disk: about {format_bytes(whole - in_flight)} less in "
+            f"each process (enough), for {format_bytes(whole)} read and written there per step") in message
+    assert (f"offload='optimizer+masters' with offload_dir on a local disk: about "
+            f"{format_bytes(whole - in_flight + masters)} less in each process (enough), for "
+            f"{format_bytes(whole + masters)} read and written") in message

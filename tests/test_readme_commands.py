@@ -139,7 +139,7 @@ class NotRun:
 Check = Run | Script | Benchmark | Compose | Covered | Recipe | TheSuite | NotRun
 
 _GPU_SMOKE = "tests/test_examples.py::test_the_gpu_check_runs_every_section_in_smoke_mode"
-_FITS = "Llama-3.1-8B on GPUs with 61-123 GB of host memory (tests/test_disk_tier.py runs the disk tier on CPU)"
+_FITS = "Llama-3.1-8B on GPUs with 51-123 GB of host memory (tests/test_disk_tier.py runs the disk tier on CPU)"
 _GPU = "needs a CUDA GPU (up to 9 minutes); `python benchmarks/gpu.py --smoke` runs every section on CPU"
 COMMANDS: dict[str, Check] = {
     # README: status
