@@ -2,7 +2,8 @@
 
 Read from ``/proc/meminfo`` (``MemAvailable``), this process's cgroup (v2 ``memory.max`` minus
 ``memory.current``, v1 ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``, with reclaimable
-inactive file cache not counted as used) and ``RLIMIT_MEMLOCK``. Standard library only; every reader takes
+inactive file cache not counted as used) and ``RLIMIT_MEMLOCK``. Standard library only (``format_bytes`` comes from
+:mod:`lightning_roundpipe.planning.device_budget`, shared with the engine); every reader takes
 its paths as arguments so that tests can hand it a fake ``/sys/fs/cgroup``. The pre-flight memory plan
 (:mod:`lightning_roundpipe.preflight`) compares its figures with these.
 """
@@ -12,26 +13,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from lightning_roundpipe.planning.device_budget import format_bytes
+
 __all__ = [
     "CgroupMemory", "HostLimits", "format_bytes", "read_cgroup_memory", "read_cgroup_v1", "read_cgroup_v2",
     "read_host_limits", "read_mem_available", "read_memlock",
 ]
 
 _UNLIMITED = 2**60  # cgroup v1 writes "unlimited" as a page-aligned LONG_MAX (9223372036854771712)
-
-
-def format_bytes(nbytes: int | float | None) -> str:
-    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'unlimited'``."""
-    if nbytes is None:
-        return "unlimited"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if unit == "B" and abs(value) < 1024:
-            return f"{int(value)} B"
-        if unit != "B" and abs(round(value, 1)) < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 @dataclass(frozen=True)

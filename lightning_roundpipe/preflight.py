@@ -299,14 +299,12 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
 
 def _in_flight_state_bytes(trunk: Trunk, plan: Plan, whole: int) -> int:
     """The optimizer state in memory with the disk tier: the step groups read ahead, the one stepping and the
-    writes queued (``disk_tier.QUEUED_WRITES``, ``queued.READ_AHEAD``), each at most the largest stage's share of
-    ``whole`` (by trainable elements); never more than ``whole``."""
-    trainable = sum(param.numel() for param in trunk.trainable_parameters())
+    writes queued (``disk_tier.QUEUED_WRITES``, ``queued.READ_AHEAD``), each at most the largest group's share of
+    ``whole`` (by trainable bytes); never more than ``whole``."""
+    trainable = tensors_nbytes(trunk.trainable_parameters())
     if not trainable:
         return whole
-    largest = max(sum({id(param): param.numel() for layer in stage for param in trunk.states[layer].params
-                       if param.requires_grad}.values()) for stage in (plan.fused, *plan.backward))
-    return min(whole, (READ_AHEAD + 1 + QUEUED_WRITES) * whole * largest // trainable)
+    return min(whole, (READ_AHEAD + 1 + QUEUED_WRITES) * whole * _largest_step_group_bytes(trunk, plan) // trainable)
 
 
 def _free_bytes(directory: str | None) -> int | None:
@@ -334,10 +332,15 @@ def _in_flight_gradient_bytes(module: nn.Module, trunk: Trunk, plan: Plan, num_d
     never more than ``whole``."""
     inside = {id(param) for param in trunk.trainable_parameters()}
     outside = tensors_nbytes(p for p in module.parameters() if p.requires_grad and id(p) not in inside)
-    largest = max(tensors_nbytes({id(param): param for layer in stage for param in trunk.states[layer].params
-                                  if param.requires_grad}.values())
-                  for stage in (plan.fused, *plan.backward))
-    return min(whole, outside + (num_devices + 1) * largest)
+    return min(whole, outside + (num_devices + 1) * _largest_step_group_bytes(trunk, plan))
+
+
+def _largest_step_group_bytes(trunk: Trunk, plan: Plan) -> int:
+    """The trainable parameter bytes of the plan's largest stage with gradients (fused or backward): of the step
+    groups a streamed step is cut into, the largest."""
+    return max(tensors_nbytes({id(param): param for layer in stage for param in trunk.states[layer].params
+                               if param.requires_grad}.values())
+               for stage in (plan.fused, *plan.backward))
 
 
 class _HostFigures(NamedTuple):
@@ -473,15 +476,14 @@ def _judge(plan: MemoryPlan, trunk: Trunk, transport: torch.dtype | None) -> Non
 
 def _disk_tier_advice(plan: MemoryPlan) -> list[str]:
     """What the disk tier would take off this node, whether that makes the plan fit, and what it costs a step."""
-    saved_state = (plan.optimizer_state_bytes - plan.state_in_flight_bytes) if plan.offload == "none" else 0
+    whole_state = plan.disk_state_bytes or plan.optimizer_state_bytes  # this process's, wherever it is
+    saved_state = whole_state - plan.state_in_flight_bytes if plan.offload == "none" else 0
     saved_masters = plan.movable_master_bytes if plan.offload != "optimizer+masters" else 0
     options = []
     if saved_state > 0:
-        options.append(("optimizer", saved_state, plan.optimizer_state_bytes))
-    if saved_state + saved_masters > saved_state and saved_masters > 0:
-        options.append(("optimizer+masters", saved_state + saved_masters,
-                        (plan.optimizer_state_bytes if plan.offload == "none" else plan.disk_state_bytes)
-                        + plan.movable_master_bytes))
+        options.append(("optimizer", saved_state, whole_state))
+    if saved_masters > 0:
+        options.append(("optimizer+masters", saved_state + saved_masters, whole_state + plan.movable_master_bytes))
     advice = []
     for offload, saved, per_step in options:
         enough = plan.processes_per_node * saved >= plan.shortfall
@@ -569,8 +571,8 @@ def enforce(plan: MemoryPlan, mode: str, logger: logging.Logger | None = None) -
     if not plan.problems:
         return
     kinds = {problem.kind for problem in plan.problems}
-    error = {"device": DeviceMemoryError, "disk": DiskSpaceError}.get(kinds.pop(), HostMemoryError) if len(
-        kinds) == 1 else HostMemoryError
+    only = kinds.pop() if len(kinds) == 1 else "host"  # several kinds at once: the host error names them all
+    error = {"device": DeviceMemoryError, "disk": DiskSpaceError}.get(only, HostMemoryError)
     _refuse_or_warn("\n".join(problem.message for problem in plan.problems), mode, error, details=plan.table())
 
 

@@ -323,7 +323,7 @@ class RoundPipeEngine:
         return self._ring.disk if self._ring is not None else None
 
     def offload_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """``offload="optimizer"``: move ``optimizer``'s state into the disk tier's files now, one parameter at a
+        """With ``offload``: move ``optimizer``'s state into the disk tier's files now, one parameter at a
         time (after ``optimizer.load_state_dict``, which makes it in memory; steps otherwise move what they
         make). Between steps only: waits for those queued. No-op without offload."""
         disk = self._started_part(self._ring).disk
@@ -332,8 +332,8 @@ class RoundPipeEngine:
             disk.adopt_all(optimizer)
 
     def drop_offloaded_pages(self) -> None:
-        """``offload="optimizer"``: write every state page in memory to its file and drop it (after something
-        read the whole state: a checkpoint). No-op without offload or before start."""
+        """With ``offload``: write every page of the disk tier's files in memory (state and masters) to its file and
+        drop it (after something read them all: a checkpoint). No-op without offload or before start."""
         if self._ring is not None and self._ring.disk is not None:
             self._ring.disk.drop_all()
 

@@ -250,11 +250,13 @@ class EngineOptions:
             raise OptionError("offload", f"must be one of {', '.join(map(repr, OFFLOADS))}, got {self.offload!r}")
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise OptionError("offload_dir", f"must be a directory path (str) or None, got {self.offload_dir!r}")
-        if self.offload != "none" and not self.offload_dir:
-            raise OptionError("offload", f"{self.offload!r} keeps state in files: set `offload_dir` to a directory "
-                                         "on a local disk with room for it")
-        if self.offload != "none" and offload_refusal() is not None:
-            raise OptionError("offload", f"{self.offload!r} cannot work here: {offload_refusal()}")
+        if self.offload != "none":
+            if not self.offload_dir:
+                raise OptionError("offload", f"{self.offload!r} keeps state in files: set `offload_dir` to a "
+                                             "directory on a local disk with room for it")
+            refusal = offload_refusal()
+            if refusal is not None:
+                raise OptionError("offload", f"{self.offload!r} cannot work here: {refusal}")
         if self.recompute not in RECOMPUTE_GRAINS:
             raise OptionError("recompute", f"must be {' or '.join(map(repr, RECOMPUTE_GRAINS))}, "
                                            f"got {self.recompute!r}")

@@ -1,4 +1,4 @@
-"""The device memory budget: what of a device's memory the planner may give to stages.
+"""The device memory budget: what of a device's memory the planner may give to stages, and how bytes are shown.
 
 Pure module (standard library only); :mod:`.search` fits each stage in half of the stage budget.
 """
@@ -51,3 +51,17 @@ def stage_memory_budget(device_memory_limit: int | None, workspace_bytes: int = 
     if device_memory_limit is None:
         return None
     return max(1, int((device_memory_limit - workspace_bytes) * (1.0 - ACTIVATION_RESERVE)))
+
+
+def format_bytes(nbytes: int | float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'unlimited'``."""
+    if nbytes is None:
+        return "unlimited"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if unit == "B" and abs(value) < 1024:
+            return f"{int(value)} B"
+        if unit != "B" and abs(round(value, 1)) < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

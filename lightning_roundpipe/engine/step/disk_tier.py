@@ -51,6 +51,8 @@ from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, join_until
 from lightning_roundpipe.engine.errors import EngineAborted, OffloadError
+from lightning_roundpipe.engine.transfer import nbytes_of
+from lightning_roundpipe.planning.device_budget import format_bytes
 
 PAGE = mmap.PAGESIZE
 QUEUED_WRITES = 2
@@ -84,14 +86,6 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
-def human_bytes(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GiB"
-
-
 class _File:
     """One nameless file, its blocks reserved and mapped shared."""
 
@@ -105,9 +99,9 @@ class _File:
                     raise
                 free = os.statvfs(directory)
                 raise OffloadError(
-                    f"offload_dir {directory!r} has no room for {human_bytes(nbytes)} more of {what} "
-                    f"({human_bytes(free.f_bavail * free.f_frsize)} free there; the whole {what} needs about "
-                    f"{human_bytes(whole_state)}): free space there or set offload_dir to a larger disk "
+                    f"offload_dir {directory!r} has no room for {format_bytes(nbytes)} more of {what} "
+                    f"({format_bytes(free.f_bavail * free.f_frsize)} free there; the whole {what} needs about "
+                    f"{format_bytes(whole_state)}): free space there or set offload_dir to a larger disk "
                     f"({os.strerror(error.errno)}). Checkpoints already written are untouched.") from error
             self.map = mmap.mmap(handle.fileno(), nbytes, flags=mmap.MAP_SHARED,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -124,8 +118,7 @@ class _File:
 
     def tensor(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor of ``like``'s dtype and shape (contiguous) in this file's pages from ``offset``."""
-        nbytes = like.numel() * like.element_size()
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset).view(
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes_of(like), offset=offset).view(
             like.dtype).view(like.shape)
 
 
@@ -158,8 +151,6 @@ class DiskTier:
         self._extents: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[tuple[int, str], _Extent]] = \
             weakref.WeakKeyDictionary()
         self._masters: dict[int, _Extent] = {}  # by id(param): the parameters whose memory is a file's
-        self.bytes_read_ahead = 0  # figures, written by the I/O thread
-        self.bytes_written_behind = 0
         # one thread for reads and writes, in the order asked (two, one each, measured slower on 2 cores: the kernel's
         # share of the work is CPU time, which the devices and the optimizer need too)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -183,7 +174,7 @@ class DiskTier:
                 if _belongs_here(value) and (known is None or known.data_ptr != value.data_ptr()):
                     moving.append((param, key, value))
         if moving:
-            sizes = [_round_up(value.numel() * value.element_size()) for _, _, value in moving]
+            sizes = [_round_up(nbytes_of(value)) for _, _, value in moving]
             file = _File(self.directory, sum(sizes), _whole_state(optimizer, moving, sum(sizes)))
             offset = 0
             for (param, key, value), size in zip(moving, sizes, strict=True):
@@ -201,7 +192,7 @@ class DiskTier:
         params = [param for param in params if id(param) not in self._masters and _belongs_here(param.data)]
         if not params:
             return
-        sizes = [_round_up(param.numel() * param.element_size()) for param in params]
+        sizes = [_round_up(nbytes_of(param)) for param in params]
         file = _File(self.directory, sum(sizes), sum(sizes), what="master weights")
         offset = 0
         with torch.no_grad():
@@ -242,9 +233,8 @@ class DiskTier:
 
     def write_behind(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
         """Ask the I/O thread to write the state of ``params`` (and their masters in files) to disk and drop it
-        from memory; first wait while
-        :data:`QUEUED_WRITES` requests are still waiting (a disk slower than the step holds the step back instead
-        of letting the state in memory grow)."""
+        from memory; first wait while :data:`QUEUED_WRITES` requests are still waiting (a disk slower than the step
+        holds the step back instead of letting the state in memory grow)."""
         extents = self._extents_of(optimizer, params)
         if extents:
             self._queue_write(extents)
@@ -252,8 +242,7 @@ class DiskTier:
     def drop_all(self, wait: bool = False) -> None:
         """Write every file's pages behind (after a checkpoint read them all, say); with ``wait``, return once
         the I/O thread has done so and every write asked before."""
-        self._queue_write([*(extent for extents in list(self._extents.values()) for extent in extents.values()),
-                           *self._masters.values()])
+        self._queue_write(self._all_extents())
         if wait:
             self._wait_writes(0)
 
@@ -277,23 +266,20 @@ class DiskTier:
                     raise error
                 self._writes.wait(0.05)
 
-    def _files(self) -> list[_File]:
-        extents = [*(extent for extents in list(self._extents.values()) for extent in extents.values()),
-                   *self._masters.values()]
-        return list({id(extent.file): extent.file for extent in extents}.values())
+    def _state_extents(self) -> list[_Extent]:
+        return [extent for extents in list(self._extents.values()) for extent in extents.values()]
 
-    def file_bytes(self) -> int:
-        """The bytes reserved on disk for the state and masters in files."""
-        return sum(file.nbytes for file in self._files())
+    def _all_extents(self) -> list[_Extent]:
+        return [*self._state_extents(), *self._masters.values()]
 
     def state_bytes(self) -> int:
         """The bytes of the state tensors in files."""
-        return sum(extent.nbytes for extents in list(self._extents.values()) for extent in extents.values())
+        return sum(extent.nbytes for extent in self._state_extents())
 
     def resident_bytes(self) -> int:
         """The files' bytes in memory now (mapped or in the page cache; ``mincore``)."""
         total = 0
-        for file in self._files():
+        for file in {id(extent.file): extent.file for extent in self._all_extents()}.values():
             pages = file.nbytes // PAGE
             flags = (ctypes.c_ubyte * pages)()
             if self._libc.mincore(file.address, file.nbytes, flags) != 0:
@@ -363,7 +349,6 @@ class DiskTier:
             if ctypes.get_errno() != errno.EINVAL:
                 raise OSError(ctypes.get_errno(), f"madvise: {os.strerror(ctypes.get_errno())}")
             self._populate = False  # a kernel before 5.14: the pages are in the cache, the step maps them
-        self.bytes_read_ahead += extent.nbytes
 
     def _write(self, extent: _Extent) -> None:
         address = extent.file.address + extent.offset
@@ -372,7 +357,6 @@ class DiskTier:
             raise OSError(error, f"msync: {os.strerror(error)}")
         self._advise(extent, _MADV_DONTNEED)  # a shared mapping: the pages stay in the file
         os.posix_fadvise(extent.file.handle.fileno(), extent.offset, extent.nbytes, os.POSIX_FADV_DONTNEED)
-        self.bytes_written_behind += extent.nbytes
 
 
 def _whole_state(optimizer: torch.optim.Optimizer, moving: list[tuple[nn.Parameter, str, torch.Tensor]],
@@ -387,4 +371,4 @@ def _whole_state(optimizer: torch.optim.Optimizer, moving: list[tuple[nn.Paramet
 def _belongs_here(value: object) -> bool:
     """A state tensor the files keep: a dense CPU tensor of at least a page (not a step count)."""
     return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
-            and value.is_contiguous() and value.numel() * value.element_size() >= PAGE)
+            and value.is_contiguous() and nbytes_of(value) >= PAGE)
