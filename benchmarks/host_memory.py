@@ -19,9 +19,9 @@ high-water mark of every allocation rather than what is live (a setting worth ha
 * ``state on disk``: ``offload="optimizer"`` under ``--dir`` (default: a temporary directory in the working
   directory's file system: point it at the disk to measure);
 * ``state + masters on disk``: ``offload="optimizer+masters"``;
-* ``LoRA, base frozen``: every Linear frozen, a rank ``--rank`` adapter beside each trained (``B @ A``, B zero at
-  first), ``offload="optimizer+masters"``: the frozen base's fp32 masters go to disk at setup and are never read
-  again; its bf16 copy is what stays.
+* ``LoRA, bf16 base frozen``: every Linear frozen and holding bfloat16 values (a bf16 checkpoint loaded into the
+  float32 model), a rank ``--rank`` adapter beside each trained (``B @ A``, B zero at first); ``frozen_weights``
+  at its default keeps the base in bf16 alone (its float32 masters are freed when the engine starts).
 
 Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's resident set (``VmRSS``) less
 what the CPU stand-in devices hold in it (:func:`stand_in_bytes`: on GPUs it is device memory) and, with a disk
@@ -70,7 +70,7 @@ CONFIGS = {  # name: (label, strategy options, LoRA)
     "in-flight": ("in flight", {}, False),
     "state": ("state on disk", {"offload": "optimizer"}, False),
     "masters": ("state + masters on disk", {"offload": "optimizer+masters"}, False),
-    "lora": ("LoRA, base frozen", {"offload": "optimizer+masters"}, True),
+    "lora": ("LoRA, bf16 base frozen", {}, True),
 }
 TIERS = ("state", "masters")
 TOLERANCE = 1.05
@@ -203,6 +203,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             layers = [EmulatedLayer(args.width, args.forward_ms / 1e3, 2.0) for _ in range(args.layers)]
             if lora:
                 for layer in layers:
+                    with torch.no_grad():  # bf16 values, as a bf16 checkpoint loaded into a float32 model has
+                        for param in layer.linear.parameters():
+                            param.copy_(param.bfloat16().float())
                     layer.linear = Adapted(layer.linear, args.rank)
             self.net = nn.Sequential(*layers)
 

@@ -79,6 +79,13 @@ class MemoryPlan:
     # could move (those devices upload from a low-precision copy); for the advice of a plan that does not fit
     state_in_flight_bytes: int = 0
     movable_master_bytes: int = 0
+    # frozen_weights: frozen weights kept in the transport dtype alone (each its own upload copy), whose float32
+    # masters are freed when the engine starts; and those kept as stored because that dtype does not hold them
+    frozen_freed_bytes: int = 0
+    frozen_narrowed: int = 0          # how many such weights
+    frozen_kept_bytes: int = 0
+    frozen_kept: int = 0
+    frozen_weights: str = "auto"
 
     @property
     def resident_bytes(self) -> int:
@@ -91,7 +98,7 @@ class MemoryPlan:
         unless estimated)."""
         return (self.gradient_bytes + self.next_gradient_bytes + self.optimizer_state_bytes + self.upload_copy_bytes
                 + self.device_copy_bytes + (self.activation_bytes or 0) + self.checkpoint_save_bytes
-                + self.staging_bytes)
+                + self.staging_bytes - self.frozen_freed_bytes)
 
     @property
     def host_total_bytes(self) -> int:
@@ -177,6 +184,8 @@ class MemoryPlan:
                          f"{format_bytes(self.disk_state_bytes)}, masters {format_bytes(self.disk_master_bytes)} "
                          f"(out of host memory once the engine starts){free}"))
         rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
+        if self.frozen_freed_bytes or self.frozen_kept:
+            rows.append(self._frozen_row())
         if self.staging_bytes:
             rows.append(("gradient staging", "+" + format_bytes(self.staging_bytes),
                          f"{self.num_devices} device(s) x {GRAD_STAGING_BUFFERS} download buffers x the largest "
@@ -228,6 +237,17 @@ class MemoryPlan:
         if self.async_step:
             return "async: the published copy of the trainable trunk weights" + (f" ({low})" if low else "")
         return f"{low}, cast once per step (transport_dtype)" if low else "none: sync step, weights uploaded as stored"
+
+    def _frozen_row(self) -> tuple[str, str, str]:
+        notes = []
+        if self.frozen_narrowed:
+            notes.append(f"{self.frozen_narrowed} frozen weights kept in {self.transport} alone, each its own upload "
+                         f"copy (frozen_weights={self.frozen_weights!r}): their masters are freed at start")
+        if self.frozen_kept:
+            notes.append(f"{self.frozen_kept} ({format_bytes(self.frozen_kept_bytes)}) kept as stored: "
+                         f"{self.transport} does not hold their values exactly (frozen_weights='round' rounds them, "
+                         "which autocast does anyway, and saves 4 bytes per parameter)")
+        return ("frozen weights", "-" + format_bytes(self.frozen_freed_bytes), "; ".join(notes))
 
     def _activation_row(self, training: bool) -> tuple[str, str, str]:
         if self.activation_bytes is not None:

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from lightning_roundpipe.engine.frozen_weights import FrozenSelection
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.kernels import SCRATCH_ELEMENTS, StepFigure, measure_step
@@ -200,7 +201,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 host_optimizer: str | None = None, transport: torch.dtype | None = None,
                 processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1,
                 gradients_kept_for: str | None = "param.grad", offload: str = "none",
-                offload_dir: str | None = None) -> MemoryPlan:
+                offload_dir: str | None = None, frozen: FrozenSelection | None = None,
+                frozen_weights: str = "auto") -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
@@ -218,7 +220,9 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     ``whole_gradients_reader``); ``None``: each step group's exist only while in flight, counted as the gradients
     outside the trunk plus (devices + 1) times the largest stage's (capped at the whole). ``offload``,
     ``offload_dir``: the engine options; the state in files is in memory only for the step groups in flight
-    (:func:`_in_flight_state_bytes`), and ``offload_dir`` must have room for it (and the masters)."""
+    (:func:`_in_flight_state_bytes`), and ``offload_dir`` must have room for it (and the masters). ``frozen``:
+    the frozen weights the engine will keep at compute width (``RoundPipeEngine.frozen_selection``) under the
+    ``frozen_weights`` option: their masters are freed at start (each becomes its own upload copy)."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits
@@ -237,8 +241,10 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     staging = GRAD_STAGING_BUFFERS * len(devices) * _largest_gradient_stage(needs, plan) if training else 0
     state_share = -(-host.optimizer_bytes // optimizer_shards)  # this process's share, rounded up
     in_flight_state = _in_flight_state_bytes(trunk, plan, state_share) if training else 0
+    narrowed = {id(param) for param in frozen.narrowed} if frozen is not None else set()
     movable_masters = (tensors_nbytes(param for param in read_low_precision_only(trunk, transport)
-                                      if nbytes_of(param) >= PAGE)  # what the tier moves: a page or more
+                                      # what the tier moves: a page or more, of masters not freed at start
+                                      if nbytes_of(param) >= PAGE and id(param) not in narrowed)
                        if training and transport is not None else 0)
     disk_state = state_share if training and offload != "none" else 0
     disk_masters = movable_masters if offload == "optimizer+masters" else 0
@@ -267,6 +273,9 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         offload=offload, offload_dir=offload_dir, disk_state_bytes=disk_state, disk_master_bytes=disk_masters,
         disk_free_bytes=_free_bytes(offload_dir) if offload != "none" else None,
         state_in_flight_bytes=in_flight_state, movable_master_bytes=movable_masters,
+        frozen_freed_bytes=frozen.saved_bytes if frozen is not None else 0, frozen_narrowed=len(narrowed),
+        frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
+        frozen_kept=len(frozen.kept) if frozen is not None else 0, frozen_weights=frozen_weights,
     )
     _judge(memory_plan, trunk, transport)
     if training and host_optimizer is not None and memory_plan.fits:
@@ -294,7 +303,8 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         pin_memory=options.pin_memory, training=training, trainer_fn=trainer_fn,
         host_optimizer=options.host_optimizer, transport=engine.transport, processes_per_node=processes_per_node,
         optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for,
-        offload=options.offload, offload_dir=options.offload_dir)
+        offload=options.offload, offload_dir=options.offload_dir, frozen=engine.frozen_selection(),
+        frozen_weights=options.frozen_weights)
 
 
 def _in_flight_state_bytes(trunk: Trunk, plan: Plan, whole: int) -> int:

@@ -63,7 +63,7 @@ from typing_extensions import override
 from lightning_roundpipe import metrics, precision, preflight
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
 from lightning_roundpipe.engine.engine import RoundPipeEngine
-from lightning_roundpipe.engine.options import Offload, Recompute, TransportDtype
+from lightning_roundpipe.engine.options import FrozenWeights, Offload, Recompute, TransportDtype
 from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step.groups import StreamingStep
 from lightning_roundpipe.engine.step.kernels import HostKernels
@@ -133,6 +133,10 @@ class RoundPipeStrategy(RingProcessStrategy):
             ``"optimizer+masters"``: under ``bf16-mixed``/``16-mixed`` also the fp32 masters devices upload from
             a low-precision copy (the Linear and Conv weights).
         offload_dir: the directory of ``offload``'s files, on a local disk with room for the state.
+        frozen_weights: ``"auto"``: under ``bf16-mixed``/``16-mixed`` a frozen Linear or Conv weight whose values
+            autocast's dtype holds exactly (a bf16 checkpoint's) is kept on the host in that dtype alone (2 bytes
+            per parameter instead of 6); ``"as_stored"``: never; ``"round"``: every one, rounded. State dicts keep
+            the module's dtypes.
         recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
         pin_memory: CUDA: pin the host weights in place for fast uploads.
         transport_dtype: under ``bf16-mixed``/``16-mixed`` (``"auto"``), upload the Linear and Conv weights in
@@ -179,6 +183,7 @@ class RoundPipeStrategy(RingProcessStrategy):
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
                  streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
                  offload: Offload = "none", offload_dir: str | os.PathLike[str] | None = None,
+                 frozen_weights: FrozenWeights = "auto",
                  round_size: Literal["auto", "whole"] | int = "auto", ring: list[int] | None = None,
                  rings_per_node: int = 1, shard_optimizer: bool = False, reduce_dtype: ReduceDtype = "auto",
                  log_pipeline_metrics: bool = True, timeline: bool = False,
@@ -202,6 +207,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
             offload=offload,
             offload_dir=os.fspath(offload_dir) if isinstance(offload_dir, os.PathLike) else offload_dir,
+            frozen_weights=frozen_weights,
             freeze_plan=freeze_plan, replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm,
             seed=seed, jitter=jitter, stress=stress, wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
@@ -261,7 +267,8 @@ class RoundPipeStrategy(RingProcessStrategy):
         self.memory_plan = None
         transport = transport_torch_dtype(options.transport_dtype)
         preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type, transport)
-        engine = RoundPipeEngine(trunk, devices, options, data_parallel=data_parallel)  # plans; threads start below
+        engine = RoundPipeEngine(trunk, devices, options, data_parallel=data_parallel,  # plans; threads start below
+                                 model=module)
         resumed, self._resume_state = self._resume_state, None
         if resumed is not None and trainer.ckpt_path is not None:
             engine.load_state_dict(resumed)  # the plan, step count and seed the checkpointed run had

@@ -302,6 +302,30 @@ def test_lora_base_stays_in_its_stored_dtype_on_the_host_and_the_devices(caplog)
     assert all(torch.isfinite(torch.tensor(loss)) for loss in module.losses)
 
 
+def test_a_lora_base_from_a_bf16_checkpoint_is_kept_in_bf16_alone_with_the_same_results():
+    """A float32 model holding bfloat16 values (a bf16 checkpoint loaded into float32): under bf16-mixed the base's
+    Linear weights are kept in bf16 alone (``frozen_weights="auto"``); the norms (float32 compute) and the tied
+    embedding (read as stored by the lookup outside the trunk) stay float32. Bitwise the run with every weight
+    as stored, and the module comes back in float32."""
+    runs = {}
+    for setting in ("auto", "as_stored"):
+        model = with_lora(tiny_llama().to(torch.bfloat16).float())
+        module = CausalLMModule(model)
+        strategy = RoundPipeStrategy(num_microbatches=2, frozen_weights=setting)
+        trainer = _fit(module, strategy, devices=2, precision="bf16-mixed")
+        runs[setting] = module, trainer, strategy.memory_plan
+    (ours, ours_trainer, plan), (reference, reference_trainer, _) = runs["auto"], runs["as_stored"]
+    decoder = ours.model.get_base_model().model.layers
+    expected = [param for layer in decoder for module in layer.modules() if type(module) is torch.nn.Linear
+                for param in module.parameters() if not param.requires_grad]
+    assert plan.frozen_narrowed == len(expected) and plan.frozen_freed_bytes == 4 * sum(p.numel() for p in expected)
+    assert ours.losses == reference.losses
+    assert_states_equal(ours, reference)
+    assert_states_equal(ours_trainer.optimizers[0].state_dict()["state"],
+                        reference_trainer.optimizers[0].state_dict()["state"])
+    assert {param.dtype for param in ours.parameters()} == {torch.float32}
+
+
 def test_unsupported_calls_and_models_are_refused_with_a_clear_message():
     module = CausalLMModule(tiny_llama())
 

@@ -191,6 +191,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "host_optimizer": ("fused", "fused"),
     "offload": ("optimizer", "optimizer"),
     "offload_dir": ("{tmp}/offload", "{tmp}/offload"),
+    "frozen_weights": ("round", "round"),
     "recompute": ("layer", "layer"),
     "pin_memory": ("false", False),
     "transport_dtype": ("off", "off"),
@@ -251,6 +252,7 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
      "must be a positive int (processes per node, each driving a ring of devices // rings_per_node devices), got 0"),
     ("reduce_dtype", "float16", "float16", "must be one of 'auto', 'float32', 'bfloat16', got 'float16'"),
     ("offload", "gpu", "gpu", "must be one of 'none', 'optimizer', 'optimizer+masters', got 'gpu'"),
+    ("frozen_weights", "bf16", "bf16", "must be one of 'auto', 'as_stored', 'round', got 'bf16'"),
     ("offload", "optimizer", "optimizer",
      "'optimizer' keeps state in files: set `offload_dir` to a directory on a local disk with room for it"),
 ]

@@ -229,7 +229,7 @@ COMMANDS: dict[str, Check] = {
         sized=("--quick",), json=("config", "parameters", "parameter_bytes", "limit", "results")),
     "python benchmarks/host_memory.py [--quick]": Benchmark(
         (r"^\| configuration \| setup \| first step \| steady \| setup/steady \| disk read MB/step",
-         r"^\| state \+ masters on disk \| \d+\.\d\d \|", r"^\| LoRA, base frozen \| \d+\.\d\d \|",
+         r"^\| state \+ masters on disk \| \d+\.\d\d \|", r"^\| LoRA, bf16 base frozen \| \d+\.\d\d \|",
          r"^\| microbatches \| in memory ms/step \| state on disk ms/step \(ratio\)",
          r"^state on disk: within 1\.05x of in memory ", r"^Verdict: state \+ masters on disk \d+\.\d\d B/param"),
         sized=("--quick",), json=("config", "results", "timing", "verdicts", "seconds")),

@@ -10,6 +10,7 @@ reports. The planner's feedback (``_replan``) stays here.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.feedback import estimate_autocast_copies
 from lightning_roundpipe.engine.figures import cuda_memory_figures
 from lightning_roundpipe.engine.follow import ModuleFollower
+from lightning_roundpipe.engine.frozen_weights import FrozenSelection, FrozenWeights, registered_outside, select_frozen
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
 from lightning_roundpipe.engine.lifecycle import Lifecycle
 from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
@@ -54,7 +56,10 @@ class RoundPipeEngine:
     """
 
     def __init__(self, module: nn.Module | Trunk, devices: int | Sequence[torch.device | str] = 1,
-                 options: EngineOptions | None = None, *, data_parallel: DataParallel | None = None) -> None:
+                 options: EngineOptions | None = None, *, data_parallel: DataParallel | None = None,
+                 model: nn.Module | None = None) -> None:
+        """``model``: the whole model the trunk is part of, when other modules of it hold some of the trunk's
+        weights (an embedding tied to an LM head): those are never kept at compute width (``frozen_weights``)."""
         # other processes training the same model on their own rings (by default none: one process alone)
         self.data_parallel = data_parallel if data_parallel is not None else DataParallel(1, 0)
         self.trunk = module if isinstance(module, Trunk) else build_trunk(module)
@@ -84,6 +89,8 @@ class RoundPipeEngine:
         self._ring: Ring | None = None           # made by start(): the threads and what they share
         self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
+        self._outside = registered_outside(model, self.trunk) if model is not None else set()
+        self.frozen = FrozenWeights()  # the weights kept at compute width while started
         self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
         self.dispatcher = Dispatcher(self.trunk, self.options, self.planner, self.num_devices, self.num_microbatches,
                                      self._abort, self._failures_surfaced)
@@ -96,9 +103,17 @@ class RoundPipeEngine:
             raise RuntimeError("the engine is already started")
         self.base_seed = self.options.seed if self.options.seed is not None else self._restored.get(
             "base_seed", torch.initial_seed())
-        ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
-                                       budget=self.device_budget, base_seed=self.base_seed, transport=self.transport,
-                                       num_microbatches=self.num_microbatches, measure_times=not self.deterministic)
+        try:
+            # before the upload copies are made: a weight kept at compute width is its own copy
+            self.frozen.narrow(self.frozen_selection(), self.trunk)
+            ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
+                                           budget=self.device_budget, base_seed=self.base_seed,
+                                           transport=self.transport, num_microbatches=self.num_microbatches,
+                                           measure_times=not self.deterministic,
+                                           module_dtypes=self.frozen.module_dtypes)
+        except BaseException:
+            self._restore_frozen()
+            raise
         if ring.disk is not None and self.options.offload == "optimizer+masters":
             try:  # before pinning: what uploads read stays in memory, the masters in files are never pinned
                 ring.disk.adopt_masters(read_low_precision_only(self.trunk, self.transport))
@@ -145,6 +160,21 @@ class RoundPipeEngine:
         if ring.stop(self._abort, timeout) and ring.wait_gpus_idle(timeout):
             self.follower.pinned.release()
             ring.release_staging()
+        self._restore_frozen()
+
+    def frozen_selection(self) -> FrozenSelection:
+        """The frozen weights ``frozen_weights`` keeps at compute width when the engine starts (``"auto"`` reads
+        each candidate to check that the transport dtype holds it)."""
+        return select_frozen(self.trunk, self.transport, self.options.frozen_weights, self._outside)
+
+    def _restore_frozen(self) -> None:
+        """Give the module its dtypes back (:meth:`FrozenWeights.restore`); never raises, as :meth:`close`."""
+        try:
+            self.frozen.restore()
+        except Exception as error:  # noqa: BLE001 - out of memory, say: the narrow weights hold the same values
+            warnings.warn(f"RoundPipe could not widen {len(self.frozen)} frozen weights back to their dtype "
+                          f"({type(error).__name__}: {error}); they hold the same values in "
+                          f"{self.transport}", RuntimeWarning, stacklevel=2)
 
     @property
     def unreported_failure(self) -> BaseException | None:
@@ -341,6 +371,8 @@ class RoundPipeEngine:
     def _follow_module_state(self) -> None:
         """Before each call, on the caller's thread: make the engine's view of the trunk what the module holds now
         (``follow.py``); only when a layer changed does it wait for every job and step, then follow it."""
+        if self.frozen:
+            self.frozen.widen_trainable()  # a weight made trainable trains in its own dtype: seen as changed below
         changed = self.follower.changed_layers()
         if changed:
             self.synchronize()

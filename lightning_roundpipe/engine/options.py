@@ -25,6 +25,9 @@ RECOMPUTE_GRAINS: tuple[str, ...] = get_args(Recompute)
 TransportDtype = Literal["auto", "off", "bfloat16", "float16"]
 TRANSPORT_DTYPES: tuple[str, ...] = get_args(TransportDtype)
 
+FrozenWeights = Literal["auto", "as_stored", "round"]
+FROZEN_WEIGHTS: tuple[str, ...] = get_args(FrozenWeights)
+
 Offload = Literal["none", "optimizer", "optimizer+masters"]
 OFFLOADS: tuple[str, ...] = get_args(Offload)
 
@@ -146,6 +149,18 @@ class EngineOptions:
     whole state, fast enough for the figure the pre-flight log gives. The files have no names and vanish
     with the process, a crashed one too."""
 
+    frozen_weights: FrozenWeights = "auto"
+    """How a frozen float32 weight that devices upload in the transport dtype (a Linear or Conv weight under
+    ``bf16-mixed``/``16-mixed``; a LoRA base) is kept on the host
+    (:mod:`lightning_roundpipe.engine.frozen_weights`). ``"auto"``: when that dtype holds its values exactly
+    (a model loaded from a bfloat16 checkpoint), in that dtype alone, 2 bytes per parameter instead of 6 (its
+    master and the copy); the others as stored. ``"as_stored"``: every one as stored, with its copy. ``"round"``:
+    every one rounded to that dtype, which autocast computes with anyway (results unchanged), but the state dict
+    then gives back the rounded values. Bitwise the same results; the state dict and checkpoints give the weights
+    in the module's dtype, and the module has its dtypes back when the run ends; during the run, code reading
+    such a weight itself sees the narrow dtype (the same values). A weight made trainable mid-run is widened
+    first; one a module outside the trunk also holds is kept as stored."""
+
     recompute: Recompute = "stage"
     """Recomputation grain of backward stages: ``"stage"`` keeps one input per backward stage, ``"layer"``
     keeps every layer's input (less device memory, more host traffic)."""
@@ -248,6 +263,9 @@ class EngineOptions:
                                                 f"got {self.host_optimizer!r}")
         if self.offload not in OFFLOADS:
             raise OptionError("offload", f"must be one of {', '.join(map(repr, OFFLOADS))}, got {self.offload!r}")
+        if self.frozen_weights not in FROZEN_WEIGHTS:
+            raise OptionError("frozen_weights", f"must be one of {', '.join(map(repr, FROZEN_WEIGHTS))}, "
+                                                f"got {self.frozen_weights!r}")
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise OptionError("offload_dir", f"must be a directory path (str) or None, got {self.offload_dir!r}")
         if self.offload != "none":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +50,17 @@ class Ring:
     @staticmethod
     def start(trunk: Trunk, torch_devices: list[torch.device], options: EngineOptions, abort: AbortSignal, *,
               budget: int | None, base_seed: int, transport: torch.dtype | None, num_microbatches: int,
-              measure_times: bool) -> Ring:
+              measure_times: bool, module_dtypes: Mapping[int, torch.dtype] | None = None) -> Ring:
         """Make the devices (their stream threads start), the stage runner, the measurements, a worker per device,
-        the optimizer thread and, with ``offload``, the disk tier's I/O thread."""
+        the optimizer thread and, with ``offload``, the disk tier's I/O thread. ``module_dtypes``: the module's
+        dtypes of the weights kept at compute width (``frozen_weights.py``)."""
         timeline = Timeline(options.record_timeline)
         advice = memory_advice(recompute=options.recompute, num_stages=options.num_stages, num_layers=len(trunk),
                                num_microbatches=num_microbatches)
         devices = [Device(index, device, abort, budget=budget, jitter=options.jitter, pin_memory=options.pin_memory,
                           stress=options.stress, memory_advice=advice)
                    for index, device in enumerate(torch_devices)]
-        sources = UploadSources(trunk, async_step=options.async_step, transport=transport)
+        sources = UploadSources(trunk, async_step=options.async_step, transport=transport, module_dtypes=module_dtypes)
         measurements = Measurements(timeline, len(trunk), len(devices), measure=not options.freeze_plan,
                                     measure_times=measure_times)
         runner = StageRunner(trunk, len(devices), options.recompute, timeline, base_seed, sources,

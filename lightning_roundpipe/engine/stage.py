@@ -285,7 +285,8 @@ class StageRunner:
         low_precision = (sources.transport is not None
                          and task.call.context.autocast_dtype(device.torch_device.type) == sources.transport)
         uploaded = 0
-        widen: list[tuple[int, int, torch.dtype]] = []  # (layer, position, dtype): async copies run outside autocast
+        # (layer, position, dtype): low-precision copies (async's, narrowed frozen weights) in a call outside autocast
+        widen: list[tuple[int, int, torch.dtype]] = []
         spares = None if device.is_cuda or device.stress else self._spares[device.index]
         if spares is not None:
             spares.collect()
@@ -306,8 +307,9 @@ class StageRunner:
             if device.stress:  # the copies land late, at the synchronize below
                 device.param_stream.copy_late(host + host_buffers, params + buffers)
             if not low_precision:
-                widen += [(layer, position, param.dtype) for position, (param, copied)
-                          in enumerate(zip(state.params, params, strict=True)) if copied.dtype != param.dtype]
+                wide = [sources.module_dtype(param) for param in state.params]
+                widen += [(layer, position, dtype) for position, (dtype, copied)
+                          in enumerate(zip(wide, params, strict=True)) if copied.dtype != dtype]
             stage_copy.params[layer], stage_copy.buffers[layer] = params, buffers
             uploaded += tensors_nbytes(params) + tensors_nbytes(buffers)
         device.param_stream.synchronize()

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -153,11 +153,14 @@ class UploadSources:
 
     ``async_step``: trainable weights are read from a published copy (see ``step/__init__.py``), never from the
     masters the optimizer writes. ``transport``: the low-precision dtype of autocast-only weights (see the
-    module docstring), or None to upload every weight as stored.
+    module docstring), or None to upload every weight as stored. ``module_dtypes``: by id, the dtype the module
+    gave each weight kept at compute width (``frozen_weights.py``), which a call outside autocast computes in.
     """
 
-    def __init__(self, trunk: Trunk, *, async_step: bool, transport: torch.dtype | None) -> None:
+    def __init__(self, trunk: Trunk, *, async_step: bool, transport: torch.dtype | None,
+                 module_dtypes: Mapping[int, torch.dtype] | None = None) -> None:
         self.transport = transport
+        self._module_dtypes: Mapping[int, torch.dtype] = module_dtypes if module_dtypes is not None else {}
         self._async = async_step
         self._low_by_layer: list[set[int]] = [set() for _ in trunk.states]
         self._low: dict[int, torch.Tensor] = {}        # low-precision copies
@@ -190,6 +193,11 @@ class UploadSources:
                 self._versions[key] = current[key]._version
             for key in published - self._published.keys():
                 self._published[key] = current[key].detach().clone()
+
+    def module_dtype(self, param: nn.Parameter) -> torch.dtype:
+        """The dtype a call outside autocast computes ``param`` in: the module's (wider than stored for a weight
+        kept at compute width)."""
+        return self._module_dtypes.get(id(param), param.dtype)
 
     def is_low_precision(self, layer: int, param: nn.Parameter) -> bool:
         """Whether ``layer`` uploads ``param`` in the transport dtype (under autocast in that dtype)."""

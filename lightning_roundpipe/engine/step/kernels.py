@@ -91,6 +91,8 @@ def fused_refusal(optimizer: Any, group: dict, host_kernels: str) -> str | None:
     if torch.get_default_dtype() != torch.float32:
         return "the default dtype is not float32 (the fused path would keep the step count in float32)"
     for param in group["params"]:
+        if not param.requires_grad:  # never stepped (a frozen weight may be kept in bf16: ``frozen_weights.py``)
+            continue
         if param.device.type != "cpu" or param.dtype not in FUSED_DTYPES or param.is_sparse:
             return f"a {param.dtype} parameter on {param.device}"
     return None
