@@ -523,6 +523,11 @@ def _host_message(plan: MemoryPlan) -> str:
                       "process) over all the processes, each keeping about 1/world size of it: at least "
                       f"{format_bytes(processes * state * (world - 1) // world)} less on this node")
     advice += _disk_tier_advice(plan)
+    if plan.frozen_kept:
+        advice.append(f"frozen_weights='round', which keeps {plan.frozen_kept} frozen weights in {plan.transport} "
+                      f"alone ({format_bytes(plan.frozen_kept_bytes)} of float32 masters less in each process; "
+                      f"{plan.transport} does not hold their values exactly, so the state dict would give them "
+                      "back rounded, as autocast computes with them anyway)")
     if plan.optimizer_state_bytes:
         advice.append("an optimizer with less state (SGD without momentum keeps none; Adam/AdamW keep two "
                       "copies of every trainable parameter)")

@@ -20,9 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
-from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
+from lightning_roundpipe import RoundPipeStrategy, pipeline_loss, preflight
 from lightning_roundpipe.engine.frozen_weights import holds_exactly, registered_outside, select_frozen
 from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.hostmem import HostLimits, format_bytes
+from lightning_roundpipe.preflight import HostMemoryError
 from tests.numerics import assert_states_equal
 
 WIDTH = 32
@@ -228,6 +230,17 @@ def test_the_memory_plan_frees_the_masters_of_the_bf16_base(tmp_path):
     # without it the plan counts the base's bf16 copies on top of the float32 masters: 6 bytes per parameter
     assert as_stored.memory_plan.new_bytes - plan.new_bytes == 4 * base
     assert any(item == "frozen weights" for item, _, _ in plan.rows())
+
+
+def test_a_plan_that_does_not_fit_offers_to_round_the_weights_bf16_does_not_hold(tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight, "read_host_limits",
+                        lambda: HostLimits(mem_available=10, cgroup=None, memlock=None))
+    module = LoRA(bf16_base=False)
+    with pytest.raises(HostMemoryError) as caught:
+        _fit(module, _strategy(), tmp_path)
+    masters = 4 * sum(param.numel() for param in _base_params(module))
+    assert (f"frozen_weights='round', which keeps {2 * BLOCKS} frozen weights in bfloat16 alone "
+            f"({format_bytes(masters)} of float32 masters less in each process" in str(caught.value))
 
 
 # ------------------------------------------------------------------------------------------------ mid-run changes

@@ -110,23 +110,27 @@ class FrozenWeights:
         return len(self._narrowed)
 
     def narrow(self, selection: FrozenSelection, trunk: Trunk) -> None:
-        """Make each selected parameter its own narrow copy (one at a time: the wide memory is freed as each
-        narrow one is made, unless something else holds it), then collect the trunk's changed layers again."""
+        """Make each selected parameter its own narrow copy, layer by layer, collecting each layer's state again
+        at once: the trunk's record of a layer keeps its old memory allocated, so the wide weights are freed
+        layer by layer (unless something else holds them), never all held beside their narrow copies."""
         dtype = selection.dtype
         if dtype is None or not selection.narrowed:
             return
+        chosen = {id(param) for param in selection.narrowed}
         with torch.no_grad():
-            for param in selection.narrowed:
-                self._narrowed[id(param)] = _Narrowed(param, param.dtype)
-                param.data = param.detach().to(dtype)
+            for state in list(trunk.states):
+                for param in state.params:
+                    if id(param) in chosen and id(param) not in self._narrowed:
+                        self._narrowed[id(param)] = _Narrowed(param, param.dtype)
+                        param.data = param.detach().to(dtype)
+                for layer in trunk.changed_layers():
+                    trunk.recollect(layer)
         owners = {id(module): module for layer, state in zip(trunk.layers, trunk.states, strict=True)
                   for param, paths in zip(state.params, state.param_paths, strict=True) if id(param) in self._narrowed
                   for module in (layer.get_submodule(where.module_path) for where in paths)}
         for module in owners.values():  # partials: torch marks the hooks it is given, which a bound method refuses
             self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._state_dict_wide)))
             self._hooks.append(module.register_load_state_dict_pre_hook(functools.partial(self._before_load)))
-        for layer in trunk.changed_layers():
-            trunk.recollect(layer)
 
     def _widen(self, params: Iterable[nn.Parameter]) -> None:
         with torch.no_grad():
