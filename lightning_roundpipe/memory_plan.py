@@ -182,7 +182,8 @@ class MemoryPlan:
             rows.append(("disk tier", format_bytes(self.disk_state_bytes + self.disk_master_bytes),
                          f"offload={self.offload!r} in {self.offload_dir}: optimizer state "
                          f"{format_bytes(self.disk_state_bytes)}, masters {format_bytes(self.disk_master_bytes)} "
-                         f"(out of host memory once the engine starts){free}"))
+                         f"(out of host memory once the engine starts){free}; each step reads and writes them at most "
+                         f"once: {self.disk_pace(self.disk_state_bytes + self.disk_master_bytes)}"))
         rows.append(("upload copies", "+" + format_bytes(self.upload_copy_bytes), self._upload_copies_note()))
         if self.frozen_freed_bytes or self.frozen_kept:
             rows.append(self._frozen_row())
@@ -237,6 +238,16 @@ class MemoryPlan:
         if self.async_step:
             return "async: the published copy of the trainable trunk weights" + (f" ({low})" if low else "")
         return f"{low}, cast once per step (transport_dtype)" if low else "none: sync step, weights uploaded as stored"
+
+    def disk_pace(self, per_step: int) -> str:
+        """The disk bandwidth that moves ``per_step`` bytes each way within the host step measured at setup (the
+        step then never waits for the disk: the tier reads each group's state while the groups before it step),
+        or within one second when the step was not measured."""
+        seconds = sum(figure.step_seconds or 0.0 for figure in self.host_steps)
+        if seconds <= 0:
+            return f"{format_bytes(per_step)}/s each way to hide it behind a one-second step"
+        return (f"{format_bytes(int(per_step / seconds))}/s each way keeps pace with the host step measured at "
+                f"setup (~{seconds:.2g} s); a slower disk makes the step wait")
 
     def _frozen_row(self) -> tuple[str, str, str]:
         notes = []

@@ -277,11 +277,14 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
         frozen_kept=len(frozen.kept) if frozen is not None else 0, frozen_weights=frozen_weights,
     )
-    _judge(memory_plan, trunk, transport)
-    if training and host_optimizer is not None and memory_plan.fits:
-        headroom = memory_plan.headroom  # the node's: each of its processes measures its own scratch
+    if training and host_optimizer is not None:
+        # the scratch fits the node's headroom (each of its processes measures its own); a plan that does not fit
+        # is still measured, on the smallest scratch, for its advice (the disk bandwidth that keeps pace)
+        headroom = memory_plan.headroom
         memory_plan.host_steps = _measure_host_steps(
-            optimizers, host_optimizer, None if headroom is None else headroom // processes_per_node)
+            optimizers, host_optimizer, None if headroom is None else headroom // processes_per_node,
+            short=headroom is not None and headroom < 0)
+    _judge(memory_plan, trunk, transport)
     return memory_plan
 
 
@@ -398,14 +401,21 @@ def _activation_layers(plan: Plan, num_layers: int, training: bool, recompute: s
     return sorted({stage.start for stage in plan.backward} | {plan.fused.start})
 
 
-def _measure_host_steps(optimizers: Sequence[Any], host_optimizer: str, headroom: int | None) -> list[StepFigure]:
+def _measure_host_steps(optimizers: Sequence[Any], host_optimizer: str, headroom: int | None,
+                        short: bool = False) -> list[StepFigure]:
     """:func:`~lightning_roundpipe.engine.step.kernels.measure_step` for each optimizer, on fewer scratch
-    parameters when the host is short of memory (none at all when it has under 16 MB to spare)."""
+    parameters when the plan leaves little headroom (none at all when it leaves under 16 MB). ``short``: the plan
+    does not fit (it will not train): measured on the smallest scratch (100,000 parameters, 4 MB), for advice."""
     # the scratch holds a parameter, its gradient and up to three state buffers, 8 bytes each at most
     elements = SCRATCH_ELEMENTS if headroom is None else min(SCRATCH_ELEMENTS, headroom // (4 * 5 * 8))
-    if elements < 100_000:
+    if short:
+        elements = _SMALLEST_SCRATCH
+    elif elements < _SMALLEST_SCRATCH:
         return []
     return [measure_step(optimizer, host_optimizer, max_elements=elements) for optimizer in optimizers]
+
+
+_SMALLEST_SCRATCH = 100_000  # parameters: a step any smaller is too short to time
 
 
 class _StageFootprint(NamedTuple):
@@ -499,8 +509,7 @@ def _disk_tier_advice(plan: MemoryPlan) -> list[str]:
         enough = plan.processes_per_node * saved >= plan.shortfall
         advice.append(f"offload={offload!r} with offload_dir on a local disk: about {format_bytes(saved)} less in "
                       f"each process ({'enough' if enough else 'not enough alone'}), for {format_bytes(per_step)} "
-                      f"read and written there per step ({per_step / 1e9:.1f} GB/s each way to hide it behind a "
-                      "one-second step)")
+                      f"read and written there per step ({plan.disk_pace(per_step)})")
     return advice
 
 

@@ -368,8 +368,14 @@ def test_a_plan_that_does_not_fit_in_memory_names_the_disk_tier_and_what_it_save
                                  transport=torch.bfloat16, limits=HostLimits(mem_available=2**40))
     tight = HostLimits(mem_available=fits.new_bytes - (whole - in_flight) // 2)  # short by half what it saves
     plan = preflight.plan_memory(model, trunk, engine.plan, [optimizer], devices=engine.torch_devices,
-                                 transport=torch.bfloat16, limits=tight)
+                                 transport=torch.bfloat16, limits=tight, host_optimizer="exact")
     message = "\n".join(problem.message for problem in plan.problems)
+    # the bandwidth that moves a step's bytes within the host step measured at setup (measured though it does not
+    # fit: on a scratch what is available now allows)
+    (figure,) = plan.host_steps
+    assert figure.params == sum(param.numel() for param in model.parameters()) and figure.step_seconds > 0
+    assert (f"{format_bytes(whole)} read and written there per step ({format_bytes(int(whole / figure.step_seconds))}"
+            f"/s each way keeps pace with the host step measured at setup") in message
     assert (f"offload='optimizer' with offload_dir on a local disk: about {format_bytes(whole - in_flight)} less in "
             f"each process (enough), for {format_bytes(whole)} read and written there per step") in message
     assert (f"offload='optimizer+masters' with offload_dir on a local disk: about "

@@ -232,7 +232,7 @@ COMMANDS: dict[str, Check] = {
          r"^\| state \+ masters on disk \| \d+\.\d\d \|", r"^\| LoRA, bf16 base frozen \| \d+\.\d\d \|",
          r"^\| microbatches \| in memory ms/step \| state on disk ms/step \(ratio\)",
          r"^state on disk: within 1\.05x of in memory ", r"^\| LoRA, bf16 base frozen \| -?\d+\.\d\d \| -?\d+\.\d\d \| ",
-         r"^Verdict: state \+ masters on disk -?\d+\.\d\d B/param at the margin"),
+         r"^Verdict: state \+ masters on disk -?\d+\.\d\d B/param at the margin.*the frozen weights \d+\.\d\d B per frozen"),
         sized=("--quick",), json=("config", "results", "timing", "verdicts", "seconds")),
     "python benchmarks/soak.py [--steps 2000]": Benchmark(
         (r"^ +step +seconds +rss MiB +fds +threads", r"^ +8 ", r"^verdict: .*(no thread left after teardown|GREW)"),
