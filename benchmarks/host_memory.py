@@ -24,12 +24,18 @@ high-water mark of every allocation rather than what is live (a setting worth ha
   at its default keeps the base in bf16 alone (its float32 masters are freed when the engine starts);
 * ``LoRA, base stored in bf16``: the same with each base Linear converted to bf16 as it is built (what
   ``model.dtype=bfloat16`` or ``from_pretrained(torch_dtype=torch.bfloat16)`` gives): the model is never float32
-  whole, the base is uploaded as stored.
+  whole, the base is uploaded as stored;
+* ``LoRA, bf16 base, built on meta from a checkpoint``: the first LoRA run's model built under
+  ``Trainer.init_module(empty_init=True)`` (on the meta device) and resumed from the checkpoint that run ended
+  with (float32, bf16 values): each layer materialized from the memory-mapped checkpoint and its base narrowed at
+  once.
 
-Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's resident set (``VmRSS``) less
-what the CPU stand-in devices hold in it (:func:`stand_in_bytes`: on GPUs it is device memory) and, with a disk
-tier, adds the page cache its files hold outside the process's mappings (``mincore`` over the files, less what
-``/proc/self/smaps`` says is mapped of them): memory the tier keeps busy either way. Per parameter: the
+Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's anonymous and shared-memory
+resident bytes (``RssAnon`` + ``RssShmem``: file pages it maps, its libraries or a checkpoint read memory-mapped,
+are clean page cache the kernel drops under pressure) less what the CPU stand-in devices hold in it
+(:func:`stand_in_bytes`: on GPUs it is device memory) and, with a disk tier, adds the pages of its files in memory,
+mapped or cached (``mincore``): memory the tier keeps busy either way (an ``offload_dir`` on tmpfs would count
+them twice). Per parameter: the
 largest sample less the process before the model was built (imports, data), over the model's parameters. Setup:
 from building the model to the first batch (the strategy's setup, the engine's start, the masters moved to disk);
 steady: from the second batch on (the first makes the optimizer state). Disk bytes: ``read_bytes`` and
@@ -60,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import subprocess
@@ -82,7 +87,9 @@ CONFIGS = {  # name: (label, strategy options, LoRA: its frozen base's kind, or 
     "masters": ("state + masters on disk", {"offload": "optimizer+masters"}, ""),
     "lora": ("LoRA, bf16 base frozen", {}, "bf16 values"),
     "lora-stored": ("LoRA, base stored in bf16", {}, "stored in bf16"),
+    "lora-meta": ("LoRA, bf16 base, built on meta from a checkpoint", {}, "bf16 values"),
 }
+FROM_CHECKPOINT = ("lora-meta",)  # built under Trainer.init_module(empty_init=True), resumed from "lora"'s end
 TIERS = ("state", "masters")
 TOLERANCE = 1.05
 MMAP_THRESHOLD = 65536
@@ -91,27 +98,16 @@ SETUP_TARGET = 1.1
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * mmap.PAGESIZE
+    """The process's anonymous and shared-memory resident bytes (``RssAnon`` and ``RssShmem``): what only swap
+    could free. The file pages it maps (libraries, a checkpoint being loaded memory-mapped) are clean page cache the
+    kernel drops under pressure, so they are left out; the disk tier's, written in between, are counted apart."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return sum(int(fields[name].split()[0]) * 1024 for name in ("RssAnon", "RssShmem"))
 
 
 def _disk_io() -> tuple[int, int]:
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
-
-
-def _mapped_bytes(directory: str) -> int:
-    """What the process's mappings of files in ``directory`` hold in memory (their ``Rss`` in smaps)."""
-    total, inside = 0, False
-    prefix = os.path.realpath(directory) + "/"
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            if not line[0].isupper() or ":" not in line.split()[0]:  # a mapping's header line
-                parts = line.split(maxsplit=5)
-                inside = len(parts) == 6 and parts[5].startswith(prefix)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def stand_in_bytes(engine: Any) -> int:
@@ -157,14 +153,12 @@ class Sampler:
         self._thread.start()
 
     def resident(self) -> tuple[int, dict[str, int]]:
-        parts = {"rss": _rss(), "stand-in devices": 0, "tier page cache": 0}
+        parts = {"rss": _rss(), "stand-in devices": 0}
         engine = self.engine
         if engine is not None and not engine.closed:
             parts["stand-in devices"] = stand_in_bytes(engine)
             parts.update(known_parts(engine))
-            if engine.disk is not None:
-                parts["tier page cache"] = max(0, parts["disk tier"] - _mapped_bytes(self.directory))
-        return parts["rss"] - parts["stand-in devices"] + parts["tier page cache"], parts
+        return parts["rss"] - parts["stand-in devices"] + parts.get("disk tier", 0), parts
 
     def phase(self, name: str) -> None:
         self.sample()
@@ -261,19 +255,23 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="roundpipe-host-memory-", dir=args.dir)
     baseline = _rss()
     sampler = Sampler(args.interval, directory)
-    model = Model()
-    params = sum(p.numel() for p in model.parameters())
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     tier = {"offload_dir": directory} if "offload" in options else {}
     strategy = RoundPipeStrategy(num_microbatches=args.microbatches, log_pipeline_metrics=False, preflight="off",
                                  num_stages=make_plan(args.layers, args.layers_per_stage), **options, **tier)
     timer = StepTimer(warmup=1)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, precision="bf16-mixed",
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    resumed = args.child in FROM_CHECKPOINT  # the checkpoint is at step `steps`: as many again
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=2 * steps if resumed else steps,
+                         precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                          callbacks=[timer, Phases()])
-    trainer.fit(model, data)
+    with trainer.init_module(empty_init=resumed):
+        model = Model()
+    params = sum(p.numel() for p in model.parameters())
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    trainer.fit(model, data, ckpt_path=args.checkpoint if resumed else None)
     sampler.stop()
+    if args.save_checkpoint is not None:
+        trainer.save_checkpoint(args.save_checkpoint)
     os.rmdir(directory)  # the tier's files had no names: nothing is left in it
     measured = max(1, len(timer.step_seconds()))
     (read0, write0), (read1, write1) = io[0], io[-1]
@@ -283,7 +281,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "microbatches": args.microbatches}
 
 
-def run_child(config: str, microbatches: int, args: argparse.Namespace, layers: int | None = None) -> dict[str, Any]:
+def run_child(config: str, microbatches: int, args: argparse.Namespace, layers: int | None = None,
+              checkpoint: str | None = None, save_checkpoint: str | None = None) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         layers = args.layers if layers is None else layers
         command = [sys.executable, __file__, "--child", config, "--out", out.name, "--microbatches", str(microbatches),
@@ -292,6 +291,10 @@ def run_child(config: str, microbatches: int, args: argparse.Namespace, layers: 
                    "--rank", str(args.rank), "--interval", str(args.interval)]
         if args.dir is not None:
             command += ["--dir", args.dir]
+        if checkpoint is not None:
+            command += ["--checkpoint", checkpoint]
+        if save_checkpoint is not None:
+            command += ["--save-checkpoint", save_checkpoint]
         # glibc keeps a freed block of up to 32 MB in its heap once one such block was freed (its dynamic mmap
         # threshold), so the resident set would keep the high-water mark of every allocation; with a fixed
         # threshold, large blocks go back to the system when freed and the resident set follows what is live
@@ -342,6 +345,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--child", choices=tuple(CONFIGS), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=str, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--save-checkpoint", type=str, default=None, help=argparse.SUPPRESS)
     add_smoke(parser, "width 128, 4 layers, 1 measured step, microbatches 2")
     args = parser.parse_args()
     args.width = sized(args.width, args, full=1024, smoke=128)
@@ -360,7 +365,11 @@ def main() -> int:
     print(f"Emulated trunk: {args.layers} x Linear({args.width}, {args.width}), {args.layers_per_stage} layers a "
           f"stage, 2 CPU devices, bf16-mixed, AdamW, {args.forward_ms:g} ms forward per layer and microbatch; "
           f"{args.steps} measured steps")
-    results = {config: run_child(config, args.microbatches, args) for config in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="roundpipe-host-memory-", dir=args.dir) as saved:
+        checkpoint = os.path.join(saved, "lora.ckpt")  # what "lora" ends with: where FROM_CHECKPOINT resume
+        results = {config: run_child(config, args.microbatches, args, checkpoint=checkpoint,
+                                     save_checkpoint=checkpoint if config == "lora" else None)
+                   for config in CONFIGS}
     print(f"\nHost bytes per parameter ({results['kept']['parameters']:,} parameters; LoRA: "
           f"{results['lora']['parameters']:,} with its adapters), peak resident less the process before the model")
     print("| configuration | setup | first step | steady | setup/steady | disk read MB/step | disk written MB/step |")
@@ -370,8 +379,6 @@ def main() -> int:
         print(f"| {result['label']} | {setup:.2f} | {first:.2f} | {steady:.2f} | {setup / steady:.2f} | "
               f"{result['read_per_step'] / 1e6:.1f} | {result['written_per_step'] / 1e6:.1f} |")
     print("\nThe steady peak's sample, bytes per parameter: what the engine's parts held, and the rest")
-    print("| configuration | " + " | ".join(KNOWN) + " | rest |")
-    print("| --- | " + " | ".join("---" for _ in KNOWN) + " | --- |")
     engine_parts = KNOWN[:-1]  # the frozen weights are model memory, which "rest" holds
     print("| configuration | " + " | ".join(engine_parts) + " | rest | frozen weights, B per frozen parameter |")
     print("| --- | " + " | ".join("---" for _ in engine_parts) + " | --- | --- |")

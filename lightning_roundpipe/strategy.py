@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -68,6 +69,7 @@ from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step.groups import StreamingStep
 from lightning_roundpipe.engine.step.kernels import HostKernels
 from lightning_roundpipe.engine.transport import transport_torch_dtype
+from lightning_roundpipe.materialize import has_meta_tensors, materialize
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
@@ -218,6 +220,8 @@ class RoundPipeStrategy(RingProcessStrategy):
         self._fused_backward_done = False
         self._stepping = False  # inside optimizer_step's closure: the backward there is shown after its step
         self._resume_state: dict[str, Any] | None = None  # the engine state of the checkpoint being resumed
+        # a module built on the meta device: the resumed checkpoint's state dict (and strict), for setup
+        self._materialize_from: tuple[Mapping[str, Any], bool] | None = None
         self._restore_matmul: Callable[[], None] | None = None  # undoes fp16_accumulation's process-global flag
         self._gradients_said: tuple[str | None] | None = None  # what kept the last step's gradients, once logged
 
@@ -246,6 +250,26 @@ class RoundPipeStrategy(RingProcessStrategy):
         self._checkpoint_io = io
 
     # ------------------------------------------------------------------ setup and teardown
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init=True (Trainer.init_module(empty_init=True)): on the meta device, as Lightning's FSDP; setup
+        # gives each module host memory and values, layer by layer (materialize.py)
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        if module is not None and has_meta_tensors(module):  # loaded module by module as setup materializes it
+            self._materialize_from = (checkpoint["state_dict"], strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -253,8 +277,10 @@ class RoundPipeStrategy(RingProcessStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         assert module is not None
+        (source, strict), self._materialize_from = self._materialize_from or (None, True), None
         data_parallel = self.data_parallel if self.world_size > 1 else None
         if data_parallel is not None:  # the checkpoint being resumed, if any, is loaded already: on every process
+            materialize(module, source, strict=strict)  # whole, before the processes compare their weights
             self.agree_initial_weights(module)
         trunk, driven, forward_patch = build_module_trunk(module, self.options.pipeline)
         devices = self.ring_devices or self.parallel_devices or [torch.device("cpu")]
@@ -269,18 +295,27 @@ class RoundPipeStrategy(RingProcessStrategy):
         preflight.enforce_layers(trunk, options.device_memory_limit_bytes, mode, devices[0].type, transport)
         engine = RoundPipeEngine(trunk, devices, options, data_parallel=data_parallel,  # plans; threads start below
                                  model=module)
-        resumed, self._resume_state = self._resume_state, None
-        if resumed is not None and trainer.ckpt_path is not None:
-            engine.load_state_dict(resumed)  # the plan, step count and seed the checkpointed run had
-        if data_parallel is not None:  # every ring starts with process 0's plan (the engine agrees after each step)
-            engine.planner.adopt(data_parallel.agree(engine.planner.plan))
-        if fitting:
-            self.setup_optimizers(trainer)
-        if mode != "off":
-            self.memory_plan = preflight.plan_for(engine, module, self.optimizers, trainer.state.fn, self.num_processes,
-                                                  gradients_kept_for=self.whole_gradients_reader())
-            preflight.enforce(self.memory_plan, mode, log)
-        self.engine = engine.start()
+        try:
+            if has_meta_tensors(module):  # each trunk layer's frozen weights kept at compute width once it is whole
+                materialize(module, source, strict=strict, layers=trunk.layers,
+                            after_layer=lambda index: engine.narrow_frozen([index]))
+                engine.collect_again()
+            resumed, self._resume_state = self._resume_state, None
+            if resumed is not None and trainer.ckpt_path is not None:
+                engine.load_state_dict(resumed)  # the plan, step count and seed the checkpointed run had
+            if data_parallel is not None:  # every ring starts with process 0's plan (the engine agrees after each step)
+                engine.planner.adopt(data_parallel.agree(engine.planner.plan))
+            if fitting:
+                self.setup_optimizers(trainer)
+            if mode != "off":
+                self.memory_plan = preflight.plan_for(engine, module, self.optimizers, trainer.state.fn,
+                                                      self.num_processes,
+                                                      gradients_kept_for=self.whole_gradients_reader())
+                preflight.enforce(self.memory_plan, mode, log)
+            self.engine = engine.start()
+        except BaseException:
+            engine.close(finish_steps=False)  # not started: gives narrowed frozen weights their dtype back
+            raise
         if self.options.timeline:
             self.engine.timeline.bound(keep_steps=self.options.timeline_steps, max_events=TIMELINE_MAX_EVENTS)
             self._timeline_pending = True

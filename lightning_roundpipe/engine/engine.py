@@ -89,7 +89,7 @@ class RoundPipeEngine:
         self._ring: Ring | None = None           # made by start(): the threads and what they share
         self.base_seed: int | None = None        # seeds the random layers: `options.seed`, else torch's at start
         self._restored: dict[str, Any] = {}      # load_state_dict: what start() takes (seed, measurements)
-        self._outside = registered_outside(model, self.trunk) if model is not None else set()
+        self._model = model
         self.frozen = FrozenWeights()  # the weights kept at compute width while started
         self.follower = ModuleFollower(self.trunk, deferred_batchnorm=self.options.deferred_batchnorm)
         self.dispatcher = Dispatcher(self.trunk, self.options, self.planner, self.num_devices, self.num_microbatches,
@@ -104,6 +104,7 @@ class RoundPipeEngine:
         self.base_seed = self.options.seed if self.options.seed is not None else self._restored.get(
             "base_seed", torch.initial_seed())
         try:
+            self.collect_again()
             # before the upload copies are made: a weight kept at compute width is its own copy
             self.frozen.narrow(self.frozen_selection(), self.trunk)
             ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
@@ -148,6 +149,7 @@ class RoundPipeEngine:
         running then is named in a ``RuntimeWarning`` and left to end by itself once its operation returns.
         """
         if not self._life.started or self._life.closed:
+            self._restore_frozen()  # never started: weights narrowed before start (narrow_frozen) widen back
             return
         self._life.closed = True
         if not finish_steps:
@@ -162,10 +164,27 @@ class RoundPipeEngine:
             ring.release_staging()
         self._restore_frozen()
 
-    def frozen_selection(self) -> FrozenSelection:
+    def frozen_selection(self, layers: Sequence[int] | None = None) -> FrozenSelection:
         """The frozen weights ``frozen_weights`` keeps at compute width when the engine starts (``"auto"`` reads
-        each candidate to check that the transport dtype holds it)."""
-        return select_frozen(self.trunk, self.transport, self.options.frozen_weights, self._outside)
+        each candidate to check that the transport dtype holds it); ``layers``: of those trunk layers only."""
+        outside = registered_outside(self._model, self.trunk) if self._model is not None else set()
+        return select_frozen(self.trunk, self.transport, self.options.frozen_weights, outside, layers)
+
+    def collect_again(self) -> None:
+        """Before :meth:`start`: collect again the trunk layers the module has given other tensors since the
+        engine was made (a module built on the meta device, materialized since); :meth:`start` does it too."""
+        if self._life.started:
+            raise RuntimeError("collect_again is for before start(): a started engine follows the module itself")
+        for layer in self.trunk.changed_layers():
+            self.trunk.recollect(layer)
+
+    def narrow_frozen(self, layers: Sequence[int]) -> None:
+        """Before :meth:`start`: keep the frozen weights of trunk ``layers`` at compute width now (see
+        :meth:`frozen_selection`), so that a module materialized layer by layer never holds them all wide."""
+        if self._life.started:
+            raise RuntimeError("narrow_frozen is for before start()")
+        self.collect_again()
+        self.frozen.narrow(self.frozen_selection(layers), self.trunk)
 
     def _restore_frozen(self) -> None:
         """Give the module its dtypes back (:meth:`FrozenWeights.restore`); never raises, as :meth:`close`."""

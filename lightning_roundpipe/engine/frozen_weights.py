@@ -74,15 +74,17 @@ class FrozenSelection:
         return sum(param.numel() * param.element_size() for param in self.narrowed)
 
 
-def select_frozen(trunk: Trunk, transport: torch.dtype | None, policy: str, outside: set[int]) -> FrozenSelection:
+def select_frozen(trunk: Trunk, transport: torch.dtype | None, policy: str, outside: set[int],
+                  layers: Iterable[int] | None = None) -> FrozenSelection:
     """The frozen weights ``policy`` keeps at the ``transport`` width (none without one, or with ``"as_stored"``);
-    ``outside``: ids of parameters modules outside the trunk hold (:func:`registered_outside`). ``"auto"`` reads
-    every candidate once to check it."""
+    ``outside``: ids of parameters modules outside the trunk hold (:func:`registered_outside`); ``layers``: only
+    those of these trunk layers. ``"auto"`` reads every candidate once to check it."""
     selection = FrozenSelection(transport)
     if transport is None or policy == "as_stored":
         return selection
+    within = None if layers is None else {id(param) for index in layers for param in trunk.states[index].params}
     for param in read_low_precision_only(trunk, transport):
-        if param.requires_grad or id(param) in outside:
+        if param.requires_grad or id(param) in outside or (within is not None and id(param) not in within):
             continue
         if policy == "round" or holds_exactly(param, transport):
             selection.narrowed.append(param)

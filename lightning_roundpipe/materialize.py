@@ -1,0 +1,151 @@
+"""Modules built on the meta device, given host memory one module at a time.
+
+``Trainer.init_module(empty_init=True)`` under this strategy builds the module on the meta device (no memory,
+no initialisation), as Lightning's FSDP strategy does. At setup :func:`materialize` gives each submodule its host
+memory, in module order, and its values:
+
+* from the checkpoint being resumed (``trainer.fit(ckpt_path=...)``): Lightning hands the strategy the
+  checkpoint's state dict before setup (memory-mapped by the default checkpoint IO); the strategy keeps it and
+  each module copies its own entries when it is materialized (its ``_load_from_state_dict``, as
+  ``load_state_dict`` calls it), so the checkpoint's tensors are read module by module and never held twice;
+* otherwise from the module's own initialisation: its ``reset_parameters()``, called in module order, draws what
+  building it on the CPU would have drawn (for modules whose constructor initialises through it, as torch's do);
+  a module without one is refused, naming it.
+
+Weights registered at several places (an embedding tied to an LM head) stay one tensor. After each trunk layer is
+whole, ``after_layer`` runs (the strategy keeps that layer's frozen weights at compute width then,
+``engine/frozen_weights.py``), so a frozen float32 base never exists whole beside its narrow copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+_META = torch.device("meta")
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(tensor.device == _META for tensor in (*module.parameters(), *module.buffers()))
+
+
+class MaterializeError(RuntimeError):
+    """A module built on the meta device that cannot be given values: say what to change."""
+
+
+class _Registration:
+    """Where a meta tensor is registered: every (module, table, name), and its state-dict keys."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.meta = tensor  # kept alive: the ids of the meta tensors index the tables below until the end
+        self.host: torch.Tensor | None = None
+        self.places: list[tuple[nn.Module, str, str]] = []  # (owner, "_parameters" or "_buffers", name)
+        self.keys: list[str] = []  # its state-dict keys (a non-persistent buffer has none)
+
+
+def _registrations(module: nn.Module) -> dict[int, _Registration]:
+    found: dict[int, _Registration] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in getattr(owner, table).items():
+                if tensor is None or tensor.device != _META:
+                    continue
+                entry = found.setdefault(id(tensor), _Registration(tensor))
+                entry.places.append((owner, table, name))
+                if table == "_parameters" or name not in owner._non_persistent_buffers_set:
+                    entry.keys.append(f"{prefix}.{name}" if prefix else name)
+    return found
+
+
+def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, strict: bool = True,
+                layers: Sequence[nn.Module] = (), after_layer: Callable[[int], None] | None = None) -> None:
+    """Give every meta tensor of ``module`` host memory and its values (see the module docstring). ``source``: a
+    state dict to take the values from (``strict``: its keys must be exactly the module's, as ``load_state_dict``
+    requires); ``layers``: the trunk's layers, and ``after_layer(index)`` called once each is whole."""
+    registered = _registrations(module)
+    if not registered:
+        return
+    pending_by_layer = [{id(tensor) for tensor in (*layer.parameters(), *layer.buffers()) if id(tensor) in registered}
+                        for layer in layers]
+    done_layers = [not pending for pending in pending_by_layer]
+    metadata = getattr(source, "_metadata", None) if source is not None else None
+    for prefix, owner in module.named_modules():
+        own = [(table, name, tensor) for table in ("_parameters", "_buffers")
+               for name, tensor in getattr(owner, table).items() if tensor is not None and tensor.device == _META]
+        if not own:
+            continue
+        uncovered = [name for table, name, tensor in own
+                     if source is None or not any(key in source for key in registered[id(tensor)].keys)]
+        for _, _, tensor in own:
+            _give_memory(registered[id(tensor)])
+        if uncovered:
+            _initialise(owner, prefix, uncovered)
+        if source is not None:
+            _load_own(owner, prefix, source, metadata)
+        for index, pending in enumerate(pending_by_layer):
+            pending.difference_update(id(tensor) for _, _, tensor in own)
+            if not pending and not done_layers[index]:
+                done_layers[index] = True
+                if after_layer is not None:
+                    after_layer(index)
+    if source is not None and strict:
+        _check_keys(module, source)
+
+
+def _give_memory(entry: _Registration) -> None:
+    """One host tensor for the meta one, at every place it was registered (a tie stays a tie)."""
+    meta = entry.meta
+    if entry.host is not None:
+        return
+    host = torch.empty_like(meta, device="cpu")
+    if isinstance(meta, nn.Parameter):
+        host = nn.Parameter(host, requires_grad=meta.requires_grad)
+    for owner, table, name in entry.places:
+        getattr(owner, table)[name] = host
+    entry.host = host
+
+
+def _initialise(owner: nn.Module, prefix: str, uncovered: list[str]) -> None:
+    """``owner.reset_parameters()``, keeping the values of its tensors another module gave already (a tie)."""
+    reset = getattr(owner, "reset_parameters", None)
+    if not callable(reset):
+        where = prefix or "the module"
+        raise MaterializeError(
+            f"{where} ({type(owner).__name__}) was built on the meta device (Trainer.init_module(empty_init=True)) "
+            f"and nothing gives {', '.join(uncovered)} a value: resume from a checkpoint that holds them "
+            f"(trainer.fit(ckpt_path=...)), give {type(owner).__name__} a reset_parameters() that initialises "
+            "them, or build the module without empty_init=True")
+    kept = {name: tensor.detach().clone() for table in ("_parameters", "_buffers")
+            for name, tensor in getattr(owner, table).items() if tensor is not None and name not in uncovered}
+    with torch.no_grad():
+        reset()
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in getattr(owner, table).items():
+                if name in kept:
+                    tensor.copy_(kept[name])
+
+
+def _load_own(owner: nn.Module, prefix: str, source: Mapping[str, Any], metadata: Any) -> None:
+    """``owner``'s own entries of ``source`` (not its children's), as ``load_state_dict`` loads each module."""
+    local_metadata = metadata.get(prefix, {}) if metadata is not None else {}
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+    owner._load_from_state_dict(source, f"{prefix}." if prefix else "", local_metadata, False, missing, unexpected,
+                                errors)
+    if errors:
+        raise MaterializeError(f"loading {prefix or 'the module'} from the checkpoint: " + "; ".join(errors))
+
+
+def _check_keys(module: nn.Module, source: Mapping[str, Any]) -> None:
+    expected = set(module.state_dict(keep_vars=True))
+    missing = sorted(expected - set(source))
+    unexpected = sorted(set(source) - expected)
+    if missing or unexpected:
+        raise MaterializeError(f"the checkpoint does not match the module built on the meta device: missing keys "
+                               f"{missing[:8]}, unexpected keys {unexpected[:8]} (load it with strict=False, "
+                               "Trainer(..., strict_loading=False))")
