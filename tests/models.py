@@ -283,3 +283,18 @@ def state_bytes(state: Mapping) -> int:
     """The bytes of every tensor in an optimizer's state (``optimizer.state``, or a state dict's ``"state"``),
     counted as they are held: what a process keeps of it."""
     return sum(value.nbytes for entry in state.values() for value in entry.values() if isinstance(value, torch.Tensor))
+
+
+def adamw_with_step_lr(params) -> dict:
+    """AdamW and a StepLR stepped every optimizer step: ``configure_optimizers``'s return."""
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def three_class_data(width: int, samples: int = 24) -> DataLoader:
+    """``samples`` inputs of ``width`` features and labels in 0-2, batches of 8 (three an epoch by default: Lightning
+    resumes a plain DataLoader at an epoch's end only)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, width, generator=generator)
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator)), batch_size=8)

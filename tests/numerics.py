@@ -161,6 +161,15 @@ def assert_states_float64_equal(ours: Mapping[str, Any] | nn.Module, ref64: Mapp
         assert_float64_equal(a, b, what=name, **kwargs)
 
 
+def assert_same_optimizer_state(ours: Any, reference: Any) -> None:
+    """Bitwise: the first optimizer's state dict of two Lightning trainers (its param groups and every state)."""
+    ours_state, reference_state = (trainer.optimizers[0].state_dict() for trainer in (ours, reference))
+    assert ours_state["param_groups"] == reference_state["param_groups"]
+    assert ours_state["state"].keys() == reference_state["state"].keys()
+    for key, entry in ours_state["state"].items():
+        assert_states_equal(entry, reference_state["state"][key])
+
+
 def assert_states_equal(ours: Mapping[str, Any] | nn.Module, reference: Mapping[str, Any] | nn.Module) -> None:
     """Bitwise: for results of the same kernels on the same data in the same order (NaN equals NaN)."""
     maps = [state(m) if isinstance(m, nn.Module) else m for m in (ours, reference)]

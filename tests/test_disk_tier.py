@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrategy, pipeline_loss, preflight
@@ -34,7 +34,8 @@ from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.queued import READ_AHEAD
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.preflight import DiskSpaceError
-from tests.numerics import assert_states_equal
+from tests.models import adamw_with_step_lr, three_class_data
+from tests.numerics import assert_same_optimizer_state, assert_states_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the disk tier is Linux only")
 
@@ -59,16 +60,11 @@ class Wide(pl.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_step_lr(self.parameters())
 
 
 def _data(samples: int = 24) -> DataLoader:
-    """Three batches an epoch (Lightning resumes a plain DataLoader at an epoch's end only)."""
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(samples, WIDTH, generator=generator)
-    return DataLoader(TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator)), batch_size=8)
+    return three_class_data(WIDTH, samples)
 
 
 def _strategy(offload_dir: pathlib.Path | None, offload: str = "optimizer", **kwargs) -> RoundPipeStrategy:
@@ -118,14 +114,6 @@ def _large_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor) and value.nbytes >= PAGE]
 
 
-def _assert_same_optimizer_state(ours: pl.Trainer, reference: pl.Trainer) -> None:
-    ours_state, reference_state = (trainer.optimizers[0].state_dict() for trainer in (ours, reference))
-    assert ours_state["param_groups"] == reference_state["param_groups"]
-    assert ours_state["state"].keys() == reference_state["state"].keys()
-    for key, entry in ours_state["state"].items():
-        assert_states_equal(entry, reference_state["state"][key])
-
-
 def _in_files(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -> bool:
     return any(start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= end for start, end in mappings)
 
@@ -137,7 +125,7 @@ def test_the_state_in_files_trains_bitwise_as_in_memory(tmp_path, fused, async_s
     module, trainer = _fit(offload_dir, tmp_path, fused=fused, async_step=async_step)
     reference, reference_trainer = _fit(None, tmp_path, fused=fused, async_step=async_step)
     assert_states_equal(module, reference)
-    _assert_same_optimizer_state(trainer, reference_trainer)
+    assert_same_optimizer_state(trainer, reference_trainer)
     # every large state tensor lies in a mapping of a file in offload_dir, a file with no name left there
     mappings = _file_mappings(offload_dir)
     large = _large_state(trainer.optimizers[0])
@@ -157,7 +145,7 @@ def test_masters_in_files_train_bitwise_as_in_memory(tmp_path, fused, async_step
     module, trainer = _fit(offload_dir, tmp_path, offload="optimizer+masters", **kwargs)
     reference, reference_trainer = _fit(None, tmp_path, **kwargs)
     assert_states_equal(module, reference)
-    _assert_same_optimizer_state(trainer, reference_trainer)
+    assert_same_optimizer_state(trainer, reference_trainer)
     mappings = _file_mappings(offload_dir)
     in_files = {name for name, param in module.named_parameters() if _in_files(param, mappings)}
     # the Linear weights of at least a page (the head's 64 x 3 is 768 B); biases, a page at most, stay
@@ -190,7 +178,7 @@ def test_a_checkpoint_resumes_into_another_tier_bitwise(tmp_path, first, then):
     resumed, resumed_trainer = fit(then, ckpt_path=checkpoint)
     reference, reference_trainer = fit("memory")
     assert_states_equal(resumed, reference)
-    _assert_same_optimizer_state(resumed_trainer, reference_trainer)
+    assert_same_optimizer_state(resumed_trainer, reference_trainer)
 
 
 class _Sampler:

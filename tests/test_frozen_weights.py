@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import RoundPipeStrategy, pipeline_loss, preflight
@@ -25,7 +25,8 @@ from lightning_roundpipe.engine.frozen_weights import holds_exactly, registered_
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.preflight import HostMemoryError
-from tests.numerics import assert_states_equal
+from tests.models import adamw_with_step_lr, three_class_data
+from tests.numerics import assert_same_optimizer_state, assert_states_equal
 
 WIDTH = 32
 BLOCKS = 4
@@ -72,15 +73,11 @@ class LoRA(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_step_lr(self.parameters())
 
 
 def _data(samples: int = 24) -> DataLoader:
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(samples, WIDTH, generator=generator)
-    return DataLoader(TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator)), batch_size=8)
+    return three_class_data(WIDTH, samples)
 
 
 def _strategy(frozen_weights: str = "auto", **kwargs) -> RoundPipeStrategy:
@@ -106,15 +103,7 @@ def _assert_same_run(ours: LoRA, reference: LoRA, ours_trainer: pl.Trainer, refe
     assert len(ours.losses) == len(reference.losses)
     assert all(torch.equal(a, b) for a, b in zip(ours.losses, reference.losses, strict=True))
     assert_states_equal(ours, reference)
-    _assert_same_optimizer_state(ours_trainer, reference_trainer)
-
-
-def _assert_same_optimizer_state(ours_trainer: pl.Trainer, reference_trainer: pl.Trainer) -> None:
-    ours_state, reference_state = (trainer.optimizers[0].state_dict() for trainer in (ours_trainer, reference_trainer))
-    assert ours_state["param_groups"] == reference_state["param_groups"]
-    assert ours_state["state"].keys() == reference_state["state"].keys()
-    for key, entry in ours_state["state"].items():
-        assert_states_equal(entry, reference_state["state"][key])
+    assert_same_optimizer_state(ours_trainer, reference_trainer)
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -190,7 +179,7 @@ def test_state_dicts_and_checkpoints_give_float32_and_resume_into_either_setting
         resumed = LoRA()
         trainer = _fit(resumed, _strategy(setting), tmp_path, ckpt_path=checkpoint)
         assert_states_equal(resumed, uninterrupted)
-        _assert_same_optimizer_state(trainer, reference_trainer)
+        assert_same_optimizer_state(trainer, reference_trainer)
 
 
 # ------------------------------------------------------------------------------------------------ not bf16 values

@@ -21,7 +21,7 @@ from lightning_roundpipe import RoundPipeEngine, RoundPipeStrategy, preflight
 from lightning_roundpipe.hostmem import HostLimits
 from lightning_roundpipe.materialize import MaterializeError
 from lightning_roundpipe.preflight import HostMemoryError
-from tests.numerics import assert_states_equal
+from tests.numerics import assert_same_optimizer_state, assert_states_equal
 
 WIDTH = 16
 
@@ -78,8 +78,7 @@ def _assert_same_run(ours: Net, reference: Net, ours_trainer: pl.Trainer, refere
     assert len(ours.losses) == len(reference.losses) > 0
     assert all(torch.equal(a, b) for a, b in zip(ours.losses, reference.losses, strict=True))
     assert_states_equal(ours, reference)
-    for key, entry in ours_trainer.optimizers[0].state_dict()["state"].items():
-        assert_states_equal(entry, reference_trainer.optimizers[0].state_dict()["state"][key])
+    assert_same_optimizer_state(ours_trainer, reference_trainer)
 
 
 def test_a_module_built_on_meta_is_initialised_as_a_cpu_build_and_trains_as_plain_lightning(tmp_path):
