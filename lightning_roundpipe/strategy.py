@@ -297,6 +297,12 @@ class RoundPipeStrategy(RingProcessStrategy):
                                  model=module)
         try:
             if has_meta_tensors(module):  # each trunk layer's frozen weights kept at compute width once it is whole
+                if source is None:
+                    log.warning("RoundPipe: the module was built on the meta device (Trainer.init_module("
+                                "empty_init=True)) and no checkpoint is being resumed, so each module's "
+                                "reset_parameters() initialises it now. Weights loaded into it before fit with "
+                                "load_state_dict(...) were not kept (meta tensors hold no values): load them with "
+                                "load_state_dict(..., assign=True), or pass ckpt_path to fit.")
                 materialize(module, source, strict=strict, layers=trunk.layers,
                             after_layer=lambda index: engine.narrow_frozen([index]))
                 engine.collect_again()

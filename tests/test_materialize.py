@@ -81,7 +81,7 @@ def _assert_same_run(ours: Net, reference: Net, ours_trainer: pl.Trainer, refere
     assert_same_optimizer_state(ours_trainer, reference_trainer)
 
 
-def test_a_module_built_on_meta_is_initialised_as_a_cpu_build_and_trains_as_plain_lightning(tmp_path):
+def test_a_module_built_on_meta_is_initialised_as_a_cpu_build_and_trains_as_plain_lightning(tmp_path, caplog):
     torch.manual_seed(0)
     reference = Net()
     reference_trainer = _trainer("auto", tmp_path)
@@ -90,7 +90,10 @@ def test_a_module_built_on_meta_is_initialised_as_a_cpu_build_and_trains_as_plai
     trainer = _trainer(_roundpipe(), tmp_path)
     module = _on_meta(trainer)
     torch.manual_seed(0)  # materialization draws at setup what the CPU build drew at construction
-    trainer.fit(module, _data())
+    with caplog.at_level("WARNING", logger="lightning_roundpipe"):
+        trainer.fit(module, _data())
+    # a load_state_dict before fit would have been lost on meta tensors: the log says so
+    assert "load_state_dict(..., assign=True), or pass ckpt_path to fit" in caplog.text
     assert module.net[6].weight is module.net[0].weight  # the tie is kept
     _assert_same_run(module, reference, trainer, reference_trainer)
 
