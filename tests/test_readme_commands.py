@@ -139,7 +139,8 @@ class NotRun:
 Check = Run | Script | Benchmark | Compose | Covered | Recipe | TheSuite | NotRun
 
 _GPU_SMOKE = "tests/test_examples.py::test_the_gpu_check_runs_every_section_in_smoke_mode"
-_FITS = "Llama-3.1-8B on GPUs with 51-123 GB of host memory (tests/test_disk_tier.py runs the disk tier on CPU)"
+_FITS = ("Llama-3.1-8B on GPUs with 22-120 GB of host memory (tests/test_disk_tier.py and tests/test_frozen_weights.py "
+         "run the disk tier and the frozen weights on CPU)")
 _GPU = "needs a CUDA GPU (up to 9 minutes); `python benchmarks/gpu.py --smoke` runs every section on CPU"
 COMMANDS: dict[str, Check] = {
     # README: status
@@ -181,14 +182,15 @@ COMMANDS: dict[str, Check] = {
         "needs K machines with 8 GPUs each", launcher="torchrun", stand_ins={"K": "2"}),
     "srun roundpipe-train trainer=gpu trainer.devices=8 trainer.num_nodes=K": Compose(
         "needs a SLURM allocation of K machines with 8 GPUs each", launcher="srun", stand_ins={"K": "2"}),
-    # README: what fits in host memory (the disk tier)
+    # README: what fits in host memory (the disk tier, frozen weights)
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu": Compose(_FITS),
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu strategy.offload=optimizer "
     "strategy.offload_dir=/nvme/run1": Compose(_FITS),
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu strategy.offload=optimizer+masters "
     "strategy.offload_dir=/nvme/run1": Compose(_FITS),
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu +model/lora=default "
-    "strategy.offload=optimizer+masters strategy.offload_dir=/nvme/run1": Compose(_FITS),
+    "strategy.frozen_weights=round": Compose(_FITS),
+    "roundpipe-train model=llama_8b model.dtype=bfloat16 trainer=gpu +model/lora=default": Compose(_FITS),
     # README: timelines and schedule pictures
     "roundpipe-train strategy.timeline=true experiment=quick": Run(expect="timeline"),
     "python -m lightning_roundpipe.observe.gantt schedule --paper Llama3-8B --png schedule.png": Script(),
