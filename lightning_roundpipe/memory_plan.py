@@ -86,6 +86,7 @@ class MemoryPlan:
     frozen_kept_bytes: int = 0
     frozen_kept: int = 0
     frozen_weights: str = "auto"
+    parameter_count: int = 0          # the module's parameters (each once): the per-parameter row's divisor
 
     @property
     def resident_bytes(self) -> int:
@@ -199,6 +200,8 @@ class MemoryPlan:
                      "streamed to the file by torch.save: no in-memory copy"))
         rows.append(("to allocate", format_bytes(self.new_bytes),
                      f"host total with parameters and buffers {format_bytes(self.host_total_bytes)}"))
+        if self.parameter_count:
+            rows.append(self._per_parameter_row())
         if processes > 1:
             rows.append(("to allocate on this node", format_bytes(self.node_new_bytes),
                          f"{processes} processes on this node (rings_per_node={processes}), each holding all of the "
@@ -238,6 +241,22 @@ class MemoryPlan:
         if self.async_step:
             return "async: the published copy of the trainable trunk weights" + (f" ({low})" if low else "")
         return f"{low}, cast once per step (transport_dtype)" if low else "none: sync step, weights uploaded as stored"
+
+    def _per_parameter_row(self) -> tuple[str, str, str]:
+        """The host total and the disk tier per parameter, by category (what the log's reader compares with the
+        README's table of what fits)."""
+        count = self.parameter_count
+        weights = self.parameter_bytes - self.frozen_freed_bytes + self.upload_copy_bytes
+        host = [("weights and their upload copies", weights), ("gradients", self.gradient_bytes
+                                                                + self.next_gradient_bytes + self.staging_bytes),
+                ("optimizer state", self.optimizer_state_bytes),
+                ("buffers and device copies", self.buffer_bytes + self.device_copy_bytes),
+                ("activations and checkpoint", (self.activation_bytes or 0) + self.checkpoint_save_bytes)]
+        note = "host: " + ", ".join(f"{name} {nbytes / count:.2f}" for name, nbytes in host if nbytes)
+        if self.offload != "none":
+            note += (f"; disk: optimizer state {self.disk_state_bytes / count:.2f}, masters "
+                     f"{self.disk_master_bytes / count:.2f}")
+        return ("per parameter", f"{self.host_total_bytes / count:.2f} B", note + " (activations not counted)")
 
     def disk_pace(self, per_step: int) -> str:
         """The disk bandwidth that moves ``per_step`` bytes each way within the host step measured at setup (the

@@ -276,6 +276,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         frozen_freed_bytes=frozen.saved_bytes if frozen is not None else 0, frozen_narrowed=len(narrowed),
         frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
         frozen_kept=len(frozen.kept) if frozen is not None else 0, frozen_weights=frozen_weights,
+        parameter_count=sum(param.numel() for param in module.parameters()),
     )
     if training and host_optimizer is not None:
         # the scratch fits the node's headroom (each of its processes measures its own); a plan that does not fit

@@ -625,6 +625,17 @@ def test_the_host_step_is_measured_only_when_asked_for_training_with_room():
     assert "host optimizer" not in _plan(model, [optimizer]).table()
 
 
+def test_the_plan_gives_the_host_bytes_per_parameter_by_category():
+    """``_model()``: 1,443 float32 parameters in 8 tensors, AdamW (two float32 buffers each, and a 4-byte step count
+    per tensor), no transport dtype: the weights 4 B/param, the optimizer state 8 + 32/1,443."""
+    model = _model()
+    plan = _plan(model, [torch.optim.AdamW(model.parameters())])
+    (row,) = [row for row in plan.rows() if row[0] == "per parameter"]
+    assert row[1] == f"{plan.host_total_bytes / 1443:.2f} B"
+    assert "weights and their upload copies 4.00" in row[2]
+    assert f"optimizer state {8 + 32 / 1443:.2f}" in row[2] and "disk:" not in row[2]
+
+
 # ---------------------------------------------------------------------------- data parallel on one node
 ADAMW_STATE = 2 * 5772 + 4 * 8  # _model(): 1,443 float32 parameters (5,772 bytes) in 8 tensors, a step each
 
