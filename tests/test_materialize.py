@@ -26,18 +26,23 @@ from tests.numerics import assert_same_optimizer_state, assert_states_equal
 WIDTH = 16
 
 
+def _layers(frozen: bool = False) -> nn.Sequential:
+    net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH),
+                        nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    net[6].weight = net[0].weight
+    if frozen:
+        for index in (2, 4):
+            net[index].requires_grad_(False)
+    return net
+
+
 class Net(pl.LightningModule):
     """Linear and LayerNorm layers, the last Linear tied to the first (one weight in two trunk layers); AdamW.
     ``frozen``: the middle Linear layers are a frozen base holding bfloat16 values."""
 
     def __init__(self, frozen: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH),
-                                 nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
-        self.net[6].weight = self.net[0].weight
-        if frozen:
-            for index in (2, 4):
-                self.net[index].requires_grad_(False)
+        self.net = _layers(frozen)
         self.losses: list[torch.Tensor] = []
 
     def training_step(self, batch, batch_idx):
@@ -98,9 +103,11 @@ def test_a_module_built_on_meta_is_initialised_as_a_cpu_build_and_trains_as_plai
     _assert_same_run(module, reference, trainer, reference_trainer)
 
 
-@pytest.mark.parametrize("precision,frozen", [("32-true", False), ("bf16-mixed", True)], ids=["fp32", "bf16-base"])
+@pytest.mark.parametrize("precision,frozen,async_step", [("32-true", False, False), ("bf16-mixed", True, False),
+                                                          ("bf16-mixed", True, True)],
+                         ids=["fp32", "bf16-base", "bf16-base-async"])
 def test_a_module_built_on_meta_resumes_from_a_checkpoint_as_a_cpu_build_does(tmp_path, monkeypatch, precision,
-                                                                                frozen):
+                                                                                frozen, async_step):
     torch.manual_seed(0)
     first = Net(frozen)
     if frozen:  # a base of bf16 values, as a bf16 checkpoint gives
@@ -112,7 +119,7 @@ def test_a_module_built_on_meta_resumes_from_a_checkpoint_as_a_cpu_build_does(tm
     checkpoint = next((tmp_path / "first").rglob("*.ckpt"))
 
     reference = Net(frozen)
-    reference_trainer = _trainer(_roundpipe(), tmp_path, precision=precision)
+    reference_trainer = _trainer(_roundpipe(async_step=async_step), tmp_path, precision=precision)
     reference_trainer.fit(reference, _data(), ckpt_path=checkpoint)
 
     # at each layer's narrowing, how many float32 frozen weights exist (materialized and not yet narrowed)
@@ -125,7 +132,7 @@ def test_a_module_built_on_meta_resumes_from_a_checkpoint_as_a_cpu_build_does(tm
                                and param.device.type == "cpu" and param.dtype == torch.float32))
 
     monkeypatch.setattr(RoundPipeEngine, "narrow_frozen", watched)
-    trainer = _trainer(_roundpipe(), tmp_path, precision=precision)
+    trainer = _trainer(_roundpipe(async_step=async_step), tmp_path, precision=precision)
     module = _on_meta(trainer, frozen=frozen)
     trainer.fit(module, _data(), ckpt_path=checkpoint)
     assert module.net[6].weight is module.net[0].weight
@@ -135,6 +142,31 @@ def test_a_module_built_on_meta_resumes_from_a_checkpoint_as_a_cpu_build_does(tm
     assert wide_frozen == [0] * 5
     if frozen:
         assert {module.net[index].weight.dtype for index in (2, 4)} == {torch.float32}  # widened back at the end
+
+
+def test_configure_model_may_build_on_meta_and_resume_from_a_checkpoint(tmp_path):
+    """Lightning calls ``configure_model`` in the strategy's init context (not on meta, as FSDP's); a module that
+    builds its layers there under ``torch.device("meta")`` is materialized from the checkpoint all the same."""
+    class Configured(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.net  # built in configure_model
+
+        def configure_model(self) -> None:
+            if not hasattr(self, "net"):
+                with torch.device("meta"):
+                    self.net = _layers()
+
+    torch.manual_seed(0)
+    first = Net()
+    _trainer(_roundpipe(), tmp_path / "first", epochs=1, checkpointing=True).fit(first, _data())
+    checkpoint = next((tmp_path / "first").rglob("*.ckpt"))
+    reference, module = Net(), Configured()
+    reference_trainer = _trainer(_roundpipe(), tmp_path)
+    reference_trainer.fit(reference, _data(), ckpt_path=checkpoint)
+    trainer = _trainer(_roundpipe(), tmp_path)
+    trainer.fit(module, _data(), ckpt_path=checkpoint)
+    _assert_same_run(module, reference, trainer, reference_trainer)
 
 
 def test_a_module_built_on_meta_without_values_is_refused_naming_it(tmp_path):
