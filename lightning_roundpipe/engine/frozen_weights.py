@@ -70,7 +70,8 @@ class FrozenSelection:
 
     @property
     def saved_bytes(self) -> int:
-        """Host bytes narrowing saves: the master's, less nothing (the copy it replaces was there already)."""
+        """Host bytes narrowing saves: the masters' (the narrow copy each becomes was there already, as its upload
+        copy)."""
         return sum(param.numel() * param.element_size() for param in self.narrowed)
 
 
