@@ -256,6 +256,16 @@ class MemoryPlan:
         if self.offload != "none":
             note += (f"; disk: optimizer state {self.disk_state_bytes / count:.2f}, masters "
                      f"{self.disk_master_bytes / count:.2f}")
+        processes = self.processes_per_node
+        if processes > 1:
+            note += f"; this node, {processes} processes: {self.node_total_bytes / count:.2f}"
+        if self._sharded:
+            note += (f"; the optimizer state is sharded over {self.optimizer_shards} processes (unsharded "
+                     f"{self.unsharded_optimizer_state_bytes / count:.2f})")
+        elif max(self.world_size, processes) > 1 and self.optimizer_state_bytes:
+            world = max(self.world_size, processes)
+            note += (f"; shard_optimizer=True would make the optimizer state about "
+                     f"{self.optimizer_state_bytes / world / count:.2f} per process")
         return ("per parameter", f"{self.host_total_bytes / count:.2f} B", note + " (activations not counted)")
 
     def disk_pace(self, per_step: int) -> str:

@@ -645,6 +645,19 @@ def _adamw_plan(**kwargs):
     return _plan(model, [torch.optim.AdamW(model.parameters(), lr=1e-3)], **kwargs)
 
 
+def test_the_per_parameter_row_gives_the_node_and_what_sharding_the_optimizer_state_makes_it():
+    """_model(): 1,443 parameters; AdamW's state 8 B/param and 32 bytes of step counts, over 2 processes."""
+    def row(plan):
+        return next(note for item, _, note in plan.rows() if item == "per parameter")
+    one, two = _adamw_plan(), _adamw_plan(processes_per_node=2)
+    assert "this node" not in row(one) and "shard_optimizer" not in row(one)
+    assert f"this node, 2 processes: {2 * two.host_total_bytes / 1443:.2f}" in row(two)
+    assert f"shard_optimizer=True would make the optimizer state about {ADAMW_STATE / 2 / 1443:.2f} per process" in \
+        row(two)
+    sharded = _adamw_plan(processes_per_node=2, optimizer_shards=2)
+    assert f"sharded over 2 processes (unsharded {ADAMW_STATE / 1443:.2f})" in row(sharded)
+
+
 def test_processes_per_node_multiply_the_host_need_of_the_node_not_the_device_figures():
     one, two = _adamw_plan(), _adamw_plan(processes_per_node=2)
     assert _nbytes(_model().parameters()) == 5772 and one.optimizer_state_bytes == ADAMW_STATE == 11576
