@@ -83,7 +83,7 @@ def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, s
         for _, _, tensor in own:
             _give_memory(registered[id(tensor)])
         if uncovered:
-            _initialise(owner, prefix, uncovered)
+            _initialise(owner, prefix, uncovered, fresh={name for _, name, _ in own})
         if source is not None:
             _load_own(owner, prefix, source, metadata)
         for index, pending in enumerate(pending_by_layer):
@@ -109,8 +109,9 @@ def _give_memory(entry: _Registration) -> None:
     entry.host = host
 
 
-def _initialise(owner: nn.Module, prefix: str, uncovered: list[str]) -> None:
-    """``owner.reset_parameters()``, keeping the values of its tensors another module gave already (a tie)."""
+def _initialise(owner: nn.Module, prefix: str, uncovered: list[str], fresh: set[str]) -> None:
+    """``owner.reset_parameters()``, keeping the values of its tensors another module gave already (a tie: those
+    not in ``fresh``, the ones just given memory, which reset or the checkpoint fill)."""
     reset = getattr(owner, "reset_parameters", None)
     if not callable(reset):
         where = prefix or "the module"
@@ -120,7 +121,7 @@ def _initialise(owner: nn.Module, prefix: str, uncovered: list[str]) -> None:
             f"(trainer.fit(ckpt_path=...)), give {type(owner).__name__} a reset_parameters() that initialises "
             "them, or build the module without empty_init=True")
     kept = {name: tensor.detach().clone() for table in ("_parameters", "_buffers")
-            for name, tensor in getattr(owner, table).items() if tensor is not None and name not in uncovered}
+            for name, tensor in getattr(owner, table).items() if tensor is not None and name not in fresh}
     with torch.no_grad():
         reset()
         for table in ("_parameters", "_buffers"):

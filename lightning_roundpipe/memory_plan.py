@@ -224,6 +224,13 @@ class MemoryPlan:
         return rows
 
     @property
+    def shard_world(self) -> int:
+        """The processes ``shard_optimizer=True`` would split this process's optimizer state over; 1 where it would
+        not help (one process, no state, or sharded already)."""
+        world = max(self.world_size, self.processes_per_node)
+        return world if world > 1 and self.optimizer_shards == 1 and self.optimizer_state_bytes else 1
+
+    @property
     def _sharded(self) -> bool:
         return self.optimizer_shards > 1 and self.unsharded_optimizer_state_bytes > 0
 
@@ -262,10 +269,9 @@ class MemoryPlan:
         if self._sharded:
             note += (f"; the optimizer state is sharded over {self.optimizer_shards} processes (unsharded "
                      f"{self.unsharded_optimizer_state_bytes / count:.2f})")
-        elif max(self.world_size, processes) > 1 and self.optimizer_state_bytes:
-            world = max(self.world_size, processes)
+        elif self.shard_world > 1:
             note += (f"; shard_optimizer=True would make the optimizer state about "
-                     f"{self.optimizer_state_bytes / world / count:.2f} per process")
+                     f"{self.optimizer_state_bytes / self.shard_world / count:.2f} per process")
         return ("per parameter", f"{self.host_total_bytes / count:.2f} B", note + " (activations not counted)")
 
     def disk_pace(self, per_step: int) -> str:

@@ -526,8 +526,8 @@ def _host_message(plan: MemoryPlan) -> str:
         advice.append(f"fewer rings_per_node: each of the {processes} processes on this node holds its own copy of "
                       f"the training state, so the node needs {processes} x {format_bytes(plan.new_bytes)} "
                       "(one ring per node over all of its devices holds it once)")
-    world = max(plan.world_size, processes)
-    if world > 1 and plan.optimizer_shards == 1 and plan.optimizer_state_bytes:
+    world = plan.shard_world
+    if world > 1:
         state = plan.optimizer_state_bytes
         advice.append(f"shard_optimizer=True, which splits the optimizer state ({format_bytes(state)} in each "
                       "process) over all the processes, each keeping about 1/world size of it: at least "
