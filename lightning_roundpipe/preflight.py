@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -69,11 +68,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from lightning_roundpipe.disk_plan import disk_tier_advice, free_bytes, in_flight_state_bytes, largest_step_group_bytes
 from lightning_roundpipe.engine.frozen_weights import FrozenSelection
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
+from lightning_roundpipe.engine.step.disk_tier import PAGE
 from lightning_roundpipe.engine.step.kernels import SCRATCH_ELEMENTS, StepFigure, measure_step
-from lightning_roundpipe.engine.step.queued import READ_AHEAD
 from lightning_roundpipe.engine.transfer import nbytes_of, tensors_nbytes
 from lightning_roundpipe.engine.transport import (
     GRAD_STAGING_BUFFERS,
@@ -220,9 +219,10 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     ``whole_gradients_reader``); ``None``: each step group's exist only while in flight, counted as the gradients
     outside the trunk plus (devices + 1) times the largest stage's (capped at the whole). ``offload``,
     ``offload_dir``: the engine options; the state in files is in memory only for the step groups in flight
-    (:func:`_in_flight_state_bytes`), and ``offload_dir`` must have room for it (and the masters). ``frozen``:
-    the frozen weights the engine will keep at compute width (``RoundPipeEngine.frozen_selection``) under the
-    ``frozen_weights`` option: their masters are freed at start (each becomes its own upload copy)."""
+    (:func:`~lightning_roundpipe.disk_plan.in_flight_state_bytes`), and ``offload_dir`` must have room for it (and
+    the masters). ``frozen``: the frozen weights the engine will keep at compute width
+    (``RoundPipeEngine.frozen_selection``) under the ``frozen_weights`` option: their masters are freed at start
+    (each becomes its own upload copy)."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits
@@ -240,7 +240,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     worst_layer = max(range(len(trunk)), key=lambda i: layer_totals[i])
     staging = GRAD_STAGING_BUFFERS * len(devices) * _largest_gradient_stage(needs, plan) if training else 0
     state_share = -(-host.optimizer_bytes // optimizer_shards)  # this process's share, rounded up
-    in_flight_state = _in_flight_state_bytes(trunk, plan, state_share) if training else 0
+    in_flight_state = in_flight_state_bytes(trunk, plan, state_share) if training else 0
     narrowed = {id(param) for param in frozen.narrowed} if frozen is not None else set()
     movable_masters = (tensors_nbytes(param for param in read_low_precision_only(trunk, transport)
                                       # what the tier moves: a page or more, of masters not freed at start
@@ -271,7 +271,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         unsharded_optimizer_state_bytes=host.optimizer_bytes, staging_bytes=staging,
         gradients_kept_for=gradients_kept_for if training else None,
         offload=offload, offload_dir=offload_dir, disk_state_bytes=disk_state, disk_master_bytes=disk_masters,
-        disk_free_bytes=_free_bytes(offload_dir) if offload != "none" else None,
+        disk_free_bytes=free_bytes(offload_dir) if offload != "none" else None,
         state_in_flight_bytes=in_flight_state, movable_master_bytes=movable_masters,
         frozen_freed_bytes=frozen.saved_bytes if frozen is not None else 0, frozen_narrowed=len(narrowed),
         frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
@@ -311,28 +311,6 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         frozen_weights=options.frozen_weights)
 
 
-def _in_flight_state_bytes(trunk: Trunk, plan: Plan, whole: int) -> int:
-    """The optimizer state in memory with the disk tier: the step groups read ahead, the one stepping and the
-    writes queued (``disk_tier.QUEUED_WRITES``, ``queued.READ_AHEAD``), each at most the largest group's share of
-    ``whole`` (by trainable bytes); never more than ``whole``."""
-    trainable = tensors_nbytes(trunk.trainable_parameters())
-    if not trainable:
-        return whole
-    return min(whole, (READ_AHEAD + 1 + QUEUED_WRITES) * whole * _largest_step_group_bytes(trunk, plan) // trainable)
-
-
-def _free_bytes(directory: str | None) -> int | None:
-    """What ``directory`` (or the nearest existing parent) has free for this user, or ``None``."""
-    path = directory
-    while path and not os.path.isdir(path):
-        path = os.path.dirname(path.rstrip("/")) or None
-    try:
-        stat = os.statvfs(path or ".")
-    except OSError:
-        return None
-    return stat.f_bavail * stat.f_frsize
-
-
 def _check_process_counts(**counts: int) -> None:
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -346,15 +324,7 @@ def _in_flight_gradient_bytes(module: nn.Module, trunk: Trunk, plan: Plan, num_d
     never more than ``whole``."""
     inside = {id(param) for param in trunk.trainable_parameters()}
     outside = tensors_nbytes(p for p in module.parameters() if p.requires_grad and id(p) not in inside)
-    return min(whole, outside + (num_devices + 1) * _largest_step_group_bytes(trunk, plan))
-
-
-def _largest_step_group_bytes(trunk: Trunk, plan: Plan) -> int:
-    """The trainable parameter bytes of the plan's largest stage with gradients (fused or backward): of the step
-    groups a streamed step is cut into, the largest."""
-    return max(tensors_nbytes({id(param): param for layer in stage for param in trunk.states[layer].params
-                               if param.requires_grad}.values())
-               for stage in (plan.fused, *plan.backward))
+    return min(whole, outside + (num_devices + 1) * largest_step_group_bytes(trunk, plan))
 
 
 class _HostFigures(NamedTuple):
@@ -495,25 +465,6 @@ def _judge(plan: MemoryPlan, trunk: Trunk, transport: torch.dtype | None) -> Non
         )
 
 
-def _disk_tier_advice(plan: MemoryPlan) -> list[str]:
-    """What the disk tier would take off this node, whether that makes the plan fit, and what it costs a step."""
-    whole_state = plan.disk_state_bytes or plan.optimizer_state_bytes  # this process's, wherever it is
-    saved_state = whole_state - plan.state_in_flight_bytes if plan.offload == "none" else 0
-    saved_masters = plan.movable_master_bytes if plan.offload != "optimizer+masters" else 0
-    options = []
-    if saved_state > 0:
-        options.append(("optimizer", saved_state, whole_state))
-    if saved_masters > 0:
-        options.append(("optimizer+masters", saved_state + saved_masters, whole_state + plan.movable_master_bytes))
-    advice = []
-    for offload, saved, per_step in options:
-        enough = plan.processes_per_node * saved >= plan.shortfall
-        advice.append(f"offload={offload!r} with offload_dir on a local disk: about {format_bytes(saved)} less in "
-                      f"each process ({'enough' if enough else 'not enough alone'}), for {format_bytes(per_step)} "
-                      f"read and written there per step ({plan.disk_pace(per_step)})")
-    return advice
-
-
 def _host_message(plan: MemoryPlan) -> str:
     available = plan.host_available
     assert available is not None
@@ -532,7 +483,7 @@ def _host_message(plan: MemoryPlan) -> str:
         advice.append(f"shard_optimizer=True, which splits the optimizer state ({format_bytes(state)} in each "
                       "process) over all the processes, each keeping about 1/world size of it: at least "
                       f"{format_bytes(processes * state * (world - 1) // world)} less on this node")
-    advice += _disk_tier_advice(plan)
+    advice += disk_tier_advice(plan)
     if plan.frozen_kept:
         advice.append(f"frozen_weights='round', which keeps {plan.frozen_kept} frozen weights in {plan.transport} "
                       f"alone ({format_bytes(plan.frozen_kept_bytes)} of float32 masters less in each process; "

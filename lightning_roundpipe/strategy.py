@@ -52,11 +52,9 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
@@ -69,6 +67,14 @@ from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step.groups import StreamingStep
 from lightning_roundpipe.engine.step.kernels import HostKernels
 from lightning_roundpipe.engine.transport import transport_torch_dtype
+from lightning_roundpipe.gradient_readers import (
+    AFTER_STEP_GRADIENT_HOOKS,
+    BEFORE_STEP_GRADIENT_HOOKS,
+    GRADIENT_HOOKS,
+    gradient_hook_reader,
+    trainer_of,
+    whole_gradients_reader,
+)
 from lightning_roundpipe.materialize import has_meta_tensors, materialize
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
@@ -89,25 +95,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "roundpipe"
 """The checkpoint entry that holds the engine's state (:meth:`RoundPipeEngine.state_dict`)."""
 
-BEFORE_STEP_GRADIENT_HOOKS = ("on_after_backward", "optimizer_zero_grad")
-"""Hooks that run between a backward and its step and may read or keep its gradients (``optimizer_zero_grad``:
-an override may keep gradients across steps, which the next backward then adds to): when the module or a
-callback overrides one, the main thread waits for each backward and gathers its gradients into ``param.grad``
-(``on_before_optimizer_step`` and clipping get the final gradients anyway, at the step)."""
 
-AFTER_STEP_GRADIENT_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_before_zero_grad")
-"""Hooks that run after the step (``on_train_batch_start`` and ``on_before_zero_grad`` of the next batch see
-what the previous one left) and see ``param.grad`` under Lightning's default strategy: the step's gradients, or
-the window's so far in a batch that did not step. Sync mode shows them without holding the step or the next
-forward back (only a batch that does not step waits for its backward); async mode waits for each backward."""
-
-GRADIENT_HOOKS = BEFORE_STEP_GRADIENT_HOOKS + AFTER_STEP_GRADIENT_HOOKS
-"""Every hook, besides ``on_before_optimizer_step``, in which Lightning's default strategy has gradients in
-``param.grad``. Overrides by Lightning's own callbacks do not count (they read no gradients); a module or callback
-of the user's that overrides one without reading gradients can say so with ``roundpipe_reads_gradients = False``
-and spare whatever wait remains (async mode, gradient accumulation, the hooks before the step)."""
-
-_NOT_USER_CODE = ("lightning.", "pytorch_lightning.", "lightning_roundpipe.")
 
 
 class RoundPipeStrategy(RingProcessStrategy):
@@ -362,7 +350,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         for patch in self._patches:
             patch.remove()
         self._patches = []
-        trainer = _trainer_of(self.lightning_module)
+        trainer = trainer_of(self.lightning_module)
         if trainer is not None:
             metrics.detach(trainer)
 
@@ -375,7 +363,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         try:
             folder = self.options.timeline_dir
             if folder is None:
-                trainer = _trainer_of(self.lightning_module)
+                trainer = trainer_of(self.lightning_module)
                 folder = trainer.default_root_dir if trainer is not None else os.getcwd()
             events = self.engine.events()
             # one file per process when there are several: never two processes to one path
@@ -408,7 +396,7 @@ class RoundPipeStrategy(RingProcessStrategy):
     def _interrupted(self) -> bool:
         """Whether the run is being interrupted: Lightning handles an exception (it calls the callbacks'
         ``on_exception``, e.g. ``OnExceptionCheckpoint``'s save, then the strategy's, then teardown)."""
-        trainer = _trainer_of(self.lightning_module)
+        trainer = trainer_of(self.lightning_module)
         return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     # ------------------------------------------------------------------ training
@@ -422,43 +410,16 @@ class RoundPipeStrategy(RingProcessStrategy):
         """Whether user code may read ``param.grad`` in ``hooks`` (by default any hook of :data:`GRADIENT_HOOKS`),
         or anywhere in manual optimization (right after ``manual_backward``, say): a module or callback overrides
         one of them."""
-        return self._gradient_hook_reader(hooks) is not None
-
-    def _gradient_hook_reader(self, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
-        """Who may read ``param.grad`` in ``hooks`` (:meth:`gradients_read`): ``"Owner.hook"`` for the first
-        override of the module's or a callback's, ``"manual optimization"``, or ``None``."""
-        module = self.lightning_module
-        if module is None:
-            return None
-        if not module.automatic_optimization:
-            return "manual optimization"
-        trainer = _trainer_of(module)
-        callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-        for obj, base in [(module, pl.LightningModule), *((callback, pl.Callback) for callback in callbacks)]:
-            hook = _gradient_hook_override(obj, base, hooks)
-            if hook is not None:
-                return f"{type(obj).__name__}.{hook}"
-        return None
+        return gradient_hook_reader(self.lightning_module, hooks) is not None
 
     def whole_gradients_reader(self) -> str | None:
         """What may read the whole model's gradients of a step, so that the host keeps them through it (and a
         sync step leaves them in ``param.grad``); ``None``: nothing, and each step group's gradients exist only
         while in flight (``StrategyOptions.keep_gradients``). Asked at every step: the answer may change during
         a run (``GradientAccumulationScheduler``)."""
-        module = self.lightning_module
-        if module is None:
-            return None
         if self.options.keep_gradients == "always" and not self.engine_options.async_step:
             return "keep_gradients='always'"
-        reader = self._gradient_hook_reader()
-        trainer = _trainer_of(module)
-        if reader is not None or trainer is None:
-            return reader
-        if trainer.accumulate_grad_batches > 1:
-            return f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
-        if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):  # type: ignore[attr-defined]
-            return "StochasticWeightAveraging (its BatchNorm epoch steps again with the last gradients)"
-        return precision.final_gradients_reader(self.precision_plugin, module)
+        return whole_gradients_reader(self.lightning_module, self.precision_plugin)
 
     def _say_gradients_kept(self, reader: str | None) -> None:
         """Log, when it changes, whether the steps keep the whole model's gradients and for what."""
@@ -600,30 +561,6 @@ class RoundPipeStrategy(RingProcessStrategy):
         if "roundpipe_async" not in strategy_registry:
             strategy_registry.register("roundpipe_async", cls, description="RoundPipe, one-step-stale async step",
                                        async_step=True)
-
-
-def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
-    """The Trainer ``module`` is attached to, if any (its ``trainer`` property raises when there is none)."""
-    try:
-        return module.trainer if module is not None else None
-    except RuntimeError:
-        return None
-
-
-def _gradient_hook_override(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
-    """The first of ``hooks`` in which ``obj`` (a LightningModule or a callback) has user code: an override
-    defined outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
-    if getattr(obj, "roundpipe_reads_gradients", True) is False:
-        return None
-    for hook in hooks:
-        if hook in vars(obj):
-            return hook
-        for cls in type(obj).__mro__:
-            if hook in vars(cls):
-                if cls is not base and not (cls.__module__ or "").startswith(_NOT_USER_CODE):
-                    return hook
-                break
-    return None
 
 
 def register() -> None:

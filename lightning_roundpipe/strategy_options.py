@@ -113,14 +113,15 @@ class StrategyOptions:
     keep_gradients: KeepGradients = "auto"
     """Sync mode: whether ``param.grad`` holds each step's gradients after it, until ``zero_grad``, as under
     Lightning's default strategy. ``"auto"``: only where something may read them whole: a gradient hook
-    (``on_after_backward``, ``on_train_batch_end``, ... of the module or a callback; ``strategy.GRADIENT_HOOKS``),
-    clipping, ``on_before_optimizer_step``, a loss scaler's inf check, a precision plugin's own step, manual
-    optimization, gradient accumulation, ``StochasticWeightAveraging`` (its BatchNorm epoch steps again with
-    them). Otherwise each step group's gradients exist on the host only while in flight, from their first
-    contribution until the group steps, in reused memory (4 bytes per parameter less at fp32), and ``param.grad``
-    is ``None`` after each step: code outside those hooks that reads it (in ``training_step``, or after ``fit``)
-    should set ``"always"``. The pre-flight plan says which was chosen and why. Async mode never shows a step's
-    gradients after it; its sums are given back the same way unless one of those readers needs them."""
+    (``on_after_backward``, ``on_train_batch_end``, ... of the module or a callback;
+    ``gradient_readers.GRADIENT_HOOKS``), clipping, ``on_before_optimizer_step``, a loss scaler's inf check, a
+    precision plugin's own step, manual optimization, gradient accumulation, ``StochasticWeightAveraging`` (its
+    BatchNorm epoch steps again with them). Otherwise each step group's gradients exist on the host only while in
+    flight, from their first contribution until the group steps, in reused memory (4 bytes per parameter less at
+    fp32), and ``param.grad`` is ``None`` after each step: code outside those hooks that reads it (in
+    ``training_step``, or after ``fit``) should set ``"always"``. The pre-flight plan says which was chosen and why.
+    Async mode never shows a step's gradients after it; its sums are given back the same way unless one of those
+    readers needs them."""
 
     def __post_init__(self) -> None:
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):

@@ -337,7 +337,7 @@ def test_the_pre_flight_plan_puts_the_state_on_disk_and_refuses_a_disk_too_small
     count = sum(param.numel() for param in module.parameters())
     (row,) = [row for row in plans["masters"].rows() if row[0] == "per parameter"]
     assert f"disk: optimizer state {whole_state / count:.2f}, masters {large_weights / count:.2f}" in row[2]
-    monkeypatch.setattr(preflight, "_free_bytes", lambda directory: 1000)
+    monkeypatch.setattr(preflight, "free_bytes", lambda directory: 1000)
     with pytest.raises(DiskSpaceError, match=f"offload='optimizer' keeps .* in files in {offload_dir}.*which has "
                                              "1000 B free: free space there or set offload_dir to a larger disk"):
         _fit(offload_dir, tmp_path, epochs=1)
