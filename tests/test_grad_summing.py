@@ -9,6 +9,7 @@ the summation is held back until an event that only a release before the sum can
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import pytest
@@ -299,3 +300,79 @@ def test_after_a_step_the_pool_keeps_only_what_the_step_had_out_at_once():
         sums.give_back([(param, sums.first_sum(param, torch.ones(4, 4)))])
     sums.trim()
     assert sums.held_bytes() == 64 and sums.fresh_bytes == 3 * 64
+
+
+def test_a_summing_thread_waits_for_room_only_while_the_step_will_give_sums_back():
+    """The back-pressure's rule, on the pool alone: over the budget a sum waits while the running step holds sums
+    it will give back, and goes on at the first give-back; over the budget with nothing to come back (a group that
+    needs this very sum), or with no step running, it never waits."""
+    params = [nn.Parameter(torch.zeros(4, 4)) for _ in range(3)]
+    sums, abort = SumBuffers(), AbortSignal(timeout=HOLD_TIMEOUT)
+    out = _first_sums(sums, params[:2], 1.0)  # 128 bytes out
+    sums.wait_for_room(64, abort, "no step running")  # returns: nothing limits sums between steps
+    gives_back = threading.Event()
+    with sums.reclaiming(128, gives_back.is_set):
+        sums.wait_for_room(64, abort, "nothing to give back")  # returns: waiting would wait for itself
+        gives_back.set()
+        waited = threading.Event()
+
+        def third_sum() -> None:
+            sums.wait_for_room(64, abort, "a third sum")
+            waited.set()
+
+        summer = threading.Thread(target=third_sum)
+        summer.start()
+        assert not waited.wait(0.2)  # held back: 192 bytes would be out, and the step will give some back
+        sums.give_back([(params[0], out.pop(0))])
+        summer.join(HOLD_TIMEOUT)
+        assert waited.is_set() and sums.waited_seconds > 0
+        sums.wait_for_room(64, abort, "within the budget")  # 64 out: returns at once
+
+
+class _SlowFirstStep(torch.optim.SGD):
+    """SGD whose first stepped group waits until every layer's gradient sum has been started (or a second has
+    passed): without back-pressure the backward, far quicker than that, sums the whole model's gradients at once."""
+
+    def __init__(self, params, sums_started, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.sums_started = sums_started
+        self.first = [True]  # shared: the engine steps a copy of this object, which shares its attributes' values
+
+    def step(self, closure=None):
+        if self.first[0]:
+            self.first[0] = False
+            deadline = time.monotonic() + 1.0
+            while not self.sums_started() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return super().step(closure)
+
+
+def test_a_slow_host_step_holds_the_backward_to_its_pace(roundpipe_threads):
+    """Eight layers, a backward stage each, one device: the budget is two groups' gradients (one being summed, one
+    being stepped). The first group's step waits until every sum has started, which back-pressure never lets
+    happen: the sums the engine ever allocates stay within three layers', and the weights equal plain PyTorch's."""
+    width, depth, steps = 16, 8, 3
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, dtype=torch.float64) for _ in range(depth)])
+    reference = nn.Sequential(*[nn.Linear(width, width, dtype=torch.float64) for _ in range(depth)])
+    reference.load_state_dict(model.state_dict())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    inputs, target = (torch.randn(8, width, dtype=torch.float64), torch.randn(8, width, dtype=torch.float64))
+    layer_bytes = (width * width + width) * 8
+    plan = Plan((range(0, depth - 1),), range(depth - 1, depth), tuple(range(k, k + 1) for k in range(depth - 2, -1, -1)))
+    options = EngineOptions(num_stages=plan, freeze_plan=True, wait_timeout=60.0, streaming_step="on")
+    with RoundPipeEngine(model, 1, options) as engine:
+        sums = engine.dispatcher.sum_buffers
+        optimizer = _SlowFirstStep(model.parameters(), lambda: sums.fresh_bytes >= depth * layer_bytes, lr=0.5)
+        for _ in range(steps):
+            F.mse_loss(engine(inputs), target).backward()
+            engine.step(optimizer)
+        engine.synchronize()
+        assert sums.fresh_bytes <= 3 * layer_bytes, sums.fresh_bytes
+    for _ in range(steps):
+        reference_optimizer.zero_grad()
+        F.mse_loss(reference(inputs), target).backward()
+        reference_optimizer.step()
+    for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_float64_equal(param, reference_param, what="a weight after three steps")
+    assert roundpipe_threads() == []

@@ -304,6 +304,7 @@ class StageOperations:
 
         def sum_into_window() -> None:
             try:
+                task.window.wait_for_room(task.ticket, delivered, f"the gradients of stage {task.job.label}")
                 task.window.deliver(task.ticket, delivered, borrowed=True)
                 device.stress_mode.poison_released(host)  # the window has its copies: the buffer may be reused
             finally:

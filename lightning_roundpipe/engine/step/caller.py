@@ -181,6 +181,7 @@ class StepQueue:
             hyperparameters=hyperparameters, proceed=proceed, averaging=averaging, keep_gradients=keep,
             trunk=self.trunk, sources=sources, host=host, timeline=timeline,
             host_kernels=self.options.host_optimizer, async_step=self.options.async_step,
+            num_devices=self.dispatcher.num_devices,
             sharding=self.data_parallel if self.data_parallel.sharded else None, disk=self.disk,
             on_whole=self._record_step_seconds, on_torn=self._record_torn_step))
         self._kept = (step, params, lent) if keep else None

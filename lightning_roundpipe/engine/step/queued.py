@@ -41,6 +41,14 @@ READ_AHEAD = 2
 """Offload: groups whose optimizer state may be asked for before they step (the one stepped next among them)."""
 
 
+def sums_budget(groups: Sequence[StepGroup], num_devices: int) -> int:
+    """The bytes of gradient sums a step that gives them back lets be out at once (``window.py``'s back-pressure):
+    the largest group's on every device being summed and one more being stepped, as the pre-flight plan counts
+    them. A device's staging buffer is on top of it."""
+    largest = max((sum(param.numel() * param.element_size() for param in group.params) for group in groups), default=0)
+    return (num_devices + 1) * largest
+
+
 @dataclass(frozen=True)
 class StepRequest:
     """What the caller's thread hands a :class:`QueuedStep` (``caller.py`` builds it; the fields are described
@@ -64,6 +72,7 @@ class StepRequest:
     timeline: Timeline
     host_kernels: str
     async_step: bool
+    num_devices: int
     sharding: DataParallel | None
     disk: DiskTier | None
     # where what it learns goes (on the optimizer thread)
@@ -111,6 +120,9 @@ class QueuedStep:
         self.on_whole = request.on_whole
         self.on_torn = request.on_torn
         self.disk = request.disk
+        self._sums_budget = sums_budget(self.groups, request.num_devices)
+        self._pending: list[int] = []  # the groups not stepped yet
+        self._in_hand = False  # a group's gradients are taken and not given back yet
         # offload: the groups whose state was asked for and not stepped yet, each with the event of its arrival
         self._read_ahead_asked: dict[int, threading.Event] = {}
         # keep_gradients: the gradients each parameter was stepped with, by id, for the caller's thread to put
@@ -133,8 +145,20 @@ class QueuedStep:
 
     def run(self) -> None:
         """Step every group, each once its gradients are final (the optimizer thread then sets the step's
-        event)."""
-        pending = list(range(len(self.groups)))  # shallowest first
+        event). Giving the sums back, it holds the backward to its pace (``window.py``'s back-pressure)."""
+        if not self._gives_back():
+            self._run()
+            return
+        with self.window.reclaiming(self._sums_budget, self._holds_sums_to_give_back):
+            self._run()
+
+    def _holds_sums_to_give_back(self) -> bool:
+        """Whether this step will give sums back without waiting for more (on a summing thread): it is stepping a
+        group, or a group not stepped yet has final gradients."""
+        return self._in_hand or bool(self.window.final_groups(list(self._pending)))
+
+    def _run(self) -> None:
+        pending = self._pending = list(range(len(self.groups)))  # shallowest first
         applied: list[str] = []
         seconds = [0.0] * self.num_layers  # per layer, its parameters' share of the step
         try:
@@ -145,6 +169,7 @@ class QueuedStep:
                     self._finish_broadcast(seconds)  # nothing to step meanwhile: let its group's uploads go
                     self.window.wait_progress()
                     continue
+                self._in_hand = True  # before it leaves pending: a summing thread always sees one or the other
                 pending.remove(index)
                 self._wait_read_ahead(index)
                 group = self.groups[index]
@@ -287,6 +312,7 @@ class QueuedStep:
                 if id(param) in grads and id(param) not in self.lent]
         grads.clear()
         self.window.give_back(sums)
+        self._in_hand = False  # after giving back: a summing thread that saw the sums out finds them back
 
     def _label(self, group: StepGroup) -> str:
         return f"step {self.number} {group.label}" if len(self.groups) > 1 else f"step {self.number}"

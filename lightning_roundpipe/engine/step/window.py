@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, HostEvent
+from lightning_roundpipe.engine.errors import EngineAborted
 
 # torch's reference counts of a tensor and of its storage (private, as torch.utils.swap_tensors and the CUDA graph
 # trees use them); without them no sum reuses memory
@@ -46,6 +49,10 @@ def _unseen(tensor: torch.Tensor) -> bool:
             and tensor._base is None
             and (torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
                  <= torch._C._storage_Use_Count(probe.untyped_storage()._cdata)))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 _Kind = tuple[torch.Size, torch.dtype, torch.device]
@@ -69,7 +76,16 @@ class SumBuffers:
     Otherwise a sum goes into fresh memory, and what a caller kept stays as it was. One per engine; the summing
     threads take from it, the optimizer thread gives back. Given-back memory is kept only as far as the last step
     needed it (:meth:`trim`): a step whose groups all waited at once (the first, while the optimizer builds its
-    state) does not make the pool hold the whole model's gradients for the rest of the run."""
+    state) does not make the pool hold the whole model's gradients for the rest of the run.
+
+    **Back-pressure.** Where the host step is slower than the backward (a large model's AdamW on a few cores, the
+    disk tier), every group's sums would wait for the optimizer at once. While a step that gives its sums back runs
+    (:meth:`reclaiming`), a summing thread first waits (:meth:`wait_for_room`) until the sums out leave room for its
+    job's, within the step's budget: its device then waits for its staging buffer, so the backward slows to the
+    host step's pace (which bounds the iteration anyway) and the sums in memory stay within the budget. It waits
+    only while the step holds sums it will give back by itself (a group it is stepping, or one whose gradients are
+    final): a sum that would complete a group is never held back by groups that need it, so the budget bends
+    rather than deadlocks (a weight tied across stages, several calls per step)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -77,7 +93,12 @@ class SumBuffers:
         self._free: dict[_Kind, list[torch.Tensor]] = {}  # given back, by shape, dtype and device
         self._out: dict[_Kind, int] = {}   # per kind, sums handed out and not given back
         self._peak: dict[_Kind, int] = {}  # per kind, the most handed out at once since the last trim
+        self._out_bytes = 0  # bytes of the sums handed out and not given back
+        # while a step that gives back runs: its budget of sums out, and whether it holds sums it will give back
+        self._reclaimer: tuple[int, Callable[[], bool]] | None = None
+        self._room = threading.Event()  # set when sums come back (or the step ends): waiters look again
         self.fresh_bytes = 0  #: bytes of the sums that found no reusable memory, over the engine's life
+        self.waited_seconds = 0.0  #: time summing threads waited for room, over the engine's life
 
     def first_sum(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         """A tensor of ``param``'s dtype holding a copy of ``grad``, the first contribution to its sum."""
@@ -102,6 +123,7 @@ class SumBuffers:
             buffer.copy_(grad)
         with self._lock:
             self._last[key] = buffer
+            self._out_bytes += _nbytes(buffer)
             self._out[kind] = self._out.get(kind, 0) + 1
             self._peak[kind] = max(self._peak.get(kind, 0), self._out[kind])
         return buffer
@@ -116,8 +138,48 @@ class SumBuffers:
                     del self._last[id(param)]
                 kind = (buffer.shape, buffer.dtype, buffer.device)
                 self._free.setdefault(kind, []).append(buffer)
-                self._out[kind] = max(0, self._out.get(kind, 0) - 1)
+                if self._out.get(kind, 0) > 0:
+                    self._out[kind] -= 1
+                    self._out_bytes -= _nbytes(buffer)
                 del param, buffer
+            self._room.set()
+
+    @contextmanager
+    def reclaiming(self, budget: int, holds_sums_to_give_back: Callable[[], bool]) -> Iterator[None]:
+        """While a step that gives its sums back runs: summing threads keep the sums out within ``budget`` bytes
+        while ``holds_sums_to_give_back()`` (called on a summing thread) says the step will give some back without
+        waiting for more sums."""
+        with self._lock:
+            self._reclaimer = (budget, holds_sums_to_give_back)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reclaimer = None
+            self._room.set()
+
+    def wait_for_room(self, nbytes: int, abort: AbortSignal, what: str) -> None:
+        """Before summing ``nbytes`` of new sums (on a summing thread): wait while they would take the sums out past
+        the running step's budget and that step holds sums it will give back (see the class docstring)."""
+        started = None
+        deadline = time.monotonic() + abort.timeout
+        while True:
+            with self._lock:
+                reclaimer = self._reclaimer
+                if reclaimer is None or self._out_bytes == 0 or self._out_bytes + nbytes <= reclaimer[0]:
+                    break
+                self._room.clear()
+            if not reclaimer[1]():
+                break
+            started = time.monotonic() if started is None else started
+            self._room.wait(0.02)  # the step's next give-back wakes it
+            if abort.aborted:
+                raise EngineAborted(f"engine stopped while {what} waited for the host step")
+            if time.monotonic() > deadline:
+                break  # never a hang: the engine's other waits report a stuck step
+        if started is not None:
+            with self._lock:
+                self.waited_seconds += time.monotonic() - started
 
     def trim(self) -> None:
         """After a step: keep of each kind only as many given-back buffers as were handed out at once since the
@@ -207,6 +269,20 @@ class GradWindow:
         keys: Iterable[int | None] = tuple(layers) or (None,)  # an upload of no layer is still waited for
         for key in keys:
             self._uploads_by_layer.setdefault(key, []).append(upload_done)
+
+    def wait_for_room(self, ticket: int, grads: Sequence[torch.Tensor | None], what: str) -> None:
+        """Before :meth:`deliver` of job ``ticket``'s ``grads`` (on a summing thread, holding no lock): wait while the
+        sums they would start take the pool's sums out past the running step's budget
+        (:meth:`SumBuffers.wait_for_room`)."""
+        if self._sums is None:
+            return
+        with self._lock:
+            params = self._slots.get(ticket, [])
+            started = {id(param): param for param, grad in zip(params, grads, strict=False)
+                       if grad is not None and id(param) not in self._grads}
+        nbytes = sum(param.numel() * param.element_size() for param in started.values())
+        if nbytes:
+            self._sums.wait_for_room(nbytes, self._abort, what)
 
     def deliver(self, ticket: int, grads: Sequence[torch.Tensor | None], *, borrowed: bool = False) -> None:
         """The gradients of job ``ticket``, one per slot given to :meth:`job_started` (``None``: none), computed
@@ -355,6 +431,10 @@ class GradWindow:
         if self._sums is not None:
             self._sums.give_back(sums)
         sums.clear()
+
+    def reclaiming(self, budget: int, holds_sums_to_give_back: Callable[[], bool]) -> AbstractContextManager[None]:
+        """:meth:`SumBuffers.reclaiming` of the pool (without one, nothing)."""
+        return self._sums.reclaiming(budget, holds_sums_to_give_back) if self._sums is not None else nullcontext()
 
     def trim_given_back(self) -> None:
         """A step that gave its sums back is over: :meth:`SumBuffers.trim`."""
