@@ -28,7 +28,10 @@ high-water mark of every allocation rather than what is live (a setting worth ha
 * ``LoRA, bf16 base, built on meta from a checkpoint``: the first LoRA run's model built under
   ``Trainer.init_module(empty_init=True)`` (on the meta device) and resumed from the checkpoint that run ended
   with (float32, bf16 values): each layer materialized from the memory-mapped checkpoint and its base narrowed at
-  once.
+  once;
+* ``state + masters on disk, built on meta from a checkpoint``: the same for the ``state + masters on disk`` run:
+  each layer materialized from its checkpoint, its transport copy made and its masters moved into the tier's files
+  at once, then the AdamW state loaded (memory-mapped) and moved into files a parameter at a time.
 
 Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's anonymous and shared-memory
 resident bytes (``RssAnon`` + ``RssShmem``: file pages it maps, its libraries or a checkpoint read memory-mapped,
@@ -59,8 +62,9 @@ Targets (issue 26): full fine-tuning with state and masters on disk at most 4 re
 LoRA on a bf16 base at most 2.2 B/param for the frozen weights (their memory and any upload copy of them, in the
 steady peak's sample, per frozen parameter; the whole LoRA run at the margin is printed beside it, the adapters
 included: rank 8 on width 1024 makes them 1.6% of the parameters, at about 16 B each); setup peak within 1.1x of
-the steady state (over whole runs, every configuration but ``LoRA, bf16 base frozen``, whose float32 base is
-built in memory: the meta and bf16 builds are the ways to avoid it, and its ratio is printed beside).
+the steady state (over whole runs, every configuration but ``LoRA, bf16 base frozen`` and ``state + masters on
+disk``, whose float32 weights are built in memory before the strategy sees them: the meta and bf16 builds are the
+ways to avoid it, and their ratios are printed beside).
 """
 
 from __future__ import annotations
@@ -89,9 +93,12 @@ CONFIGS = {  # name: (label, strategy options, LoRA: its frozen base's kind, or 
     "lora": ("LoRA, bf16 base frozen", {}, "bf16 values"),
     "lora-stored": ("LoRA, base stored in bf16", {}, "stored in bf16"),
     "lora-meta": ("LoRA, bf16 base, built on meta from a checkpoint", {}, "bf16 values"),
+    "masters-meta": ("state + masters on disk, built on meta from a checkpoint", {"offload": "optimizer+masters"}, ""),
 }
-BUILT_WIDE = ("lora",)  # a frozen base built in float32 in memory, which the other LoRA runs show how to avoid
-FROM_CHECKPOINT = ("lora-meta",)  # built under Trainer.init_module(empty_init=True), resumed from "lora"'s end
+# built in float32 in memory, 4 B/param before the strategy sees them: the "-meta" runs show how to avoid it
+BUILT_WIDE = ("lora", "masters")
+# built under Trainer.init_module(empty_init=True), resumed from the checkpoint the named configuration ended with
+FROM_CHECKPOINT = {"lora-meta": "lora", "masters-meta": "masters"}
 TIERS = ("state", "masters")
 TOLERANCE = 1.05
 MMAP_THRESHOLD = 65536
@@ -368,9 +375,14 @@ def main() -> int:
           f"stage, 2 CPU devices, bf16-mixed, AdamW, {args.forward_ms:g} ms forward per layer and microbatch; "
           f"{args.steps} measured steps")
     with tempfile.TemporaryDirectory(prefix="roundpipe-host-memory-", dir=args.dir) as saved:
-        checkpoint = os.path.join(saved, "lora.ckpt")  # what "lora" ends with: where FROM_CHECKPOINT resume
-        results = {config: run_child(config, args.microbatches, args, checkpoint=checkpoint,
-                                     save_checkpoint=checkpoint if config == "lora" else None)
+        def checkpoint(config: str) -> str:  # what `config` ends with, where the FROM_CHECKPOINT runs resume
+            return os.path.join(saved, f"{config}.ckpt")
+
+        results = {config: run_child(config, args.microbatches, args,
+                                     checkpoint=checkpoint(FROM_CHECKPOINT[config]) if config in FROM_CHECKPOINT
+                                     else None,
+                                     save_checkpoint=checkpoint(config) if config in FROM_CHECKPOINT.values()
+                                     else None)
                    for config in CONFIGS}
     print(f"\nHost bytes per parameter ({results['kept']['parameters']:,} parameters; LoRA: "
           f"{results['lora']['parameters']:,} with its adapters), peak resident less the process before the model")
@@ -435,7 +447,7 @@ def main() -> int:
     verdicts.append(f"setup/steady at most {setup_ratio:.2f} (target <= {SETUP_TARGET:g}) "
                     f"{'MET' if setup_ratio <= SETUP_TARGET else 'NOT MET'}; "
                     + ", ".join(f"{CONFIGS[config][0]} {ratios[config]:.2f}" for config in BUILT_WIDE)
-                    + " (its float32 base built in memory: build on meta from a checkpoint or store it in bf16)")
+                    + " (built in float32 in memory: their '-meta' runs build on meta from a checkpoint)")
     print("\nVerdict: " + "; ".join(verdicts))
     seconds = time.perf_counter() - began
     print(f"({seconds:.0f} s)")

@@ -200,7 +200,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 host_optimizer: str | None = None, transport: torch.dtype | None = None,
                 processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1,
                 gradients_kept_for: str | None = "param.grad", offload: str = "none",
-                offload_dir: str | None = None, frozen: FrozenSelection | None = None,
+                offload_dir: str | None = None, disk_written: int = 0, frozen: FrozenSelection | None = None,
                 frozen_weights: str = "auto") -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
@@ -220,7 +220,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     outside the trunk plus (devices + 1) times the largest stage's (capped at the whole). ``offload``,
     ``offload_dir``: the engine options; the state in files is in memory only for the step groups in flight
     (:func:`~lightning_roundpipe.disk_plan.in_flight_state_bytes`), and ``offload_dir`` must have room for it (and
-    the masters). ``frozen``: the frozen weights the engine will keep at compute width
+    the masters; ``disk_written``: the bytes the engine moved there before start, which count as free). ``frozen``:
+    the frozen weights the engine will keep at compute width
     (``RoundPipeEngine.frozen_selection``) under the ``frozen_weights`` option: their masters are freed at start
     (each becomes its own upload copy)."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
@@ -271,7 +272,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         unsharded_optimizer_state_bytes=host.optimizer_bytes, staging_bytes=staging,
         gradients_kept_for=gradients_kept_for if training else None,
         offload=offload, offload_dir=offload_dir, disk_state_bytes=disk_state, disk_master_bytes=disk_masters,
-        disk_free_bytes=free_bytes(offload_dir) if offload != "none" else None,
+        disk_free_bytes=_free_for_tier(offload_dir, disk_written) if offload != "none" else None,
         state_in_flight_bytes=in_flight_state, movable_master_bytes=movable_masters,
         frozen_freed_bytes=frozen.saved_bytes if frozen is not None else 0, frozen_narrowed=len(narrowed),
         frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
@@ -308,7 +309,13 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         host_optimizer=options.host_optimizer, transport=engine.transport, processes_per_node=processes_per_node,
         optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for,
         offload=options.offload, offload_dir=options.offload_dir, frozen=engine.frozen_selection(),
+        disk_written=engine.master_files.written_bytes() if engine.master_files is not None else 0,
         frozen_weights=options.frozen_weights)
+
+
+def _free_for_tier(offload_dir: str | None, written: int) -> int | None:
+    free = free_bytes(offload_dir)
+    return None if free is None else free + written
 
 
 def _check_process_counts(**counts: int) -> None:

@@ -284,7 +284,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         engine = RoundPipeEngine(trunk, devices, options, data_parallel=data_parallel,  # plans; threads start below
                                  model=module)
         try:
-            if has_meta_tensors(module):  # each trunk layer's frozen weights kept at compute width once it is whole
+            if has_meta_tensors(module):  # each trunk layer given its host home once it is whole (engine.settle)
                 if source is None:
                     log.warning("RoundPipe: the module was built on the meta device (Trainer.init_module("
                                 "empty_init=True)) and no checkpoint is being resumed, so each module's "
@@ -292,7 +292,7 @@ class RoundPipeStrategy(RingProcessStrategy):
                                 "load_state_dict(...) were not kept (meta tensors hold no values): load them with "
                                 "load_state_dict(..., assign=True), or pass ckpt_path to fit.")
                 materialize(module, source, strict=strict, layers=trunk.layers,
-                            after_layer=lambda index: engine.narrow_frozen([index]))
+                            after_layer=lambda index: engine.settle([index]))
                 engine.collect_again()
             resumed, self._resume_state = self._resume_state, None
             if resumed is not None and trainer.ckpt_path is not None:

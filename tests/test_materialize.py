@@ -23,7 +23,7 @@ from lightning_roundpipe.materialize import MaterializeError
 from lightning_roundpipe.preflight import HostMemoryError
 from tests.numerics import assert_same_optimizer_state, assert_states_equal
 
-WIDTH = 16
+WIDTH = 32  # a Linear weight of a page at least: the disk tier takes it (offload="optimizer+masters")
 
 
 def _layers(frozen: bool = False) -> nn.Sequential:
@@ -124,14 +124,14 @@ def test_a_module_built_on_meta_resumes_from_a_checkpoint_as_a_cpu_build_does(tm
 
     # at each layer's narrowing, how many float32 frozen weights exist (materialized and not yet narrowed)
     wide_frozen: list[int] = []
-    narrow = RoundPipeEngine.narrow_frozen
+    narrow = RoundPipeEngine.settle
 
     def watched(engine, layers):
         narrow(engine, layers)
         wide_frozen.append(sum(1 for param in engine.trunk.parameters() if not param.requires_grad
                                and param.device.type == "cpu" and param.dtype == torch.float32))
 
-    monkeypatch.setattr(RoundPipeEngine, "narrow_frozen", watched)
+    monkeypatch.setattr(RoundPipeEngine, "settle", watched)
     trainer = _trainer(_roundpipe(async_step=async_step), tmp_path, precision=precision)
     module = _on_meta(trainer, frozen=frozen)
     trainer.fit(module, _data(), ckpt_path=checkpoint)
@@ -210,3 +210,37 @@ def test_a_refused_setup_gives_the_narrowed_frozen_weights_their_dtype_back(tmp_
     assert {param.dtype for param in module.parameters()} == {torch.float32}
     assert all(not module.net[index]._state_dict_hooks for index in (2, 4))
     assert_states_equal(module.state_dict(), first.state_dict())
+
+
+@pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
+def test_a_module_built_on_meta_moves_each_layers_masters_to_disk_as_the_layer_is_whole(tmp_path, monkeypatch,
+                                                                                        async_step):
+    """``offload="optimizer+masters"``: once a trunk layer is materialized from the checkpoint its transport copies
+    are made and its masters move into the disk tier's files, so no float32 master the tier takes waits in memory
+    for the rest of the model; the run is bitwise the in-memory one (a CPU build without a tier)."""
+    torch.manual_seed(0)
+    _trainer(_roundpipe(), tmp_path / "first", epochs=1, precision="bf16-mixed", checkpointing=True).fit(Net(), _data())
+    checkpoint = next((tmp_path / "first").rglob("*.ckpt"))
+    reference = Net()
+    reference_trainer = _trainer(_roundpipe(async_step=async_step), tmp_path, precision="bf16-mixed")
+    reference_trainer.fit(reference, _data(), ckpt_path=checkpoint)
+
+    # at each layer's settling, the Linear weights materialized whose masters are still in memory
+    waiting: list[int] = []
+    settle = RoundPipeEngine.settle
+
+    def watched(engine, layers):
+        settle(engine, layers)
+        moved = engine.master_files.disk._masters if engine.master_files.disk is not None else {}
+        waiting.append(sum(1 for param in engine.trunk.parameters() if param.dim() == 2 and param.device.type == "cpu"
+                           and id(param) not in moved))
+
+    monkeypatch.setattr(RoundPipeEngine, "settle", watched)
+    strategy = _roundpipe(async_step=async_step, offload="optimizer+masters", offload_dir=str(tmp_path / "tier"))
+    trainer = _trainer(strategy, tmp_path, precision="bf16-mixed")
+    module = _on_meta(trainer)
+    (tmp_path / "tier").mkdir()
+    trainer.fit(module, _data(), ckpt_path=checkpoint)
+    assert waiting == [0] * 5
+    assert module.net[6].weight is module.net[0].weight
+    _assert_same_run(module, reference, trainer, reference_trainer)

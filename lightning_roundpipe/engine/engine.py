@@ -30,13 +30,14 @@ from lightning_roundpipe.engine.follow import ModuleFollower
 from lightning_roundpipe.engine.frozen_weights import FrozenSelection, FrozenWeights, registered_outside, select_frozen
 from lightning_roundpipe.engine.layers import LayerInput, Trunk, build_trunk
 from lightning_roundpipe.engine.lifecycle import Lifecycle
+from lightning_roundpipe.engine.master_files import MasterFiles
 from lightning_roundpipe.engine.microbatch import LossWeight, merge, sample_count
 from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.ring import Ring, initial_plan, ring_devices
 from lightning_roundpipe.engine.step.caller import StepQueue
 from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.window import GradWindow
-from lightning_roundpipe.engine.transport import layer_sizes, read_low_precision_only, transport_torch_dtype
+from lightning_roundpipe.engine.transport import layer_sizes, transport_torch_dtype
 from lightning_roundpipe.observe.trace import Timeline, TimelineEvent
 from lightning_roundpipe.planning.partition import Plan
 
@@ -84,6 +85,10 @@ class RoundPipeEngine:
         # forward without autograd, then recomputed with it), so results would depend on timing
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self._abort = AbortSignal(self.options.wait_timeout)  # starts no thread: every state has one
+        # offload="optimizer+masters": the masters move into files layer by layer before the threads start
+        self.master_files = (MasterFiles(self.trunk, self.transport, self.options.offload_dir, self._abort)
+                             if self.options.offload == "optimizer+masters" and self.options.offload_dir
+                             and self.transport is not None else None)
         self._life = Lifecycle(self._abort, lambda: self.close(finish_steps=False), lambda: self.torn_step)
         self._failures_surfaced = self._life.surfaced  # waits woken by a failure raise it
         self._ring: Ring | None = None           # made by start(): the threads and what they share
@@ -107,23 +112,22 @@ class RoundPipeEngine:
             self.collect_again()
             # before the upload copies are made: a weight kept at compute width is its own copy
             self.frozen.narrow(self.frozen_selection(), self.trunk)
+            masters = self.master_files
+            if masters is not None:  # layer by layer (master_files.py); before pinning: never pinned
+                for layer in range(len(self.trunk)):
+                    masters.move([layer])
             ring = self._ring = Ring.start(self.trunk, self.torch_devices, self.options, self._abort,
                                            budget=self.device_budget, base_seed=self.base_seed,
                                            transport=self.transport, num_microbatches=self.num_microbatches,
                                            measure_times=not self.deterministic,
-                                           module_dtypes=self.frozen.module_dtypes)
+                                           module_dtypes=self.frozen.module_dtypes,
+                                           disk=masters.disk if masters is not None else None,
+                                           copies=masters.copies if masters is not None else None)
+            if masters is not None:
+                masters.hand_over()  # the ring's now: its stop ends the disk tier's thread
         except BaseException:
-            self._restore_frozen()
+            self._close_unstarted()
             raise
-        if ring.disk is not None and self.options.offload == "optimizer+masters":
-            try:  # before pinning: what uploads read stays in memory, the masters in files are never pinned
-                ring.disk.adopt_masters(read_low_precision_only(self.trunk, self.transport))
-                for layer in self.trunk.changed_layers():  # the same values in other memory: copies stay as made
-                    self.trunk.recollect(layer)
-            except BaseException:
-                self._life.started = True
-                self.close(finish_steps=False)
-                raise
         if self.options.pin_memory and ring.has_cuda:
             self.follower.start_pinning(ring.sources)
         ring.measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
@@ -149,7 +153,7 @@ class RoundPipeEngine:
         running then is named in a ``RuntimeWarning`` and left to end by itself once its operation returns.
         """
         if not self._life.started or self._life.closed:
-            self._restore_frozen()  # never started: weights narrowed before start (narrow_frozen) widen back
+            self._close_unstarted()
             return
         self._life.closed = True
         if not finish_steps:
@@ -178,13 +182,27 @@ class RoundPipeEngine:
         for layer in self.trunk.changed_layers():
             self.trunk.recollect(layer)
 
-    def narrow_frozen(self, layers: Sequence[int]) -> None:
-        """Before :meth:`start`: keep the frozen weights of trunk ``layers`` at compute width now (see
-        :meth:`frozen_selection`), so that a module materialized layer by layer never holds them all wide."""
+    def settle(self, layers: Sequence[int]) -> None:
+        """Before :meth:`start`: give trunk ``layers``, whole now, their host homes, so that a module materialized
+        layer by layer never holds them all in the form it was built in: frozen weights kept at compute width (see
+        :meth:`frozen_selection`), and with ``offload="optimizer+masters"`` the masters moved into files once their
+        transport copies are made (``master_files.py``)."""
         if self._life.started:
-            raise RuntimeError("narrow_frozen is for before start()")
+            raise RuntimeError("settle is for before start()")
         self.collect_again()
         self.frozen.narrow(self.frozen_selection(layers), self.trunk)
+        if self.master_files is not None:
+            self.master_files.move(layers)
+
+    def _close_unstarted(self) -> None:
+        """An engine that never started (or failed to): widen the weights narrowed before start and end the disk
+        tier's thread made for the masters moved before start; never raises, as :meth:`close`."""
+        self._restore_frozen()
+        if self.master_files is not None:
+            still_running = self.master_files.close(time.monotonic() + self.options.wait_timeout)
+            if still_running is not None:
+                warnings.warn(f"RoundPipe's {still_running} did not end within `wait_timeout`", RuntimeWarning,
+                              stacklevel=3)
 
     def _restore_frozen(self) -> None:
         """Give the module its dtypes back (:meth:`FrozenWeights.restore`); never raises, as :meth:`close`."""

@@ -50,17 +50,20 @@ class Ring:
     @staticmethod
     def start(trunk: Trunk, torch_devices: list[torch.device], options: EngineOptions, abort: AbortSignal, *,
               budget: int | None, base_seed: int, transport: torch.dtype | None, num_microbatches: int,
-              measure_times: bool, module_dtypes: Mapping[int, torch.dtype] | None = None) -> Ring:
+              measure_times: bool, module_dtypes: Mapping[int, torch.dtype] | None = None,
+              disk: DiskTier | None = None, copies: Mapping[int, torch.Tensor] | None = None) -> Ring:
         """Make the devices (their stream threads start), the stage runner, the measurements, a worker per device,
         the optimizer thread and, with ``offload``, the disk tier's I/O thread. ``module_dtypes``: the module's
-        dtypes of the weights kept at compute width (``frozen_weights.py``)."""
+        dtypes of the weights kept at compute width (``frozen_weights.py``). ``disk`` and ``copies``: the disk tier
+        and the transport copies made before start (``master_files.py``), taken over."""
         timeline = Timeline(options.record_timeline)
         advice = memory_advice(recompute=options.recompute, num_stages=options.num_stages, num_layers=len(trunk),
                                num_microbatches=num_microbatches)
         devices = [Device(index, device, abort, budget=budget, jitter=options.jitter, pin_memory=options.pin_memory,
                           stress=options.stress, memory_advice=advice)
                    for index, device in enumerate(torch_devices)]
-        sources = UploadSources(trunk, async_step=options.async_step, transport=transport, module_dtypes=module_dtypes)
+        sources = UploadSources(trunk, async_step=options.async_step, transport=transport, module_dtypes=module_dtypes,
+                                copies=copies)
         measurements = Measurements(timeline, len(trunk), len(devices), measure=not options.freeze_plan,
                                     measure_times=measure_times)
         runner = StageRunner(trunk, len(devices), options.recompute, timeline, base_seed, sources,
@@ -69,7 +72,8 @@ class Ring:
         workers = [Worker(runner, measurements, device, abort, summer) for device, summer in zip(devices, summers,
                                                                                                  strict=True)]
         optimizer = HostOptimizer(abort, timeline)
-        disk = DiskTier(options.offload_dir, abort) if options.offload_dir and options.offload != "none" else None
+        if disk is None and options.offload_dir and options.offload != "none":
+            disk = DiskTier(options.offload_dir, abort)
         return Ring(timeline, devices, sources, runner, measurements, workers, optimizer,
                     PipelineFigures(devices, optimizer, timeline), summers, disk)
 

@@ -155,10 +155,12 @@ class UploadSources:
     masters the optimizer writes. ``transport``: the low-precision dtype of autocast-only weights (see the
     module docstring), or None to upload every weight as stored. ``module_dtypes``: by id, the dtype the module
     gave each weight kept at compute width (``frozen_weights.py``), which a call outside autocast computes in.
+    ``copies``: low-precision copies made already, by parameter id (``master_files.py``), taken instead of made.
     """
 
     def __init__(self, trunk: Trunk, *, async_step: bool, transport: torch.dtype | None,
-                 module_dtypes: Mapping[int, torch.dtype] | None = None) -> None:
+                 module_dtypes: Mapping[int, torch.dtype] | None = None,
+                 copies: Mapping[int, torch.Tensor] | None = None) -> None:
         self.transport = transport
         self._module_dtypes: Mapping[int, torch.dtype] = module_dtypes if module_dtypes is not None else {}
         self._async = async_step
@@ -167,7 +169,9 @@ class UploadSources:
         self._published: dict[int, torch.Tensor] = {}  # async: full-precision copies some layer reads
         self._versions: dict[int, int] = {}            # sync: the master's version when its low copy was made
         self._lock = threading.Lock()  # two devices may upload a weight shared by their stages at once
+        self._made: dict[int, torch.Tensor] = dict(copies or {})  # the constructor's follow takes them
         self.follow(trunk, range(len(trunk.states)), renewed=set())  # every copy made from the masters now
+        self._made = {}
 
     def follow(self, trunk: Trunk, layers: Iterable[int], renewed: set[int]) -> None:
         """Follow the trunk after :meth:`Trunk.recollect` gave ``layers`` new states. ``renewed``: ids of
@@ -189,7 +193,8 @@ class UploadSources:
                 del self._published[key]
             for key in low - self._low.keys():
                 assert transport is not None
-                self._low[key] = current[key].detach().to(transport, copy=True)
+                made = self._made.pop(key, None)
+                self._low[key] = made if made is not None else current[key].detach().to(transport, copy=True)
                 self._versions[key] = current[key]._version
             for key in published - self._published.keys():
                 self._published[key] = current[key].detach().clone()
