@@ -8,9 +8,14 @@ memory, in module order, and its values:
   checkpoint's state dict before setup (memory-mapped by the default checkpoint IO); the strategy keeps it and
   each module copies its own entries when it is materialized (its ``_load_from_state_dict``, as
   ``load_state_dict`` calls it), so the checkpoint's tensors are read module by module and never held twice;
+* or from pretrained weights in safetensors files (``weights_from``, ``pretrained.py``), read the same way;
 * otherwise from the module's own initialisation: its ``reset_parameters()``, called in module order, draws what
   building it on the CPU would have drawn (for modules whose constructor initialises through it, as torch's do);
-  a module without one is refused, naming it.
+  a module without one is refused, naming it. Inside a ``transformers`` model the model's ``_init_weights``
+  initialises instead (what ``from_config`` initialises with: the same distributions, not the same draws, since a
+  CPU build first draws torch's defaults too; and the only thing that fills the rotary tables, which no file
+  holds). A ``peft`` adapter with no value from a checkpoint is refused: peft initialises it from the model's
+  config.
 
 Weights registered at several places (an embedding tied to an LM head) stay one tensor. After each trunk layer is
 whole, ``after_layer`` runs (the strategy keeps that layer's frozen weights at compute width then,
@@ -19,6 +24,7 @@ whole, ``after_layer`` runs (the strategy keeps that layer's frozen weights at c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,13 +68,16 @@ def _registrations(module: nn.Module) -> dict[int, _Registration]:
 
 
 def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, strict: bool = True,
-                layers: Sequence[nn.Module] = (), after_layer: Callable[[int], None] | None = None) -> None:
+                layers: Sequence[nn.Module] = (), after_layer: Callable[[int], None] | None = None) -> list[str]:
     """Give every meta tensor of ``module`` host memory and its values (see the module docstring). ``source``: a
     state dict to take the values from (``strict``: its keys must be exactly the module's, as ``load_state_dict``
-    requires); ``layers``: the trunk's layers, and ``after_layer(index)`` called once each is whole."""
+    requires); ``layers``: the trunk's layers, and ``after_layer(index)`` called once each is whole. Returns the
+    state-dict keys of the tensors their modules initialised (none from ``source``)."""
     registered = _registrations(module)
     if not registered:
-        return
+        return []
+    initialisers = _initialisers(module)
+    initialised: list[str] = []
     pending_by_layer = [{id(tensor) for tensor in (*layer.parameters(), *layer.buffers()) if id(tensor) in registered}
                         for layer in layers]
     done_layers = [not pending for pending in pending_by_layer]
@@ -83,7 +92,9 @@ def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, s
         for _, _, tensor in own:
             _give_memory(registered[id(tensor)])
         if uncovered:
-            _initialise(owner, prefix, uncovered, fresh={name for _, name, _ in own})
+            _initialise(owner, prefix, uncovered, fresh={name for _, name, _ in own},
+                        initialiser=initialisers.get(id(owner)))
+            initialised += [key for _, name, tensor in own if name in uncovered for key in registered[id(tensor)].keys]
         if source is not None:
             _load_own(owner, prefix, source, metadata)
         for index, pending in enumerate(pending_by_layer):
@@ -94,6 +105,7 @@ def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, s
                     after_layer(index)
     if source is not None and strict:
         _check_keys(module, source)
+    return initialised
 
 
 def _give_memory(entry: _Registration) -> None:
@@ -109,10 +121,37 @@ def _give_memory(entry: _Registration) -> None:
     entry.host = host
 
 
-def _initialise(owner: nn.Module, prefix: str, uncovered: list[str], fresh: set[str]) -> None:
-    """``owner.reset_parameters()``, keeping the values of its tensors another module gave already (a tie: those
-    not in ``fresh``, the ones just given memory, which reset or the checkpoint fill)."""
-    reset = getattr(owner, "reset_parameters", None)
+def _initialisers(module: nn.Module) -> dict[int, Callable[[], None] | str]:
+    """Per submodule id, what initialises it instead of its ``reset_parameters``: inside a ``transformers`` model, the
+    outermost one's ``_init_weights(submodule)`` (what ``from_config`` initialises with, and the only thing that
+    fills the rotary tables); inside a ``peft`` tuner layer, the refusal to say (its adapters' initialisation lives
+    in the model's config, not in the layer)."""
+    found: dict[int, Callable[[], None] | str] = {}
+    owners = list(module.named_modules())
+    for prefix, owner in owners:  # adapters first: the transformers model around them does not claim them
+        if type(owner).__module__.startswith("peft.tuners.") and hasattr(owner, "base_layer"):
+            for name, inner in owner.named_modules():
+                if not name.startswith("base_layer"):
+                    found[id(inner)] = f"{prefix or 'the module'} ({type(owner).__name__}), a peft adapter,"
+    for _, owner in owners:  # outer first: an outer model claims the models inside it
+        if type(owner).__module__.startswith("transformers.") and callable(getattr(owner, "_init_weights", None)):
+            for inner in owner.modules():
+                found.setdefault(id(inner), functools.partial(owner._init_weights, inner))
+    return found
+
+
+def _initialise(owner: nn.Module, prefix: str, uncovered: list[str], fresh: set[str],
+                initialiser: Callable[[], None] | str | None = None) -> None:
+    """``owner.reset_parameters()`` (or its ``initialiser``: :func:`_initialisers`), keeping the values of its
+    tensors another module gave already (a tie: those not in ``fresh``, the ones just given memory, which reset or
+    the checkpoint fill)."""
+    if isinstance(initialiser, str):
+        raise MaterializeError(
+            f"{initialiser} was built on the meta device and nothing gives {prefix}'s {', '.join(uncovered)} a "
+            "value: peft initialises adapters from the model's config, which RoundPipe does not replay. Resume from "
+            "a checkpoint that holds the adapters (trainer.fit(ckpt_path=...)), or build the model in memory "
+            "(from_pretrained, then get_peft_model) without empty_init=True or weights_from")
+    reset = initialiser if initialiser is not None else getattr(owner, "reset_parameters", None)
     if not callable(reset):
         where = prefix or "the module"
         raise MaterializeError(

@@ -59,7 +59,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
-from lightning_roundpipe import metrics, precision, preflight
+from lightning_roundpipe import metrics, precision, preflight, pretrained
 from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
 from lightning_roundpipe.engine.engine import RoundPipeEngine
 from lightning_roundpipe.engine.options import FrozenWeights, Offload, Recompute, TransportDtype
@@ -150,6 +150,9 @@ class RoundPipeStrategy(RingProcessStrategy):
         keep_gradients: sync mode: ``"auto"`` keeps each step's gradients in ``param.grad`` until ``zero_grad``
             only where something may read them whole (a gradient hook, clipping, ...); otherwise they exist only
             while in flight. ``"always"``: keep them (``StrategyOptions.keep_gradients``).
+        weights_from: a safetensors file or Hugging Face model directory that a module built on the meta device
+            (so built, with this set, by ``configure_model`` and ``Trainer.init_module()``) takes its weights from,
+            tensor by tensor (``StrategyOptions.weights_from``).
         freeze_plan: never replan from measured times.
         replan_hysteresis: adopt a new plan only when predicted this fraction faster.
         deferred_batchnorm: BatchNorm running statistics updated once per batch from all its microbatches
@@ -179,7 +182,7 @@ class RoundPipeStrategy(RingProcessStrategy):
                  log_pipeline_metrics: bool = True, timeline: bool = False,
                  timeline_dir: str | os.PathLike[str] | None = None, timeline_steps: int | None = 3,
                  preflight: PreflightMode = "refuse", fp16_accumulation: bool = False,
-                 keep_gradients: KeepGradients = "auto",
+                 keep_gradients: KeepGradients = "auto", weights_from: str | os.PathLike[str] | None = None,
                  freeze_plan: bool = False, replan_hysteresis: float = 0.1,
                  deferred_batchnorm: bool = False, seed: int | None = None, jitter: float = 0.0, stress: bool = False,
                  wait_timeout: float = 600.0,
@@ -191,7 +194,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             pipeline=pipeline, ring=ring, rings_per_node=rings_per_node, shard_optimizer=shard_optimizer,
             reduce_dtype=reduce_dtype, log_pipeline_metrics=log_pipeline_metrics, timeline=timeline,
             timeline_dir=timeline_dir, timeline_steps=timeline_steps, preflight=preflight,
-            fp16_accumulation=fp16_accumulation, keep_gradients=keep_gradients,
+            fp16_accumulation=fp16_accumulation, keep_gradients=keep_gradients, weights_from=weights_from,
             num_microbatches=num_microbatches, num_stages=num_stages, async_step=async_step, recompute=recompute,
             pin_memory=pin_memory, device_memory_limit=device_memory_limit, transport_dtype=transport_dtype,
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
@@ -241,9 +244,10 @@ class RoundPipeStrategy(RingProcessStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True (Trainer.init_module(empty_init=True)): on the meta device, as Lightning's FSDP; setup
-        # gives each module host memory and values, layer by layer (materialize.py)
-        if not empty_init:
+        # empty_init=True (Trainer.init_module(empty_init=True)), or weights_from and not empty_init=False: on the
+        # meta device, as Lightning's FSDP; setup gives each module host memory and values, layer by layer
+        # (materialize.py)
+        if not (empty_init or (empty_init is None and self.options.weights_from is not None)):
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -266,9 +270,12 @@ class RoundPipeStrategy(RingProcessStrategy):
         module = self.lightning_module
         assert module is not None
         (source, strict), self._materialize_from = self._materialize_from or (None, True), None
+        if source is None and self.options.weights_from is not None:
+            source, strict = pretrained.source_for(module, self.options.weights_from, trainer.ckpt_path), False
         data_parallel = self.data_parallel if self.world_size > 1 else None
         if data_parallel is not None:  # the checkpoint being resumed, if any, is loaded already: on every process
-            materialize(module, source, strict=strict)  # whole, before the processes compare their weights
+            pretrained.report(materialize(module, source, strict=strict),  # whole, before processes compare weights
+                              source, log)
             self.agree_initial_weights(module)
         trunk, driven, forward_patch = build_module_trunk(module, self.options.pipeline)
         devices = self.ring_devices or self.parallel_devices or [torch.device("cpu")]
@@ -291,8 +298,8 @@ class RoundPipeStrategy(RingProcessStrategy):
                                 "reset_parameters() initialises it now. Weights loaded into it before fit with "
                                 "load_state_dict(...) were not kept (meta tensors hold no values): load them with "
                                 "load_state_dict(..., assign=True), or pass ckpt_path to fit.")
-                materialize(module, source, strict=strict, layers=trunk.layers,
-                            after_layer=lambda index: engine.settle([index]))
+                pretrained.report(materialize(module, source, strict=strict, layers=trunk.layers,
+                                              after_layer=lambda index: engine.settle([index])), source, log)
                 engine.collect_again()
             resumed, self._resume_state = self._resume_state, None
             if resumed is not None and trainer.ckpt_path is not None:
@@ -376,7 +383,15 @@ class RoundPipeStrategy(RingProcessStrategy):
     @override
     def teardown(self) -> None:
         self._release(finish_steps=True)
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not has_meta_tensors(module):
+            super().teardown()
+        else:  # setup failed before materializing it: Lightning's move to the CPU would raise on a meta tensor,
+            module.cpu = lambda: module  # type: ignore[method-assign]  # over the error being raised; nothing to move
+            try:
+                super().teardown()
+            finally:
+                del module.cpu
         engine = self.engine
         if engine is None or engine.unreported_failure is None:
             return

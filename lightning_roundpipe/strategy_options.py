@@ -123,7 +123,23 @@ class StrategyOptions:
     Async mode never shows a step's gradients after it; its sums are given back the same way unless one of those
     readers needs them."""
 
+    weights_from: str | None = None
+    """A safetensors file, or a Hugging Face model directory (``model.safetensors``, or the shards
+    ``model.safetensors.index.json`` names: what ``save_pretrained`` writes), that a module built on the meta device
+    takes its weights from at setup, tensor by tensor as each module is materialized (``pretrained.py``): the files
+    are never whole in memory, and with ``frozen_weights`` or ``offload="optimizer+masters"`` each layer goes to its
+    host home as soon as it is whole. Setting it builds the module on the meta device under Lightning's
+    ``configure_model`` and ``Trainer.init_module()`` (unless ``empty_init=False`` is asked). The files' keys are the
+    Hugging Face model's; inside a LightningModule they are found under the model's attribute (``model.``). Tensors
+    the files lack are initialised by their modules (the rotary tables; a tied LM head is its embedding), and listed
+    in a warning when they are weights. Resuming a checkpoint (``ckpt_path``) takes precedence."""
+
     def __post_init__(self) -> None:
+        if self.weights_from is not None:
+            if not isinstance(self.weights_from, (str, os.PathLike)) or not os.fspath(self.weights_from):
+                raise OptionError("weights_from", "must be a safetensors file or a Hugging Face model directory, "
+                                                  f"or None; got {self.weights_from!r}")
+            self.weights_from = os.fspath(self.weights_from)
         if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline):
             raise OptionError("pipeline", f"must be a dotted attribute path such as 'net' or 'model.blocks', or "
                                           f"None to find the trunk; got {self.pipeline!r}")

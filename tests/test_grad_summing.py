@@ -214,6 +214,18 @@ def test_a_sum_given_back_serves_any_later_sum_of_its_shape_unless_someone_kept_
     assert all(torch.equal(tensor, torch.full_like(tensor, 2.0)) for tensor in second)
 
 
+def _assert_weights_as_plain_pytorch(model: nn.Module, reference: nn.Module, optimizer: torch.optim.Optimizer,
+                                     batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> None:
+    """The reference: ``steps`` steps of plain PyTorch on ``reference``; ``model``'s weights must equal its after."""
+    inputs, target = batch
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.mse_loss(reference(inputs), target).backward()
+        optimizer.step()
+    for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_float64_equal(param, reference_param, what=f"a weight after {steps} steps")
+
+
 class _Gated(nn.Module):
     """A linear layer whose backward first waits until the optimizer thread has updated the layer after it (its
     ``watched`` weight differs from ``before``): a deeper group must be stepped before this one's gradients
@@ -277,12 +289,7 @@ def test_gradients_the_step_does_not_keep_live_only_while_their_groups_are_in_fl
             optimizer.zero_grad()
         fresh = engine.dispatcher.sum_buffers.fresh_bytes
     assert fresh >= depth * layer_bytes if keep else fresh <= 3 * layer_bytes, fresh
-    for _ in range(steps):
-        reference_optimizer.zero_grad()
-        F.mse_loss(reference(inputs), target).backward()
-        reference_optimizer.step()
-    for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
-        assert_float64_equal(param, reference_param, what="a weight after three steps")
+    _assert_weights_as_plain_pytorch(model, reference, reference_optimizer, (inputs, target), steps)
     assert roundpipe_threads() == []
 
 
@@ -369,10 +376,5 @@ def test_a_slow_host_step_holds_the_backward_to_its_pace(roundpipe_threads):
             engine.step(optimizer)
         engine.synchronize()
         assert sums.fresh_bytes <= 3 * layer_bytes, sums.fresh_bytes
-    for _ in range(steps):
-        reference_optimizer.zero_grad()
-        F.mse_loss(reference(inputs), target).backward()
-        reference_optimizer.step()
-    for param, reference_param in zip(model.parameters(), reference.parameters(), strict=True):
-        assert_float64_equal(param, reference_param, what="a weight after three steps")
+    _assert_weights_as_plain_pytorch(model, reference, reference_optimizer, (inputs, target), steps)
     assert roundpipe_threads() == []

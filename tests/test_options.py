@@ -183,6 +183,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "preflight": ("warn", "warn"),
     "fp16_accumulation": ("true", True),
     "keep_gradients": ("always", "always"),
+    "weights_from": ("{tmp}/pretrained", "{tmp}/pretrained"),
     "num_microbatches": ("4", 4),
     "num_stages": ("6", 6),
     "round_size": ("whole", "whole"),
@@ -253,6 +254,7 @@ BAD_VALUES = [  # option, Python value, Hydra override value, the problem both r
     ("reduce_dtype", "float16", "float16", "must be one of 'auto', 'float32', 'bfloat16', got 'float16'"),
     ("offload", "gpu", "gpu", "must be one of 'none', 'optimizer', 'optimizer+masters', got 'gpu'"),
     ("frozen_weights", "bf16", "bf16", "must be one of 'auto', 'as_stored', 'round', got 'bf16'"),
+    ("weights_from", "", "''", "must be a safetensors file or a Hugging Face model directory, or None; got ''"),
     ("offload", "optimizer", "optimizer",
      "'optimizer' keeps state in files: set `offload_dir` to a directory on a local disk with room for it"),
 ]

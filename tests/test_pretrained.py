@@ -1,0 +1,103 @@
+"""Pretrained weights from safetensors files (``weights_from``, issue 26 item 4): a Hugging Face model built on the meta
+device in ``configure_model`` and materialized tensor by tensor from ``save_pretrained``'s shards trains bitwise as
+the same model loaded with ``from_pretrained`` (float32) and trained by the same strategy; what cannot be right is
+refused with a message that says what to change."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
+from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.materialize import MaterializeError  # noqa: E402
+from lightning_roundpipe.pretrained import INDEX, WeightsError  # noqa: E402
+from tests.numerics import assert_same_optimizer_state, assert_states_equal  # noqa: E402
+from tests.test_causal_lm import CausalLMModule, PaddedTokens, tiny_llama  # noqa: E402
+
+
+class BuiltInConfigureModel(CausalLMModule):
+    """The model built from its config in ``configure_model``, as the app builds its Hugging Face models."""
+
+    def __init__(self, config, lora: bool = False) -> None:
+        super().__init__(None)
+        self.config, self.lora = config, lora
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            model = transformers.AutoModelForCausalLM.from_config(self.config)
+            if self.lora:
+                model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+            self.model = model
+
+
+def _save(tmp_path, tied: bool = True):
+    """A tiny Llama saved as Hugging Face shards: several files and their index."""
+    model = tiny_llama(tied=tied, seed=5)
+    directory = tmp_path / "pretrained"
+    model.save_pretrained(directory, max_shard_size="20KB")
+    assert (directory / INDEX).is_file() and len(list(directory.glob("*.safetensors"))) > 2
+    return model.config, directory
+
+
+def _trainer(strategy, precision: str) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, precision=precision)
+
+
+def _data() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(PaddedTokens(), batch_size=8)
+
+
+def _roundpipe(**kwargs) -> RoundPipeStrategy:
+    return RoundPipeStrategy(ring=[0, 0], num_microbatches=2, freeze_plan=True, **kwargs)
+
+
+@pytest.mark.parametrize("precision,tier", [("32-true", {}), ("bf16-mixed", {"offload": "optimizer+masters"})],
+                         ids=["fp32", "bf16-masters-on-disk"])
+def test_a_meta_built_hugging_face_model_takes_its_weights_from_shards_as_from_pretrained(tmp_path, precision, tier):
+    config, directory = _save(tmp_path)
+    if tier:
+        tier = {**tier, "offload_dir": str(tmp_path / "tier")}
+        (tmp_path / "tier").mkdir()
+    reference = CausalLMModule(transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32))
+    reference_trainer = _trainer(_roundpipe(**tier), precision)
+    reference_trainer.fit(reference, _data())
+
+    module = BuiltInConfigureModel(config)
+    trainer = _trainer(_roundpipe(weights_from=str(directory), **tier), precision)
+    trainer.fit(module, _data())
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight  # still tied
+    # the rotary tables no file holds: what the model's own initialisation computes
+    assert torch.equal(module.model.model.rotary_emb.inv_freq, reference.model.model.rotary_emb.inv_freq)
+    assert module.losses == reference.losses and len(module.losses) == 3
+    assert_states_equal(module, reference)
+    assert_same_optimizer_state(trainer, reference_trainer)
+
+
+def test_weights_from_refuses_a_module_built_in_memory_and_another_models_files(tmp_path):
+    config, directory = _save(tmp_path)
+    built = CausalLMModule(tiny_llama())  # in memory: it would train from its own random weights
+    with pytest.raises(WeightsError, match="was built in memory, not on the meta device"):
+        _trainer(_roundpipe(weights_from=str(directory)), "32-true").fit(built, _data())
+    other = tmp_path / "other"  # one layer more: the last layer's tensors have no place in this model
+    deeper = config.to_dict() | {"num_hidden_layers": config.num_hidden_layers + 1}
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**deeper)).save_pretrained(other)
+    with pytest.raises(WeightsError, match=r"holds 9 tensors this module has no place for, e.g. \['model.layers.3."):
+        _trainer(_roundpipe(weights_from=str(other)), "32-true").fit(BuiltInConfigureModel(config), _data())
+    with pytest.raises(WeightsError, match="neither a .safetensors file nor a directory"):
+        _trainer(_roundpipe(weights_from=str(tmp_path)), "32-true").fit(BuiltInConfigureModel(config), _data())
+
+
+def test_peft_adapters_built_on_meta_without_values_are_refused(tmp_path):
+    """peft initialises adapters from the model's config (B at zero): initialising them as plain Linear layers would
+    start training from another function, so the meta build is refused, naming the adapter and what to do."""
+    config, directory = _save(tmp_path)
+    with pytest.raises(MaterializeError, match=r"a peft adapter, was built on the meta device .*from_pretrained, then get_peft_model"):
+        _trainer(_roundpipe(weights_from=str(directory)), "32-true").fit(BuiltInConfigureModel(config, lora=True),
+                                                                          _data())
