@@ -309,18 +309,18 @@ def test_after_a_step_the_pool_keeps_only_what_the_step_had_out_at_once():
     assert sums.held_bytes() == 64 and sums.fresh_bytes == 3 * 64
 
 
-def test_a_summing_thread_waits_for_room_only_while_the_step_will_give_sums_back():
-    """The back-pressure's rule, on the pool alone: over the budget a sum waits while the running step holds sums
-    it will give back, and goes on at the first give-back; over the budget with nothing to come back (a group that
-    needs this very sum), or with no step running, it never waits."""
+def test_a_summing_thread_waits_for_room_only_while_the_step_will_take_sums():
+    """The back-pressure's rule, on the pool alone: over the budget a sum waits while the running step will take sums
+    out of the windows, and goes on once it has; over the budget with nothing to be taken (a group that needs this
+    very sum), or with no step running, it never waits."""
     params = [nn.Parameter(torch.zeros(4, 4)) for _ in range(3)]
     sums, abort = SumBuffers(), AbortSignal(timeout=HOLD_TIMEOUT)
-    out = _first_sums(sums, params[:2], 1.0)  # 128 bytes out
+    in_windows = _first_sums(sums, params[:2], 1.0)  # 128 bytes in windows
     sums.wait_for_room(64, abort, "no step running")  # returns: nothing limits sums between steps
-    gives_back = threading.Event()
-    with sums.reclaiming(128, gives_back.is_set):
-        sums.wait_for_room(64, abort, "nothing to give back")  # returns: waiting would wait for itself
-        gives_back.set()
+    will_take = threading.Event()
+    with sums.reclaiming(128, will_take.is_set):
+        sums.wait_for_room(64, abort, "nothing to take")  # returns: waiting would wait for itself
+        will_take.set()
         waited = threading.Event()
 
         def third_sum() -> None:
@@ -329,11 +329,11 @@ def test_a_summing_thread_waits_for_room_only_while_the_step_will_give_sums_back
 
         summer = threading.Thread(target=third_sum)
         summer.start()
-        assert not waited.wait(0.2)  # held back: 192 bytes would be out, and the step will give some back
-        sums.give_back([(params[0], out.pop(0))])
+        assert not waited.wait(0.2)  # held back: 192 bytes would be in windows, and the step will take some
+        sums.taken([in_windows[0]])  # a step took one (what it gives back later is not counted again)
         summer.join(HOLD_TIMEOUT)
         assert waited.is_set() and sums.waited_seconds > 0
-        sums.wait_for_room(64, abort, "within the budget")  # 64 out: returns at once
+        sums.wait_for_room(64, abort, "within the budget")  # 64 in windows: returns at once
 
 
 class _SlowFirstStep(torch.optim.SGD):
@@ -355,8 +355,8 @@ class _SlowFirstStep(torch.optim.SGD):
 
 
 def test_a_slow_host_step_holds_the_backward_to_its_pace(roundpipe_threads):
-    """Eight layers, a backward stage each, one device: the budget is two groups' gradients (one being summed, one
-    being stepped). The first group's step waits until every sum has started, which back-pressure never lets
+    """Eight layers, a backward stage each, one device: the budget is one group's gradients in the window, beside the
+    group being stepped. The first group's step waits until every sum has started, which back-pressure never lets
     happen: the sums the engine ever allocates stay within three layers', and the weights equal plain PyTorch's."""
     width, depth, steps = 16, 8, 3
     torch.manual_seed(0)

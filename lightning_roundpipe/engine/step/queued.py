@@ -42,11 +42,11 @@ READ_AHEAD = 2
 
 
 def sums_budget(groups: Sequence[StepGroup], num_devices: int) -> int:
-    """The bytes of gradient sums a step that gives them back lets be out at once (``window.py``'s back-pressure):
-    the largest group's on every device being summed and one more being stepped, as the pre-flight plan counts
-    them. A device's staging buffer is on top of it."""
+    """The bytes of gradient sums the windows may hold while a step that gives them back runs (``window.py``'s
+    back-pressure): the largest group's on every device being summed. The group being stepped makes it devices + 1,
+    as the pre-flight plan counts them; a device's staging buffer is on top."""
     largest = max((sum(param.numel() * param.element_size() for param in group.params) for group in groups), default=0)
-    return (num_devices + 1) * largest
+    return num_devices * largest
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class QueuedStep:
         self.disk = request.disk
         self._sums_budget = sums_budget(self.groups, request.num_devices)
         self._pending: list[int] = []  # the groups not stepped yet
-        self._in_hand = False  # a group's gradients are taken and not given back yet
+        self._taking = False  # a group left pending and its gradients are not yet taken
         # offload: the groups whose state was asked for and not stepped yet, each with the event of its arrival
         self._read_ahead_asked: dict[int, threading.Event] = {}
         # keep_gradients: the gradients each parameter was stepped with, by id, for the caller's thread to put
@@ -149,13 +149,13 @@ class QueuedStep:
         if not self._gives_back():
             self._run()
             return
-        with self.window.reclaiming(self._sums_budget, self._holds_sums_to_give_back):
+        with self.window.reclaiming(self._sums_budget, self._will_take_sums):
             self._run()
 
-    def _holds_sums_to_give_back(self) -> bool:
-        """Whether this step will give sums back without waiting for more (on a summing thread): it is stepping a
-        group, or a group not stepped yet has final gradients."""
-        return self._in_hand or bool(self.window.final_groups(list(self._pending)))
+    def _will_take_sums(self) -> bool:
+        """Whether this step will take sums out of the window without waiting for more (on a summing thread): it is
+        taking a group's, or a group not stepped yet has final gradients."""
+        return self._taking or bool(self.window.final_groups(list(self._pending)))
 
     def _run(self) -> None:
         pending = self._pending = list(range(len(self.groups)))  # shallowest first
@@ -169,13 +169,14 @@ class QueuedStep:
                     self._finish_broadcast(seconds)  # nothing to step meanwhile: let its group's uploads go
                     self.window.wait_progress()
                     continue
-                self._in_hand = True  # before it leaves pending: a summing thread always sees one or the other
+                self._taking = True  # before it leaves pending: a summing thread always sees one or the other
                 pending.remove(index)
                 self._wait_read_ahead(index)
                 group = self.groups[index]
                 if self.async_step:
                     self._publish(group, wait=True)
                 grads = self._gradients(index)
+                self._taking = False
                 if self.keep_gradients:
                     self.stepped_with.update(grads)
                 if not self.proceed:
@@ -312,7 +313,6 @@ class QueuedStep:
                 if id(param) in grads and id(param) not in self.lent]
         grads.clear()
         self.window.give_back(sums)
-        self._in_hand = False  # after giving back: a summing thread that saw the sums out finds them back
 
     def _label(self, group: StepGroup) -> str:
         return f"step {self.number} {group.label}" if len(self.groups) > 1 else f"step {self.number}"

@@ -80,12 +80,13 @@ class SumBuffers:
 
     **Back-pressure.** Where the host step is slower than the backward (a large model's AdamW on a few cores, the
     disk tier), every group's sums would wait for the optimizer at once. While a step that gives its sums back runs
-    (:meth:`reclaiming`), a summing thread first waits (:meth:`wait_for_room`) until the sums out leave room for its
-    job's, within the step's budget: its device then waits for its staging buffer, so the backward slows to the
-    host step's pace (which bounds the iteration anyway) and the sums in memory stay within the budget. It waits
-    only while the step holds sums it will give back by itself (a group it is stepping, or one whose gradients are
-    final): a sum that would complete a group is never held back by groups that need it, so the budget bends
-    rather than deadlocks (a weight tied across stages, several calls per step)."""
+    (:meth:`reclaiming`), a summing thread first waits (:meth:`wait_for_room`) until the sums the windows hold (not
+    yet taken by a step: :meth:`taken`) leave room for its job's within the step's budget. Its device then waits
+    for its staging buffer, so the backward slows to the host step's pace (which bounds the iteration anyway) and
+    the sums in memory stay within the budget and the group being stepped. It waits only while the step will take
+    sums without waiting for more (a group whose gradients are final): a sum that would complete a group is never
+    held back by the groups that need it, so the budget bends rather than deadlocks (a weight tied across stages,
+    several calls per step)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -93,7 +94,8 @@ class SumBuffers:
         self._free: dict[_Kind, list[torch.Tensor]] = {}  # given back, by shape, dtype and device
         self._out: dict[_Kind, int] = {}   # per kind, sums handed out and not given back
         self._peak: dict[_Kind, int] = {}  # per kind, the most handed out at once since the last trim
-        self._out_bytes = 0  # bytes of the sums handed out and not given back
+        self._in_windows: dict[int, int] = {}  # by buffer id, the bytes of each sum handed out and not yet taken
+        self._out_bytes = 0  # their sum: what the windows hold (a taken sum is a step's, or the caller's)
         # while a step that gives back runs: its budget of sums out, and whether it holds sums it will give back
         self._reclaimer: tuple[int, Callable[[], bool]] | None = None
         self._room = threading.Event()  # set when sums come back (or the step ends): waiters look again
@@ -123,6 +125,7 @@ class SumBuffers:
             buffer.copy_(grad)
         with self._lock:
             self._last[key] = buffer
+            self._in_windows[id(buffer)] = _nbytes(buffer)
             self._out_bytes += _nbytes(buffer)
             self._out[kind] = self._out.get(kind, 0) + 1
             self._peak[kind] = max(self._peak.get(kind, 0), self._out[kind])
@@ -138,19 +141,25 @@ class SumBuffers:
                     del self._last[id(param)]
                 kind = (buffer.shape, buffer.dtype, buffer.device)
                 self._free.setdefault(kind, []).append(buffer)
-                if self._out.get(kind, 0) > 0:
-                    self._out[kind] -= 1
-                    self._out_bytes -= _nbytes(buffer)
+                self._out[kind] = max(0, self._out.get(kind, 0) - 1)
                 del param, buffer
             self._room.set()
 
-    @contextmanager
-    def reclaiming(self, budget: int, holds_sums_to_give_back: Callable[[], bool]) -> Iterator[None]:
-        """While a step that gives its sums back runs: summing threads keep the sums out within ``budget`` bytes
-        while ``holds_sums_to_give_back()`` (called on a summing thread) says the step will give some back without
-        waiting for more sums."""
+    def taken(self, sums: Iterable[torch.Tensor]) -> None:
+        """``sums`` left their window (:meth:`GradWindow.take`: a step took them, or ``param.grad``): no longer
+        counted against the budget of sums out; a summing thread waiting for room looks again."""
         with self._lock:
-            self._reclaimer = (budget, holds_sums_to_give_back)
+            for buffer in sums:
+                self._out_bytes -= self._in_windows.pop(id(buffer), 0)
+        self._room.set()
+
+    @contextmanager
+    def reclaiming(self, budget: int, will_take_sums: Callable[[], bool]) -> Iterator[None]:
+        """While a step that gives its sums back runs: summing threads keep the sums in windows within ``budget``
+        bytes while ``will_take_sums()`` (called on a summing thread) says the step will take some without waiting
+        for more sums."""
+        with self._lock:
+            self._reclaimer = (budget, will_take_sums)
         try:
             yield
         finally:
@@ -159,8 +168,8 @@ class SumBuffers:
             self._room.set()
 
     def wait_for_room(self, nbytes: int, abort: AbortSignal, what: str) -> None:
-        """Before summing ``nbytes`` of new sums (on a summing thread): wait while they would take the sums out past
-        the running step's budget and that step holds sums it will give back (see the class docstring)."""
+        """Before summing ``nbytes`` of new sums (on a summing thread): wait while they would take the sums in windows
+        past the running step's budget and that step will take some (see the class docstring)."""
         started = None
         deadline = time.monotonic() + abort.timeout
         while True:
@@ -172,7 +181,7 @@ class SumBuffers:
             if not reclaimer[1]():
                 break
             started = time.monotonic() if started is None else started
-            self._room.wait(0.02)  # the step's next give-back wakes it
+            self._room.wait(0.02)  # the step's next take wakes it
             if abort.aborted:
                 raise EngineAborted(f"engine stopped while {what} waited for the host step")
             if time.monotonic() > deadline:
@@ -423,6 +432,8 @@ class GradWindow:
         with self._lock:
             keys = list(self._grads) if params is None else [id(param) for param in params if id(param) in self._grads]
             taken = {key: (self._params.pop(key), self._grads.pop(key)) for key in keys}
+        if self._sums is not None:
+            self._sums.taken(grad for _, grad in taken.values())
         return taken
 
     def give_back(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
@@ -432,9 +443,9 @@ class GradWindow:
             self._sums.give_back(sums)
         sums.clear()
 
-    def reclaiming(self, budget: int, holds_sums_to_give_back: Callable[[], bool]) -> AbstractContextManager[None]:
+    def reclaiming(self, budget: int, will_take_sums: Callable[[], bool]) -> AbstractContextManager[None]:
         """:meth:`SumBuffers.reclaiming` of the pool (without one, nothing)."""
-        return self._sums.reclaiming(budget, holds_sums_to_give_back) if self._sums is not None else nullcontext()
+        return self._sums.reclaiming(budget, will_take_sums) if self._sums is not None else nullcontext()
 
     def trim_given_back(self) -> None:
         """A step that gave its sums back is over: :meth:`SumBuffers.trim`."""
