@@ -372,3 +372,34 @@ def test_a_plan_that_does_not_fit_in_memory_names_the_disk_tier_and_what_it_save
     assert (f"offload='optimizer+masters' with offload_dir on a local disk: about "
             f"{format_bytes(whole - in_flight + masters)} less in each process (enough), for "
             f"{format_bytes(whole + masters)} read and written") in message
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "optimizer+masters"])
+def test_the_pipeline_metrics_count_the_disk_tiers_bytes_per_step(tmp_path, offload):
+    """Four 64 x 64 layers (16 KiB weights, a whole number of pages; the biases' state is under a page and stays in
+    memory): the first step makes AdamW's state and writes it (2 x 16 KiB per layer), each later step reads and writes
+    it once, and with the masters the weights too (another 16 KiB per layer), as counted by hand here."""
+    torch.manual_seed(0)
+    width, depth = 64, 4
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = EngineOptions(num_microbatches=2, num_stages=2, offload=offload, offload_dir=str(tmp_path),
+                            freeze_plan=True, transport_dtype="bfloat16")
+    weight = width * width * 4
+    state, masters = depth * 2 * weight, depth * weight if offload == "optimizer+masters" else 0
+    generator = torch.Generator().manual_seed(1)
+    with RoundPipeEngine(model, devices=2, options=options) as engine, torch.autocast("cpu", torch.bfloat16):
+        disk = engine.stepping.disk
+        disk.wait_for_writes()  # the masters moved into files at start
+        engine.pipeline_metrics()  # from here on
+        figures = []
+        for _ in range(3):
+            x = torch.randn(8, width, generator=generator)
+            engine.forward_backward(x, x, F.mse_loss)
+            engine.step(optimizer)
+            engine.synchronize()
+            disk.wait_for_writes()  # each group's, written behind it
+            figures.append(engine.pipeline_metrics())
+    assert [(f["disk_read_bytes"], f["disk_written_bytes"]) for f in figures] == [
+        (masters, state + masters), (state + masters, state + masters), (state + masters, state + masters)]
+    assert all(f["disk_wait_seconds"] >= 0 and f["disk_bandwidth_to_hide"] > 0 for f in figures)

@@ -10,20 +10,24 @@ from __future__ import annotations
 import torch
 
 from lightning_roundpipe.engine.device import Device
+from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.thread import HostOptimizer
 from lightning_roundpipe.observe.trace import Timeline
 
-_TOTALS = ("compute", "uploaded", "optimizer", "exposed", "download")
+_TOTALS = ("compute", "uploaded", "optimizer", "exposed", "download", "disk_read", "disk_written", "disk_wait")
 
 
 class PipelineFigures:
-    """Reports figures since the previous report (the first counts from the ring's start, when this is made)."""
+    """Reports figures since the previous report (the first counts from the ring's start, when this is made).
+    ``disk``: the disk tier (``offload``), whose figures are added."""
 
-    def __init__(self, devices: list[Device], optimizer: HostOptimizer, timeline: Timeline) -> None:
+    def __init__(self, devices: list[Device], optimizer: HostOptimizer, timeline: Timeline,
+                 disk: DiskTier | None = None) -> None:
         self.devices = devices
         self.optimizer = optimizer
         self.timeline = timeline
-        self._mark: tuple[float, dict[str, float]] = (timeline.now(), dict.fromkeys(_TOTALS, 0.0))
+        self.disk = disk
+        self._mark: tuple[float, dict[str, float]] = (timeline.now(), self._totals())  # the tier wrote at setup
 
     def _totals(self) -> dict[str, float]:
         devices = self.devices
@@ -33,6 +37,9 @@ class PipelineFigures:
             "optimizer": self.optimizer.busy_seconds,
             "exposed": sum(d.counters.weight_wait_seconds for d in devices),
             "download": sum(d.counters.gradient_download_seconds for d in devices),
+            "disk_read": float(self.disk.bytes_read) if self.disk is not None else 0.0,
+            "disk_written": float(self.disk.bytes_written) if self.disk is not None else 0.0,
+            "disk_wait": self.disk.read_wait_seconds if self.disk is not None else 0.0,
         }
 
     def report(self) -> dict[str, float]:
@@ -47,6 +54,11 @@ class PipelineFigures:
         ``peak_device_bytes``: the largest resident bytes on any device so far (accounted: stages, stage-boundary
         activations, what the compute keeps for backward and, on GPUs, the workspace reserve).
 
+        With the disk tier (``offload``): ``disk_read_bytes`` and ``disk_written_bytes``, what it read and wrote;
+        ``disk_wait_seconds``, the time the host step waited for its reads; ``disk_bandwidth_to_hide``, in bytes per
+        second, what a disk must move for that I/O to take no longer than the span without those waits (the pace
+        at which the tier would cost nothing; compare it with the disk's own).
+
         Compute time is device time (``timing.py``), counted when a job finishes: a job still running is counted
         in a later report. On CUDA devices the allocator's own figures per GPU come next to the accounted peak
         (:func:`cuda_memory_figures`).
@@ -57,6 +69,15 @@ class PipelineFigures:
         num_devices = len(self.devices)
         span = (now - last_time) * num_devices
         busy = totals["compute"] - last["compute"]
+        disk = {}
+        if self.disk is not None:
+            moved = (totals["disk_read"] - last["disk_read"]) + (totals["disk_written"] - last["disk_written"])
+            waited = totals["disk_wait"] - last["disk_wait"]
+            unwaited = now - last_time - waited
+            disk = {"disk_read_bytes": totals["disk_read"] - last["disk_read"],
+                    "disk_written_bytes": totals["disk_written"] - last["disk_written"],
+                    "disk_wait_seconds": waited,
+                    "disk_bandwidth_to_hide": moved / unwaited if unwaited > 0 else 0.0}
         return {
             "bubble_ratio": max(0.0, 1.0 - busy / span) if span > 0 else 0.0,
             "uploaded_bytes": totals["uploaded"] - last["uploaded"],
@@ -64,6 +85,7 @@ class PipelineFigures:
             "optimizer_exposed_seconds": (totals["exposed"] - last["exposed"]) / num_devices,
             "gradient_download_seconds": totals["download"] - last["download"],
             "peak_device_bytes": float(max(device.residency.peak for device in self.devices)),
+            **disk,
             **cuda_memory_figures(self.devices),
         }
 

@@ -75,7 +75,7 @@ class Ring:
         if disk is None and options.offload_dir and options.offload != "none":
             disk = DiskTier(options.offload_dir, abort)
         return Ring(timeline, devices, sources, runner, measurements, workers, optimizer,
-                    PipelineFigures(devices, optimizer, timeline), summers, disk)
+                    PipelineFigures(devices, optimizer, timeline, disk), summers, disk)
 
     @property
     def has_cuda(self) -> bool:

@@ -157,6 +157,11 @@ class DiskTier:
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))  # the I/O thread's reads land here, then in the cache
         self._writes = threading.Condition()
         self._queued_writes = 0  # write requests not done yet
+        # what the tier did, over its life (read by PipelineFigures): the bytes its reads and writes asked the disk
+        # for (a write of pages no step changed moves nothing), and the time steps waited for their reads
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.read_wait_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="roundpipe-disk", daemon=True)
         self._thread.start()
 
@@ -228,8 +233,15 @@ class DiskTier:
         return done
 
     def wait(self, event: threading.Event, what: str) -> None:
-        """Until ``event`` (a :meth:`read_ahead`'s) is set; the engine's abort or ``wait_timeout`` end it."""
-        self._abort.wait(event, what)
+        """Until ``event`` (a :meth:`read_ahead`'s) is set; the engine's abort or ``wait_timeout`` end it. The time
+        waited counts in :attr:`read_wait_seconds` (one thread waits: the optimizer's)."""
+        if event.is_set():
+            return
+        start = time.perf_counter()
+        try:
+            self._abort.wait(event, what)
+        finally:
+            self.read_wait_seconds += time.perf_counter() - start
 
     def write_behind(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
         """Ask the I/O thread to write the state of ``params`` (and their masters in files) to disk and drop it
@@ -244,7 +256,11 @@ class DiskTier:
         the I/O thread has done so and every write asked before."""
         self._queue_write(self._all_extents())
         if wait:
-            self._wait_writes(0)
+            self.wait_for_writes()
+
+    def wait_for_writes(self) -> None:
+        """Until every write asked so far is done (the engine's abort or ``wait_timeout`` end it)."""
+        self._wait_writes(0)
 
     def _queue_write(self, extents: list[_Extent]) -> None:
         self._wait_writes(QUEUED_WRITES - 1)
@@ -319,8 +335,10 @@ class DiskTier:
                 for extent in extents:
                     if kind == "read":
                         self._read(extent)
+                        self.bytes_read += extent.nbytes
                     else:
                         self._write(extent)
+                        self.bytes_written += extent.nbytes
             except BaseException as error:  # noqa: BLE001 - the engine's next wait raises it
                 self._abort.fail(OffloadError(f"the disk tier in {self.directory!r} failed: {error}"))
                 return
