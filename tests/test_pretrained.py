@@ -14,6 +14,8 @@ peft = pytest.importorskip("peft")
 
 import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.engine import master_files  # noqa: E402
+from lightning_roundpipe.engine.step.disk_tier import DiskTier  # noqa: E402
 from lightning_roundpipe.materialize import MaterializeError  # noqa: E402
 from lightning_roundpipe.pretrained import INDEX, WeightsError  # noqa: E402
 from tests.numerics import assert_same_optimizer_state, assert_states_equal  # noqa: E402
@@ -31,7 +33,8 @@ class BuiltInConfigureModel(CausalLMModule):
         if self.model is None:
             model = transformers.AutoModelForCausalLM.from_config(self.config)
             if self.lora:
-                model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+                model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                   layers_to_transform=[2]))  # the last layer
             self.model = model
 
 
@@ -94,10 +97,23 @@ def test_weights_from_refuses_a_module_built_in_memory_and_another_models_files(
         _trainer(_roundpipe(weights_from=str(tmp_path)), "32-true").fit(BuiltInConfigureModel(config), _data())
 
 
-def test_peft_adapters_built_on_meta_without_values_are_refused(tmp_path):
+def test_peft_adapters_built_on_meta_without_values_are_refused(tmp_path, roundpipe_threads, monkeypatch):
     """peft initialises adapters from the model's config (B at zero): initialising them as plain Linear layers would
-    start training from another function, so the meta build is refused, naming the adapter and what to do."""
+    start training from another function, so the meta build is refused, naming the adapter and what to do. The
+    layers settled before it had moved their masters into files (``offload="optimizer+masters"``): the disk tier's
+    thread ends with the refused setup."""
     config, directory = _save(tmp_path)
-    with pytest.raises(MaterializeError, match=r"a peft adapter, was built on the meta device .*from_pretrained, then get_peft_model"):
-        _trainer(_roundpipe(weights_from=str(directory)), "32-true").fit(BuiltInConfigureModel(config, lora=True),
-                                                                          _data())
+    made: list[DiskTier] = []
+
+    class Recorded(DiskTier):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(master_files, "DiskTier", Recorded)
+    strategy = _roundpipe(weights_from=str(directory), offload="optimizer+masters", offload_dir=str(tmp_path / "tier"))
+    with pytest.raises(MaterializeError,
+                       match=r"a peft adapter, was built on the meta device .*from_pretrained, then get_peft_model"):
+        _trainer(strategy, "bf16-mixed").fit(BuiltInConfigureModel(config, lora=True), _data())
+    assert len(made) == 1 and made[0].master_bytes() > 0  # layers 0 and 1 had moved their masters
+    assert roundpipe_threads() == []
