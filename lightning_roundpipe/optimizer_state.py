@@ -2,8 +2,9 @@
 
 Per ``torch.optim`` class, the buffers the size of each parameter and the per-parameter scalars it keeps
 (``Adam``/``AdamW``: two buffers plus a scalar step, three with ``amsgrad``; ``SGD``: one buffer with
-``momentum``, none without; ...); an unknown class is assumed to keep two buffers, and says so. Used by the
-pre-flight memory plan (:mod:`~lightning_roundpipe.preflight`).
+``momentum``, none without; ...); bitsandbytes' optimizers by their settings (8-bit blockwise moments or float32:
+:func:`~lightning_roundpipe.engine.step.eight_bit.state_bytes`); an unknown class is assumed to keep two buffers,
+and says so. Used by the pre-flight memory plan (:mod:`~lightning_roundpipe.preflight`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_roundpipe.engine.step import eight_bit
 from lightning_roundpipe.engine.transfer import nbytes_of
 
 
@@ -72,8 +74,11 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
     and hyperparameters (no step is taken): ``(bytes, description, known)``. Frozen parameters get no
     state. A class not derived from a known ``torch.optim`` one is assumed to keep two buffers per
     parameter (``known=False``)."""
-    name = _known_class(optimizer)
     label = type(optimizer).__name__
+    if eight_bit.is_eight_bit(optimizer):
+        total, description = eight_bit.state_bytes(optimizer)
+        return total, f"{label}: {description}", True
+    name = _known_class(optimizer)
     scalar = _scalar_bytes()
     total = 0
     descriptions: list[str] = []

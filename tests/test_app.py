@@ -109,6 +109,8 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     (["data=text_path"], "data.path"),  # not given at all
     (["ckpt_path=/no/such/last.ckpt"], "ckpt_path"),
     (["torch_threads=0"], "torch_threads"),
+    (["model.optimizer=sgd"], "model.optimizer"),
+    (["model=llama_tiny", "model.optimizer=adam8bit"], "model.optimizer"),
     (["model=llama_tiny", "model.family=gpt2"], "model.family"),
     (["model=llama_tiny", "model.dtype=float8"], "model.dtype"),
     (["model=llama_tiny", "model.attn_implementation=flash"], "model.attn_implementation"),

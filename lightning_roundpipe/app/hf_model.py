@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.app.model import LanguageModelLogging
+from lightning_roundpipe.app.optimizers import build_optimizer
 
 FAMILIES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config"}
 BYTES = 256  # the data's token ids; sampling draws from these only, whatever vocab_size is
@@ -43,12 +44,13 @@ class CausalLM(LanguageModelLogging):
 
     def __init__(self, family: str = "llama", attn_implementation: str = "sdpa", dtype: str = "float32",
                  lora: dict[str, Any] | None = None, lr: float = 3e-3, weight_decay: float = 0.01,
-                 context: int | None = None, **architecture: Any) -> None:
+                 context: int | None = None, optimizer: str = "adamw", **architecture: Any) -> None:
         super().__init__()
         if family not in FAMILIES:
             raise ValueError(f"`model.family` must be one of {sorted(FAMILIES)}, got {family!r}")
         self.family, self.attn_implementation, self.dtype_name = family, attn_implementation, dtype
         self.lora, self.lr, self.weight_decay, self.context = lora, lr, weight_decay, context
+        self.optimizer_name = optimizer
         self.architecture = architecture
         self.model: torch.nn.Module | None = None  # built by configure_model
 
@@ -98,7 +100,7 @@ class CausalLM(LanguageModelLogging):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA's frozen base gets no state
-        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay)
+        return build_optimizer(self.optimizer_name, trainable, self.lr, self.weight_decay)
 
     @torch.no_grad()
     def sample(self, prompt: bytes, length: int, temperature: float = 0.8, seed: int = 0) -> bytes:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_roundpipe.app.optimizers import build_optimizer
 from lightning_roundpipe.engine.pipelined import pipeline_loss
 
 VOCAB = 256  # bytes
@@ -122,10 +123,10 @@ class ByteLM(LanguageModelLogging):
     """
 
     def __init__(self, net: nn.Sequential, lr: float = 3e-3, weight_decay: float = 0.01, fused: bool = True,
-                 context: int | None = None) -> None:
+                 context: int | None = None, optimizer: str = "adamw") -> None:
         super().__init__()
         self.net, self.lr, self.weight_decay, self.fused = net, lr, weight_decay, fused
-        self.context = context
+        self.context, self.optimizer_name = context, optimizer
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -138,7 +139,7 @@ class ByteLM(LanguageModelLogging):
         self.val_loss.update(lm_loss(self.net(x), y), weight=y.numel())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return build_optimizer(self.optimizer_name, self.parameters(), self.lr, self.weight_decay)
 
     @torch.no_grad()
     def sample(self, prompt: bytes, length: int, temperature: float = 0.8, seed: int = 0) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lightning_roundpipe.app.optimizers import OPTIMIZERS
 from lightning_roundpipe.engine.options import OptionError
 from lightning_roundpipe.strategy_options import OptionSpec, build_options, option_specs
 
@@ -56,6 +57,7 @@ class ByteLMConf:
     weight_decay: float = 0.01
     fused: bool = True
     context: Optional[int] = "${data.context}"  # type: ignore[assignment]
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes' 8-bit moments: app/optimizers.py)
 
 
 @dataclass
@@ -105,6 +107,7 @@ class CausalLMConf:
     lr: float = 3e-3
     weight_decay: float = 0.01
     context: Optional[int] = "${data.context}"  # type: ignore[assignment]  # the sampling window
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes' 8-bit moments: app/optimizers.py)
 
 
 # ---------------------------------------------------------------------------- data
@@ -237,6 +240,8 @@ def validate(cfg: DictConfig) -> None:
         if strategy.get("pipeline") not in (None, "model"):
             _fail("strategy.pipeline", f"must be `model` (or null) for a Hugging Face model option, got "
                   f"{strategy.pipeline!r}")
+    if cfg.model.get("optimizer", "adamw") not in OPTIMIZERS:
+        _fail("model.optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {cfg.model.optimizer!r}")
     data = cfg.data
     for key in ("context", "batch_size", "val_windows", "train_samples"):
         if data[key] < 1:

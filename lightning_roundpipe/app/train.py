@@ -17,6 +17,7 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -150,11 +151,13 @@ def intra_op_threads(cfg: DictConfig) -> int:
     return 1 if on_cpu else torch.get_num_threads()
 
 
-def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summary:
+def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None,
+        extra_callbacks: Sequence[Callback] = ()) -> Summary:
     """Validate ``cfg``, build everything with ``instantiate``, train, sample, and return the summary.
 
     ``output_dir`` is the run's folder (logs, checkpoints, timelines); ``None`` keeps ``cfg.output_dir``,
-    which the command line sets to Hydra's run folder. Compose-API callers pass a folder.
+    which the command line sets to Hydra's run folder. Compose-API callers pass a folder, and may add
+    callbacks of their own (``extra_callbacks``: a benchmark's measurements).
     """
     if output_dir is not None:
         cfg = copy.deepcopy(cfg)  # a deep copy: interpolations such as ${output_dir} resolve in the copy
@@ -174,7 +177,8 @@ def run(cfg: DictConfig, output_dir: str | pathlib.Path | None = None) -> Summar
             overrides["devices"] = 1  # the baseline trains on one device whatever the trainer group says
         throughput = _Throughput()
         last_validation = _LastValidation()
-        callbacks: list[Callback] = [throughput, last_validation, *_instantiate_each(cfg, "callbacks")]
+        callbacks: list[Callback] = [throughput, last_validation, *_instantiate_each(cfg, "callbacks"),
+                                     *extra_callbacks]
         if cfg.trainer.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(progress_bar())  # Lightning's, with totals right for max_steps and a resume
         loggers: list[Logger] = _instantiate_each(cfg, "logger")

@@ -7,6 +7,8 @@
 * ``summing.py``: :class:`~.summing.GradSummer`, the threads that sum the jobs' gradients into the window;
 * ``groups.py``: the policy, how a step is cut into groups and when an optimizer may be cut;
 * ``kernels.py``: torch's fused CPU kernels where they are safe, and the step's measured cost;
+* ``eight_bit.py``: bitsandbytes' 8-bit optimizers through the stand-ins (their per-parameter settings), and
+  the bytes their state takes;
 * ``disk_tier.py``: :class:`~.disk_tier.DiskTier`, the optimizer state in files (``offload="optimizer"``), read
   ahead of each group and written behind it by a thread of its own.
 

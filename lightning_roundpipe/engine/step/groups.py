@@ -17,7 +17,8 @@ with the embedding: its gradient is final only once the embedding's stage has ru
 
 Splitting is exact for every ``torch.optim`` optimizer but LBFGS: they read one parameter's gradient and
 state per update (``torch.optim``'s kernels are elementwise, whether per tensor, foreach or fused, so
-the tensors stepped beside a parameter do not change its result). An optimizer of another class may
+the tensors stepped beside a parameter do not change its result), and for bitsandbytes' optimizers
+(``AdamW8bit``, ...: one tensor at a time, its blocks inside it). An optimizer of another class may
 couple parameters (a global norm, a shared trust ratio); it steps whole unless the user declares it safe
 (``streaming_step="on"``). Step hooks (``register_step_pre_hook``/``post_hook``, also the global ones)
 would run once per group, so an optimizer with hooks steps whole too.
@@ -34,6 +35,7 @@ from torch import nn
 
 from lightning_roundpipe.engine.device import HostEvent
 from lightning_roundpipe.engine.layers import Trunk
+from lightning_roundpipe.engine.step import eight_bit
 from lightning_roundpipe.planning.partition import Plan, format_layers
 
 StreamingStep = Literal["auto", "on", "off"]
@@ -97,7 +99,8 @@ def coupling(optimizer: torch.optim.Optimizer, mode: str) -> str | None:
     optimizer of another class safe."""
     if isinstance(optimizer, torch.optim.LBFGS):
         return "LBFGS couples every parameter"
-    if mode == "auto" and not type(optimizer).__module__.startswith("torch.optim"):
+    if (mode == "auto" and not type(optimizer).__module__.startswith("torch.optim")
+            and not eight_bit.per_parameter(optimizer)):
         return (f"{type(optimizer).__name__} is not a torch.optim optimizer, which may couple parameters; "
                 "streaming_step='on' declares it safe")
     return None

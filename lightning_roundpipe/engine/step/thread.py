@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.engine.device import AbortSignal, EngineAborted, HostEvent
+from lightning_roundpipe.engine.step import eight_bit
 from lightning_roundpipe.engine.step.kernels import use_fused
 from lightning_roundpipe.observe.trace import Timeline
 
@@ -47,7 +48,8 @@ def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
     class's ``step`` is called directly because an LR scheduler replaces the instance's ``step`` with a
     wrapper bound to the original. ``host_kernels`` (the engine's ``host_optimizer``; ``None``: as built):
     the groups it steps with torch's fused CPU kernel get ``fused=True``, in these copies only
-    (:func:`~lightning_roundpipe.engine.step.kernels.use_fused`).
+    (:func:`~lightning_roundpipe.engine.step.kernels.use_fused`). bitsandbytes' optimizers find their
+    per-parameter settings through :func:`~lightning_roundpipe.engine.step.eight_bit.prepare_twin`.
     """
     owners: dict[int, nn.Parameter] = {}
     stand_ins: dict[int, torch.Tensor] = {}
@@ -69,6 +71,8 @@ def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
     twin.__dict__.update(optimizer.__dict__)
     twin.param_groups = twin_groups
     twin.state = _StateOfOwners(optimizer.state, owners)  # type: ignore[assignment]
+    if eight_bit.is_eight_bit(optimizer):
+        eight_bit.prepare_twin(twin, optimizer, owners)
     if host_kernels is not None:
         use_fused(twin, twin_groups, host_kernels)
     type(optimizer).step(twin)
