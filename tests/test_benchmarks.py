@@ -31,6 +31,7 @@ SMOKE_RUNS = {
     "bubble_paper.py": README_ENTRY,
     "host_optimizer.py": README_ENTRY,
     "host_memory.py": README_ENTRY,
+    "low_bit.py": README_ENTRY,
     "memory.py": README_ENTRY,
     "overhead.py": README_ENTRY,
     "small_models.py": README_ENTRY,

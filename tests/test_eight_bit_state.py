@@ -231,3 +231,23 @@ def test_the_async_step_steps_eight_bit_state_as_the_delayed_update_reference(tm
     assert len(module.losses) == len(losses)
     assert all(torch.equal(a, b) for a, b in zip(module.losses, losses, strict=True))
     assert_states_equal(dict(module.net.named_parameters()), expected)
+
+
+def test_the_app_keeps_embedding_moments_in_32_bits_and_takes_the_setting_back_after_the_run(tmp_path):
+    """``model.optimizer=adamw8bit``: as Hugging Face's Trainer, the byte embedding (tied to the head) keeps float32
+    moments, the blocks' weights 8-bit ones; the process-wide setting is gone once the run ends."""
+    from lightning_roundpipe.app.model import ByteLM, gpt
+
+    torch.manual_seed(0)
+    module = ByteLM(gpt(width=WIDTH, depth=2, heads=4, context=16), context=16, optimizer="adamw8bit")
+    ids = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
+    trainer = pl.Trainer(strategy=_strategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(module, data)
+    state = trainer.optimizers[0].state
+    assert state[module.net[0].tokens.weight]["state1"].dtype == torch.float32
+    assert state[module.net[1].qkv.weight]["state1"].dtype == torch.uint8
+    manager = GlobalOptimManager.get_instance()
+    assert not any(id(param) in manager.pid2config for param in module.parameters())

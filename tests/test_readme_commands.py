@@ -167,6 +167,7 @@ COMMANDS: dict[str, Check] = {
     "roundpipe-train model=llama_tiny": Covered(
         "tests/test_app.py::test_a_hugging_face_model_trains_under_roundpipe", ("model=llama_tiny",)),
     "roundpipe-train model=qwen3_tiny +model/lora=default model.lora.r=4": Run(),
+    "roundpipe-train model.optimizer=adamw8bit": Run(),
     "roundpipe-train data=text_path data.path=/data/corpus.txt": Run(stand_ins={"/data/corpus.txt": "corpus"}),
     "roundpipe-train trainer.max_steps=3600 ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt": Run(
         extra=("trainer.max_steps=4",), stand_ins={"outputs/<date>/<time>": "quick_run_folder"}, expect="resumed"),
@@ -236,6 +237,12 @@ COMMANDS: dict[str, Check] = {
          r"^state on disk: within 1\.05x of in memory ", r"^\| LoRA, bf16 base frozen \| -?\d+\.\d\d \| -?\d+\.\d\d \| ",
          r"^Verdict: state \+ masters on disk -?\d+\.\d\d B/param at the margin.*the frozen weights \d+\.\d\d B per frozen"),
         sized=("--quick",), json=("config", "results", "timing", "verdicts", "seconds")),
+    "python benchmarks/low_bit.py [--steps 1500]": Benchmark(
+        (r"^kernel +ns/param +first step s +state B/param +update error", r"^torch AdamW fused +\d",
+         r"^bitsandbytes AdamW8bit +\d+\.\d\d +\d", r"^option +seed +val loss +step ms +state B/p +host B/p",
+         r"^adamw8bit +0 +\d", r"^adamw: final validation loss \d\.\d{4} \(seed-to-seed spread",
+         r"^adamw8bit: final validation loss \d\.\d{4}: (within|OUTSIDE) the adamw spread"),
+        sized=("--steps 1500",)),
     "python benchmarks/soak.py [--steps 2000]": Benchmark(
         (r"^ +step +seconds +rss MiB +fds +threads", r"^ +8 ", r"^verdict: .*(no thread left after teardown|GREW)"),
         sized=("--steps 2000",), grows=True, json=("samples", "problems")),

@@ -100,7 +100,7 @@ class CausalLM(LanguageModelLogging):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA's frozen base gets no state
-        return build_optimizer(self.optimizer_name, trainable, self.lr, self.weight_decay)
+        return build_optimizer(self.optimizer_name, self, trainable, self.lr, self.weight_decay)
 
     @torch.no_grad()
     def sample(self, prompt: bytes, length: int, temperature: float = 0.8, seed: int = 0) -> bytes:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_roundpipe.app.optimizers import build_optimizer
+from lightning_roundpipe.app.optimizers import build_optimizer, forget_settings
 from lightning_roundpipe.engine.pipelined import pipeline_loss
 
 VOCAB = 256  # bytes
@@ -102,6 +102,11 @@ class LanguageModelLogging(pl.LightningModule):
         self.val_loss = MeanMetric()
         self.tokens_seen = 0
 
+    optimizer_name = "adamw"  # model.optimizer: app/optimizers.py
+
+    def teardown(self, stage: str) -> None:
+        forget_settings(self.optimizer_name, self)
+
     def log_training_loss(self, loss: torch.Tensor, tokens: int, batch_size: int) -> None:
         self.tokens_seen += tokens
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
@@ -139,7 +144,7 @@ class ByteLM(LanguageModelLogging):
         self.val_loss.update(lm_loss(self.net(x), y), weight=y.numel())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.optimizer_name, self.parameters(), self.lr, self.weight_decay)
+        return build_optimizer(self.optimizer_name, self, self.parameters(), self.lr, self.weight_decay)
 
     @torch.no_grad()
     def sample(self, prompt: bytes, length: int, temperature: float = 0.8, seed: int = 0) -> bytes:
