@@ -192,6 +192,9 @@ COMMANDS: dict[str, Check] = {
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu +model/lora=default "
     "strategy.frozen_weights=round": Compose(_FITS),
     "roundpipe-train model=llama_8b model.dtype=bfloat16 trainer=gpu +model/lora=default": Compose(_FITS),
+    "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu model.optimizer=adamw8bit": Compose(_FITS),
+    "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu model.optimizer=adamw8bit "
+    "strategy.offload=optimizer+masters strategy.offload_dir=/nvme/run1": Compose(_FITS),
     # README: timelines and schedule pictures
     "roundpipe-train strategy.timeline=true experiment=quick": Run(expect="timeline"),
     "python -m lightning_roundpipe.observe.gantt schedule --paper Llama3-8B --png schedule.png": Script(),
