@@ -76,8 +76,9 @@ def _strategy(**kwargs) -> RoundPipeStrategy:
 
 
 def _fit(module: Net, strategy, root: pathlib.Path, epochs: int = 2, ckpt_path=None,
-         checkpointing: bool = False) -> pl.Trainer:
+         checkpointing: bool = False, precision: str = "32-true") -> pl.Trainer:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                         precision=precision,
                          enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=root)
     trainer.fit(module, three_class_data(WIDTH), ckpt_path=ckpt_path)
@@ -170,10 +171,11 @@ def test_a_first_step_stores_the_moments_of_their_definition_within_the_quantisa
         assert (stored - expected).abs().max() > 0  # really quantised
 
 
-def test_the_disk_tier_keeps_eight_bit_state_bitwise(tmp_path):
+@pytest.mark.parametrize("offload,precision", [("optimizer", "32-true"), ("optimizer+masters", "bf16-mixed")])
+def test_the_disk_tier_keeps_eight_bit_state_bitwise(tmp_path, offload, precision):
     module, reference = Net(), Net()
-    trainer = _fit(module, _strategy(offload="optimizer", offload_dir=tmp_path / "state"), tmp_path)
-    reference_trainer = _fit(reference, "auto", tmp_path)
+    trainer = _fit(module, _strategy(offload=offload, offload_dir=tmp_path / "state"), tmp_path, precision=precision)
+    reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
     _assert_same_run(module, reference, trainer, reference_trainer)
 
 
