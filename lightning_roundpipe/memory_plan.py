@@ -72,6 +72,7 @@ class MemoryPlan:
     # the disk tier (offload): what goes to offload_dir, and what it has free (None: not known)
     offload: str = "none"
     offload_dir: str | None = None
+    eight_bit_saving_bytes: int = 0   # what bitsandbytes' 8-bit moments would save over torch's Adam/AdamW here
     disk_state_bytes: int = 0         # this process's optimizer state in files (optimizer_state_bytes: in memory)
     disk_master_bytes: int = 0        # masters in files (offload="optimizer+masters"), freed from memory at start
     disk_free_bytes: int | None = None

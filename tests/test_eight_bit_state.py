@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
-from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe import RoundPipeStrategy, preflight
 from lightning_roundpipe.engine.step.groups import streaming_refusal
+from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
+from lightning_roundpipe.preflight import HostMemoryError
 from tests.models import delayed_update_reference, three_class_data
 from tests.numerics import assert_states_equal
 
@@ -60,7 +62,8 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = getattr(bnb.optim, self.optimizer_name)(self.parameters(), lr=1e-2)
+        kind = torch.optim.AdamW if self.optimizer_name == "torch.AdamW" else getattr(bnb.optim, self.optimizer_name)
+        optimizer = kind(self.parameters(), lr=1e-2)
         if self.keep_first_in_32bit:
             GlobalOptimManager.get_instance().register_module_override(self.net[0], "weight", {"optim_bits": 32})
         if not self.scheduled:
@@ -253,3 +256,15 @@ def test_the_app_keeps_embedding_moments_in_32_bits_and_takes_the_setting_back_a
     assert state[module.net[1].qkv.weight]["state1"].dtype == torch.uint8
     manager = GlobalOptimManager.get_instance()
     assert not any(id(param) in manager.pid2config for param in module.parameters())
+
+
+def test_a_host_too_small_for_adamw_is_told_what_eight_bit_moments_would_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight, "read_host_limits", lambda: HostLimits(mem_available=10, cgroup=None, memlock=None))
+    module = Net("torch.AdamW")
+    with pytest.raises(HostMemoryError) as refused:
+        _fit(module, _strategy(), tmp_path)
+    # the three 64 x 64 weights: float32 moments of 8 bytes an element against a byte and a float32 scale per 256;
+    # the biases and the head (under 4096 elements) would keep float32 moments
+    saving = 3 * (8 * WIDTH * WIDTH - 2 * (WIDTH * WIDTH + 4 * WIDTH * WIDTH // 256))
+    assert f"AdamW8bit (pip install 'lightning_roundpipe[low-bit]') in configure_optimizers, whose moments take about " \
+           f"a quarter of AdamW's: about {format_bytes(saving)} less in each process" in str(refused.value)

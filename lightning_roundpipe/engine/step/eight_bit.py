@@ -24,10 +24,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 BLOCK = 256
 """Elements per quantisation block (bitsandbytes' blockwise optimizers)."""
+
+MIN_8BIT_SIZE = 4096
+"""bitsandbytes' default ``min_8bit_size``: smaller tensors keep float32 moments."""
 
 
 def _bitsandbytes_bases(optimizer: Any) -> set[str]:
@@ -115,7 +119,7 @@ def state_bytes(optimizer: Any) -> tuple[int, str]:
             seen.add(id(param))
             config = {**defaults, **settings.get(id(param), {})}
             count = param.numel()
-            if config.get("optim_bits", 32) == 8 and count >= config.get("min_8bit_size", 4096):
+            if config.get("optim_bits", 32) == 8 and count >= config.get("min_8bit_size", MIN_8BIT_SIZE):
                 total += moments * (count + 4 * math.ceil(count / BLOCK))
                 quantised += count
             else:
@@ -130,3 +134,23 @@ def state_bytes(optimizer: Any) -> tuple[int, str]:
         description += f", float32 for {wide:,} (under min_8bit_size or 32-bit settings)"
     return total, description
 
+
+
+def saving_over_adam(optimizer: Any) -> int:
+    """The bytes bitsandbytes' ``AdamW8bit`` (``Adam8bit``) would save over ``optimizer``'s state, if it is torch's
+    ``AdamW`` or ``Adam`` (groups without ``amsgrad``), else 0: the float32 moments of its trainable float32 tensors
+    of at least :data:`MIN_8BIT_SIZE` elements, 8 bytes an element, would take 2 and a float32 scale per block."""
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return 0
+    saved = 0
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        if group.get("amsgrad"):
+            continue
+        for param in group["params"]:
+            count = param.numel()
+            if (param.requires_grad and param.dtype == torch.float32 and count >= MIN_8BIT_SIZE
+                    and id(param) not in seen):
+                seen.add(id(param))
+                saved += 8 * count - 2 * (count + 4 * math.ceil(count / BLOCK))
+    return saved
