@@ -110,7 +110,8 @@ TIERS = ("state", "masters")
 TOLERANCE = 1.05
 MMAP_THRESHOLD = 65536
 TARGETS = {"masters": 4.0, "lora": 2.2}
-MARGINS = ("masters", "masters-meta", "lora", "in-flight", "8bit", "8bit-masters")  # run again with half the layers (in this order: a checkpoint first)
+# run again with half the layers (in this order: a checkpoint first)
+MARGINS = ("masters", "masters-meta", "lora", "in-flight", "8bit", "8bit-masters")
 SETUP_TARGET = 1.1
 
 

@@ -100,12 +100,7 @@ class Measure(pl.Callback):
         self.params = sum(param.numel() for param in params)
         self.trained = sum(param.numel() for param in params if param.requires_grad)
         self.param_bytes = sum(param.nbytes for param in params)
-        counted: set[int] = set()
-        for entry in trainer.optimizers[0].state.values():
-            for value in entry.values():
-                if isinstance(value, torch.Tensor) and id(value) not in counted:
-                    counted.add(id(value))  # bitsandbytes' quantisation maps are one tensor for every parameter
-                    self.state_bytes += value.nbytes
+        self.state_bytes = held_state_bytes(trainer.optimizers[0])
         plan = getattr(trainer.strategy, "memory_plan", None)
         self.copy_bytes = plan.upload_copy_bytes if plan is not None else 0
 
@@ -156,6 +151,17 @@ def _inner_tensors(value: torch.Tensor) -> list[torch.Tensor]:
     return [plain for name in names for plain in _inner_tensors(getattr(value, name))]
 
 
+def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes ``optimizer``'s state holds, each tensor once (bitsandbytes' maps are one tensor for every
+    parameter), a tensor subclass by the plain tensors inside it."""
+    held: dict[int, torch.Tensor] = {}
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor):
+                held.update((id(inner), inner) for inner in _inner_tensors(value))
+    return sum(tensor.nbytes for tensor in held.values())
+
+
 def compare_kernels(args: argparse.Namespace) -> None:
     """The table of the module docstring's first paragraph."""
     generator = torch.Generator().manual_seed(0)
@@ -177,12 +183,7 @@ def compare_kernels(args: argparse.Namespace) -> None:
                 first = took
             else:
                 best = min(best, took)
-        held: dict[int, torch.Tensor] = {}  # each tensor once: bitsandbytes' maps are shared by every parameter
-        for entry in optimizer.state.values():
-            for value in entry.values():
-                if isinstance(value, torch.Tensor):
-                    held.update((id(inner), inner) for inner in _inner_tensors(value))
-        state = sum(tensor.nbytes for tensor in held.values())
+        state = held_state_bytes(optimizer)
         return [param.detach() for param in params], best, first, state
 
     count = sum(value.numel() for value in start)

@@ -34,6 +34,11 @@ MIN_8BIT_SIZE = 4096
 """bitsandbytes' default ``min_8bit_size``: smaller tensors keep float32 moments."""
 
 
+def _quantised_bytes(count: int) -> int:
+    """Bytes of one moment of ``count`` elements kept in 8 bits: a byte an element and a float32 scale per block."""
+    return count + 4 * math.ceil(count / BLOCK)
+
+
 def _bitsandbytes_bases(optimizer: Any) -> set[str]:
     return {cls.__name__ for cls in type(optimizer).__mro__ if cls.__module__.startswith("bitsandbytes.optim")}
 
@@ -120,7 +125,7 @@ def state_bytes(optimizer: Any) -> tuple[int, str]:
             config = {**defaults, **settings.get(id(param), {})}
             count = param.numel()
             if config.get("optim_bits", 32) == 8 and count >= config.get("min_8bit_size", MIN_8BIT_SIZE):
-                total += moments * (count + 4 * math.ceil(count / BLOCK))
+                total += moments * _quantised_bytes(count)
                 quantised += count
             else:
                 total += moments * 4 * count
@@ -133,7 +138,6 @@ def state_bytes(optimizer: Any) -> tuple[int, str]:
     if wide:
         description += f", float32 for {wide:,} (under min_8bit_size or 32-bit settings)"
     return total, description
-
 
 
 def saving_over_adam(optimizer: Any) -> int:
@@ -152,5 +156,5 @@ def saving_over_adam(optimizer: Any) -> int:
             if (param.requires_grad and param.dtype == torch.float32 and count >= MIN_8BIT_SIZE
                     and id(param) not in seen):
                 seen.add(id(param))
-                saved += 8 * count - 2 * (count + 4 * math.ceil(count / BLOCK))
+                saved += 8 * count - 2 * _quantised_bytes(count)
     return saved
