@@ -160,7 +160,9 @@ class MemoryPlan:
         return [*self._host_rows(), *self._device_rows()]
 
     def _host_rows(self) -> list[tuple[str, str, str]]:
-        dtypes = ", ".join(f"{dtype} {format_bytes(n)}" for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
+        dtypes = ", ".join(f"{dtype} {format_bytes(n)}" + (" (frozen 4-bit weights, a float32 scale per 64)"
+                                                            if dtype == "nf4" else "")
+                           for dtype, n in sorted(self.parameter_bytes_by_dtype.items()))
         training = self.trainer_fn == "fit"
         processes = self.processes_per_node
         rows = [

@@ -83,6 +83,7 @@ from lightning_roundpipe.engine.transport import (
 )
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
 from lightning_roundpipe.memory_plan import MemoryPlan, Problem
+from lightning_roundpipe.nf4 import nf4_storage
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
 from lightning_roundpipe.planning.partition import (
     ACTIVATION_RESERVE,
@@ -279,7 +280,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         frozen_freed_bytes=frozen.saved_bytes if frozen is not None else 0, frozen_narrowed=len(narrowed),
         frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
         frozen_kept=len(frozen.kept) if frozen is not None else 0, frozen_weights=frozen_weights,
-        parameter_count=sum(param.numel() for param in module.parameters()),
+        parameter_count=_weight_count(module),
     )
     if training and host_optimizer is not None:
         # the scratch fits the node's headroom (each of its processes measures its own); a plan that does not fit
@@ -336,6 +337,12 @@ def _in_flight_gradient_bytes(module: nn.Module, trunk: Trunk, plan: Plan, num_d
     return min(whole, outside + (num_devices + 1) * largest_step_group_bytes(trunk, plan))
 
 
+def _weight_count(module: nn.Module) -> int:
+    """The module's parameters (each once), an NF4 layer's weights counted as the weights they stand for."""
+    nf4_ids, nf4_weights = nf4_storage(module)
+    return nf4_weights + sum(param.numel() for param in module.parameters() if id(param) not in nf4_ids)
+
+
 class _HostFigures(NamedTuple):
     """What one process's host holds of the model and its training state, before upload copies."""
 
@@ -353,9 +360,10 @@ def _host_figures(module: nn.Module, trunk: Trunk, optimizers: Sequence[Any], tr
                   async_step: bool) -> _HostFigures:
     """Parameters by dtype, buffers, and, when ``training``, gradients and optimizer state (no step is taken)."""
     params = list(module.parameters())  # each once, tied weights too
+    nf4_ids, _ = nf4_storage(module)
     by_dtype: dict[str, int] = {}
     for param in params:
-        name = str(param.dtype).removeprefix("torch.")
+        name = "nf4" if id(param) in nf4_ids else str(param.dtype).removeprefix("torch.")
         by_dtype[name] = by_dtype.get(name, 0) + nbytes_of(param)
     gradient_bytes = next_gradient_bytes = optimizer_bytes = eight_bit_saving = 0
     notes: list[str] = []

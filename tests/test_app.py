@@ -126,6 +126,7 @@ def test_unknown_keys_and_wrong_types_fail_at_compose_time(override, key):
     (["trainer.devices=0"], "`trainer`: `Trainer(devices=0)`"),
     (["model=llama_tiny", "+model/lora=default", "model.lora.r=0"], "model.lora.r"),
     (["model=llama_tiny", "+model/lora=default", "model.lora.target_modules=[]"], "model.lora.target_modules"),
+    (["model=llama_tiny", "+model/lora=default", "model.lora.base=int4"], "model.lora.base"),
 ])
 def test_impossible_values_fail_before_training_naming_the_key(overrides, key, tmp_path):
     cfg = _compose(*overrides)
@@ -338,6 +339,24 @@ def test_lora_trains_only_the_adapters():
     assert optimized == {id(p) for p in module.parameters() if p.requires_grad}
 
 
+def test_qlora_keeps_the_frozen_projections_in_four_bits_and_the_tied_head_as_stored():
+    pytest.importorskip("bitsandbytes")
+    from lightning_roundpipe.nf4 import NF4Linear
+
+    cfg = _compose("model=llama_tiny", "+model/lora=qlora", "model.lora.target_modules=[q_proj,v_proj]")
+    validate(cfg)
+    module = instantiate(cfg.model)
+    module.configure_model()
+    base = module.model.get_base_model()
+    linears = {name: type(layer) for name, layer in base.named_modules() if isinstance(layer, torch.nn.Linear | NF4Linear)
+               and "lora_" not in name}
+    frozen = {name for name, kind in linears.items() if name != "lm_head"}
+    assert frozen and all(linears[name] is NF4Linear for name in frozen)  # adapted or not, every frozen projection
+    assert linears["lm_head"] is torch.nn.Linear and base.lm_head.weight is base.model.embed_tokens.weight
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+
+
 def _train_losses(output_dir: pathlib.Path) -> list[float]:
     with open(output_dir / "logs" / "metrics.csv") as file:
         return [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
@@ -358,8 +377,12 @@ def test_a_hugging_face_model_trains_on_the_byte_data(overrides, tmp_path):
     assert len(summary.sample) >= 1
 
 
-def test_a_hugging_face_model_trains_under_roundpipe(tmp_path):
-    cfg = _compose("model=llama_tiny", "strategy=roundpipe", *HF_RUN)  # the default pipeline=null finds it
+@pytest.mark.parametrize("overrides", [[], ["+model/lora=qlora", "trainer.precision=bf16-mixed"]],
+                         ids=["full", "qlora"])
+def test_a_hugging_face_model_trains_under_roundpipe(overrides, tmp_path):
+    if overrides:
+        pytest.importorskip("bitsandbytes")
+    cfg = _compose("model=llama_tiny", "strategy=roundpipe", *overrides, *HF_RUN)  # pipeline=null finds it
     run(cfg, tmp_path)
     losses = _train_losses(tmp_path)
     assert all(map(math.isfinite, losses)) and sum(losses[-5:]) < sum(losses[:5])

@@ -16,6 +16,7 @@ peft = pytest.importorskip("peft")
 
 import lightning_roundpipe  # noqa: E402,F401 - registers the strategy names
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.nf4 import to_nf4  # noqa: E402
 from tests.numerics import assert_close_to_reference, assert_states_close_to_reference, assert_states_equal  # noqa: E402
 
 VOCAB = 64
@@ -228,6 +229,18 @@ def test_training_equals_the_unmodified_model_under_lightnings_default_strategy(
             else:
                 assert param.grad is None and id(param) not in stepped, f"frozen {name} got a gradient or state"
                 assert torch.equal(param, initial[name]), f"frozen {name} changed"
+
+
+def test_qlora_trains_as_under_lightnings_default_strategy():
+    """peft's LoRA on a base whose frozen Linears are NF4 (``lightning_roundpipe.nf4``): the references, float32
+    and float64, compute with the same 4-bit weights (dequantised in float32, widened exactly)."""
+    model = with_lora(tiny_llama(tied=False))
+    assert to_nf4(model) == 3 * 7  # every projection of the 3 layers; the LM head kept
+    reference, reference64 = _references(model)
+    module = CausalLMModule(model)
+    _fit(module, RoundPipeStrategy(num_microbatches=3, num_stages=3), devices=2)
+    _assert_same_training(module, reference, reference64)
+    assert sum(type(layer).__name__ == "NF4Linear" for layer in module.model.modules()) == 3 * 7  # handed back
 
 
 def test_tied_embedding_is_one_parameter_stepped_once():

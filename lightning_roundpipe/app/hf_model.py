@@ -17,6 +17,7 @@ import torch
 
 from lightning_roundpipe.app.model import LanguageModelLogging
 from lightning_roundpipe.app.optimizers import build_optimizer
+from lightning_roundpipe.nf4 import to_nf4
 
 FAMILIES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config"}
 BYTES = 256  # the data's token ids; sampling draws from these only, whatever vocab_size is
@@ -39,7 +40,9 @@ class CausalLM(LanguageModelLogging):
     ``family`` picks the ``transformers`` config class; ``architecture`` holds its fields
     (``hidden_size``, ``num_hidden_layers``, ... and ``rope_theta``). ``lora`` (``r``, ``alpha``,
     ``dropout``, ``target_modules``) wraps the model with ``peft.get_peft_model``: only the adapters
-    train, and the optimizer holds state for them only. ``context`` is the window :meth:`sample` feeds.
+    train, and the optimizer holds state for them only; its ``base="nf4"`` then keeps the frozen base's Linear
+    weights (all but the LM head) in 4 bits, as QLoRA does (:func:`lightning_roundpipe.nf4.to_nf4`). ``context``
+    is the window :meth:`sample` feeds.
     """
 
     def __init__(self, family: str = "llama", attn_implementation: str = "sdpa", dtype: str = "float32",
@@ -78,6 +81,8 @@ class CausalLM(LanguageModelLogging):
             with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates: not ours to fix
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
                 model = peft.get_peft_model(model, config)
+            if self.lora.get("base", "as_stored") == "nf4":  # QLoRA: the frozen base's Linears in 4 bits
+                to_nf4(model)
         self.model = model
 
     def _built(self) -> torch.nn.Module:

@@ -70,6 +70,9 @@ class MLPModelConf(ByteLMConf):
     net: MLPNetConf = field(default_factory=MLPNetConf)
 
 
+LORA_BASES = ("as_stored", "nf4")
+
+
 @dataclass
 class LoRAConf:
     """LoRA adapters (peft): ``+model/lora=default`` switches them on, then ``model.lora.r=16`` etc."""
@@ -79,6 +82,7 @@ class LoRAConf:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    base: str = "as_stored"  # as_stored | nf4: the frozen base's Linear weights in 4 bits (QLoRA: nf4.py)
 
 
 @dataclass
@@ -311,3 +315,5 @@ def _validate_causal_lm(model: DictConfig, context: int) -> None:
             _fail("model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
         if not lora.target_modules:
             _fail("model.lora.target_modules", "must name at least one module, e.g. [q_proj,v_proj]")
+        if lora.base not in LORA_BASES:
+            _fail("model.lora.base", f"must be one of {list(LORA_BASES)}, got {lora.base!r}")
