@@ -35,6 +35,9 @@ high-water mark of every allocation rather than what is live (a setting worth ha
 * ``8-bit state (AdamW8bit), in memory`` and ``8-bit state + masters on disk``: bitsandbytes' ``AdamW8bit`` instead
   of torch's AdamW (issue 27), its moments blockwise in 8 bits (about 2 bytes per parameter instead of 8), in
   memory with the gradients in flight, and with the disk tier.
+* ``QLoRA, NF4 base``: the LoRA model with each base Linear's weight quantised to NF4 as it is built
+  (``lightning_roundpipe.nf4.to_nf4``: half a byte a weight and a float32 scale per 64; the biases stay float32).
+  Its bytes per parameter count an NF4 weight as one parameter.
 
 Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's anonymous and shared-memory
 resident bytes (``RssAnon`` + ``RssShmem``: file pages it maps, its libraries or a checkpoint read memory-mapped,
@@ -99,6 +102,7 @@ CONFIGS = {  # name: (label, strategy options, LoRA: its frozen base's kind, or 
     "masters-meta": ("state + masters on disk, built on meta from a checkpoint", {"offload": "optimizer+masters"}, ""),
     "8bit": ("8-bit state (AdamW8bit), in memory", {}, ""),
     "8bit-masters": ("8-bit state + masters on disk", {"offload": "optimizer+masters"}, ""),
+    "qlora": ("QLoRA, NF4 base", {}, "nf4"),
 }
 # bitsandbytes' AdamW8bit (moments blockwise in 8 bits) instead of torch's AdamW
 EIGHT_BIT = ("8bit", "8bit-masters")
@@ -111,7 +115,7 @@ TOLERANCE = 1.05
 MMAP_THRESHOLD = 65536
 TARGETS = {"masters": 4.0, "lora": 2.2}
 # run again with half the layers (in this order: a checkpoint first)
-MARGINS = ("masters", "masters-meta", "lora", "in-flight", "8bit", "8bit-masters")
+MARGINS = ("masters", "masters-meta", "lora", "in-flight", "8bit", "8bit-masters", "qlora")
 SETUP_TARGET = 1.1
 
 
@@ -207,6 +211,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch import nn
 
     from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
+    from lightning_roundpipe.nf4 import nf4_storage, to_nf4
 
     quiet()
     torch.set_num_threads(1)
@@ -240,6 +245,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                     layer.linear.to(torch.bfloat16)
                 if lora:
                     layer.linear = Adapted(layer.linear, args.rank)
+                if lora == "nf4":  # quantised as it is built: the float32 base is never whole
+                    to_nf4(layer)
                 layers.append(layer)
             self.net = nn.Sequential(*layers)
 
@@ -293,8 +300,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                          callbacks=[timer, Phases()])
     with trainer.init_module(empty_init=resumed):
         model = Model()
-    params = sum(p.numel() for p in model.parameters())
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    nf4_ids, nf4_weights = nf4_storage(model)  # NF4 bytes count as the weights they stand for
+    params = nf4_weights + sum(p.numel() for p in model.parameters() if id(p) not in nf4_ids)
+    frozen = nf4_weights + sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in nf4_ids)
     trainer.fit(model, data, ckpt_path=args.checkpoint if resumed else None)
     sampler.stop()
     if args.save_checkpoint is not None:
@@ -467,6 +475,8 @@ def main() -> int:
     verdicts.append(f"{CONFIGS['lora'][0]}: the frozen weights {frozen:.2f} B per frozen parameter (target <= "
                     f"{TARGETS['lora']:g}) {'MET' if frozen <= TARGETS['lora'] else 'NOT MET'}, the whole LoRA run "
                     f"{margins['lora'][1]:.2f} B/param at the margin (adapters included)")
+    verdicts.append(f"{CONFIGS['qlora'][0]}: the frozen weights {frozen_per_param(results['qlora']):.2f} B per frozen "
+                    f"parameter, the whole run {margins['qlora'][1]:.2f} B/param at the margin")
     ratios = {config: per_param(result, "setup") / per_param(result, "steady") for config, result in results.items()}
     setup_ratio = max(ratio for config, ratio in ratios.items() if config not in BUILT_WIDE)
     verdicts.append(f"setup/steady at most {setup_ratio:.2f} (target <= {SETUP_TARGET:g}) "

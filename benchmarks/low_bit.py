@@ -1,6 +1,6 @@
 """Low-bit host state against float32 AdamW: final validation loss, its seed-to-seed spread, host bytes, step time.
 
-Run: ``python benchmarks/low_bit.py`` (about 25 minutes on 2 cores: 6 runs of 1,500 steps, 6 LoRA runs of 300;
+Run: ``python benchmarks/low_bit.py`` (about 30 minutes on 2 cores: 6 runs of 1,500 steps, 12 LoRA runs of 300;
 ``--steps``, ``--lora-steps``, ``--seeds`` to change; ``--smoke``: seconds). Not a test: it prints a table and a verdict per option and always
 exits 0.
 
@@ -12,7 +12,10 @@ validated every ``--steps / 3`` steps on ``--val-windows`` windows, for each opt
 * ``adamw8bit``: bitsandbytes' AdamW8bit (``model.optimizer=adamw8bit``), both moments blockwise in 8 bits.
 
 Then the same for a tiny Hugging Face Llama's LoRA adapters (``model=llama_tiny +model/lora=default``, width 128,
-rank 32: each adapter matrix has 4096 elements, bitsandbytes' threshold for 8-bit moments), ``--lora-steps`` steps.
+rank 32: each adapter matrix has 4096 elements, bitsandbytes' threshold for 8-bit moments), ``--lora-steps`` steps,
+with two more options: ``qlora``, the frozen base's projections in NF4 (``model.lora.base=nf4``, what
+``+model/lora=qlora`` sets), and ``qlora+adamw8bit``, both. An NF4 weight counts as one parameter in the bytes
+per parameter.
 
 Per run: the last validation loss; the median step time (one training batch's start to its end: the step, not the
 validation); the optimizer state's bytes per trained parameter (its tensors, each shared one once) and the host's
@@ -54,9 +57,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import add_smoke, quiet, sized  # noqa: E402 - the benchmarks' shared helpers, beside this file
 
 from lightning_roundpipe.app.train import CONFIG_DIR, run  # noqa: E402
+from lightning_roundpipe.nf4 import nf4_storage  # noqa: E402
 
 OPTIONS = {"adamw": ["model.optimizer=adamw"], "adamw8bit": ["model.optimizer=adamw8bit"]}
 """Each option's overrides of the main job's config; ``adamw`` is the reference."""
+QLORA_OPTIONS = {"qlora": ["model.lora.base=nf4"], "qlora+adamw8bit": ["model.lora.base=nf4", "model.optimizer=adamw8bit"]}
+"""The options of the LoRA runs only: the frozen base in NF4 (``+model/lora=qlora``), alone and with 8-bit moments."""
 
 LORA = ["model=llama_tiny", "+model/lora=default", "model.hidden_size=128", "model.intermediate_size=256",
         "model.lora.r=32", "model.lr=1e-3"]
@@ -97,7 +103,8 @@ class Measure(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = {id(param): param for param in pl_module.parameters()}.values()
-        self.params = sum(param.numel() for param in params)
+        nf4_ids, nf4_weights = nf4_storage(pl_module)  # the NF4 bytes count as the weights they stand for
+        self.params = nf4_weights + sum(param.numel() for param in params if id(param) not in nf4_ids)
         self.trained = sum(param.numel() for param in params if param.requires_grad)
         self.param_bytes = sum(param.nbytes for param in params)
         self.state_bytes = held_state_bytes(trainer.optimizers[0])
@@ -107,7 +114,7 @@ class Measure(pl.Callback):
 
 def train(model: list[str], steps: int, option: str, seed: int, args: argparse.Namespace,
           root: pathlib.Path) -> RunFigures:
-    overrides = [*model, *OPTIONS[option], f"seed={seed}", f"trainer.max_steps={steps}",
+    overrides = [*model, *{**OPTIONS, **QLORA_OPTIONS}[option], f"seed={seed}", f"trainer.max_steps={steps}",
                  f"trainer.val_check_interval={max(1, steps // 3)}", f"data.val_windows={args.val_windows}",
                  f"data.limit_bytes={args.limit_bytes}", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
                  "sample_tokens=0", "~logger", "~callbacks"]
@@ -212,11 +219,11 @@ def compare_options(title: str, model: list[str], steps: int, options: list[str]
             figures = train(model, steps, option, seed, args, root)
             results.setdefault(option, []).append(figures)
             print(f"  {option} seed {seed}: validation loss {figures.val_loss:.4f}", flush=True)
-    print(f"{'option':<12}{'seed':>5}{'val loss':>10}{'step ms':>9}{'state B/p':>11}{'host B/p':>10}"
+    print(f"{'option':<16}{'seed':>5}{'val loss':>10}{'step ms':>9}{'state B/p':>11}{'host B/p':>10}"
           f"{'uploaded/step':>15}")
     for option in options:
         for f in results[option]:
-            print(f"{f.option:<12}{f.seed:>5}{f.val_loss:>10.4f}{f.step_seconds * 1e3:>9.1f}"
+            print(f"{f.option:<16}{f.seed:>5}{f.val_loss:>10.4f}{f.step_seconds * 1e3:>9.1f}"
                   f"{f.state_bytes_per_param:>11.2f}{f.host_bytes_per_param:>10.2f}{f.uploaded_per_step:>15,.0f}")
     reference = [f.val_loss for f in results["adamw"]]
     low, high = min(reference), max(reference)
@@ -224,6 +231,8 @@ def compare_options(title: str, model: list[str], steps: int, options: list[str]
           f"{high:.4f}, {high - low:.4f} wide)")
     reference_step = statistics.median(f.step_seconds for f in results["adamw"])
     reference_state = statistics.mean(f.state_bytes_per_param for f in results["adamw"])
+    reference_host = statistics.mean(f.host_bytes_per_param for f in results["adamw"])
+    reference_uploaded = statistics.median(f.uploaded_per_step for f in results["adamw"])
     for option in options:
         if option == "adamw":
             continue
@@ -232,8 +241,10 @@ def compare_options(title: str, model: list[str], steps: int, options: list[str]
         verdict = "within the adamw spread" if outside == 0.0 else f"OUTSIDE the adamw spread by {outside:+.4f}"
         step = statistics.median(f.step_seconds for f in results[option]) / reference_step
         state = statistics.mean(f.state_bytes_per_param for f in results[option]) / reference_state
+        host = statistics.mean(f.host_bytes_per_param for f in results[option]) / reference_host
+        uploaded = statistics.median(f.uploaded_per_step for f in results[option]) / reference_uploaded
         print(f"{option}: final validation loss {mean:.4f}: {verdict}; step time {step:.2f}x adamw's, optimizer "
-              f"state {state:.2f}x")
+              f"state {state:.2f}x, host bytes {host:.2f}x, uploaded bytes {uploaded:.2f}x")
 
 
 def parse() -> argparse.Namespace:
@@ -243,7 +254,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per option (default 3)")
     parser.add_argument("--val-windows", type=int, default=None, help="validation windows (default 192)")
     parser.add_argument("--limit-bytes", type=int, default=None, help="bytes of sources read (default 4000000)")
-    parser.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, of {', '.join(OPTIONS)}")
+    every = [*OPTIONS, *QLORA_OPTIONS]
+    parser.add_argument("--options", default=",".join(every), help=f"comma-separated, of {', '.join(every)} "
+                        "(the qlora ones for the LoRA runs only)")
     parser.add_argument("--kernel-params", type=int, default=None, help="parameters of the kernel table (4M)")
     parser.add_argument("--kernel-steps", type=int, default=None, help="steps of the kernel table (20)")
     parser.add_argument("--kernels-only", action="store_true", help="the kernel table alone")
@@ -262,21 +275,24 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     args = parse()
     quiet()
-    options = [option for option in args.options.split(",") if option]
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown or "adamw" not in options:
+    chosen = [option for option in args.options.split(",") if option]
+    unknown = sorted(set(chosen) - set(OPTIONS) - set(QLORA_OPTIONS))
+    if unknown or "adamw" not in chosen:
         print(f"--options: {', '.join(unknown) or 'adamw (the reference) is missing'}; choose from "
-              f"{', '.join(OPTIONS)}, adamw included")
+              f"{', '.join([*OPTIONS, *QLORA_OPTIONS])}, adamw included")
         return 0
+    options = [option for option in chosen if option in OPTIONS]
+    lora_options = [option for option in chosen if option in QLORA_OPTIONS]
     print(f"low-bit host state, torch {torch.__version__}")
     compare_kernels(args)
     if args.kernels_only:
         return 0
     with tempfile.TemporaryDirectory(dir=".") as root:
-        for title, model, steps in (("the embedded default model (gpt_small)", [], args.steps),
-                                    ("a tiny Llama's LoRA adapters", LORA, args.lora_steps)):
+        runs = (("the embedded default model (gpt_small)", [], args.steps, options),
+                ("a tiny Llama's LoRA adapters", LORA, args.lora_steps, options + lora_options))
+        for title, model, steps, chosen in runs:
             if steps:
-                compare_options(title, model, steps, options, args, pathlib.Path(root))
+                compare_options(title, model, steps, chosen, args, pathlib.Path(root))
     return 0
 
 

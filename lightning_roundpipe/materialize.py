@@ -14,8 +14,12 @@ memory, in module order, and its values:
   a module without one is refused, naming it. Inside a ``transformers`` model the model's ``_init_weights``
   initialises instead (what ``from_config`` initialises with: the same distributions, not the same draws, since a
   CPU build first draws torch's defaults too; and the only thing that fills the rotary tables, which no file
-  holds). A ``peft`` adapter with no value from a checkpoint is refused: peft initialises it from the model's
-  config.
+  holds). A LoRA adapter (``peft``) is initialised as peft's ``reset_lora_parameters`` does for its config's
+  ``init_lora_weights`` ``True`` or ``"gaussian"``; one peft computes from the base weights (DoRA, PiSSA, ...)
+  with no value from a checkpoint is refused.
+
+An NF4 layer (``nf4.py``) takes its weight from the source only: its own NF4 entries, or the dense model's
+``weight``, quantised as it loads; without either it is refused (there is nothing to quantise).
 
 Weights registered at several places (an embedding tied to an LM head) stay one tensor. After each trunk layer is
 whole, ``after_layer`` runs (the strategy keeps that layer's frozen weights at compute width then,
@@ -25,11 +29,14 @@ whole, ``after_layer`` runs (the strategy keeps that layer's frozen weights at c
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_roundpipe.nf4 import NF4Linear
 
 _META = torch.device("meta")
 
@@ -88,7 +95,8 @@ def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, s
         if not own:
             continue
         uncovered = [name for table, name, tensor in own
-                     if source is None or not any(key in source for key in registered[id(tensor)].keys)]
+                     if source is None or not any(key in source for key in (*registered[id(tensor)].keys,
+                                                                            *_loaded_from(owner, prefix, name)))]
         for _, _, tensor in own:
             _give_memory(registered[id(tensor)])
         if uncovered:
@@ -106,6 +114,14 @@ def materialize(module: nn.Module, source: Mapping[str, Any] | None = None, *, s
     if source is not None and strict:
         _check_keys(module, source)
     return initialised
+
+
+def _loaded_from(owner: nn.Module, prefix: str, name: str) -> tuple[str, ...]:
+    """The keys besides its own that ``owner``'s ``_load_from_state_dict`` fills tensor ``name`` from: an NF4 layer's
+    weight from the dense model's ``weight``, quantised as it loads."""
+    if isinstance(owner, NF4Linear) and name in ("weight_nf4", "weight_absmax"):
+        return (f"{prefix}.weight" if prefix else "weight",)
+    return ()
 
 
 def _give_memory(entry: _Registration) -> None:
@@ -128,11 +144,13 @@ def _initialisers(module: nn.Module) -> dict[int, Callable[[], None] | str]:
     in the model's config, not in the layer)."""
     found: dict[int, Callable[[], None] | str] = {}
     owners = list(module.named_modules())
+    configs = _peft_configs(module)
     for prefix, owner in owners:  # adapters first: the transformers model around them does not claim them
         if type(owner).__module__.startswith("peft.tuners.") and hasattr(owner, "base_layer"):
             for name, inner in owner.named_modules():
                 if not name.startswith("base_layer"):
-                    found[id(inner)] = f"{prefix or 'the module'} ({type(owner).__name__}), a peft adapter,"
+                    found[id(inner)] = (_lora_initialiser(owner, name, inner, configs)
+                                        or f"{prefix or 'the module'} ({type(owner).__name__}), a peft adapter,")
     for _, owner in owners:  # outer first: an outer model claims the models inside it
         if type(owner).__module__.startswith("transformers.") and callable(getattr(owner, "_init_weights", None)):
             for inner in owner.modules():
@@ -140,11 +158,57 @@ def _initialisers(module: nn.Module) -> dict[int, Callable[[], None] | str]:
     return found
 
 
+def _peft_configs(module: nn.Module) -> dict[str, Any]:
+    """The LoRA configs of ``module``'s peft models, by adapter name (``PeftModel.peft_config``)."""
+    configs: dict[str, Any] = {}
+    for owner in module.modules():
+        found = getattr(owner, "peft_config", None)
+        if isinstance(found, dict):
+            configs.update(found)
+    return configs
+
+
+def _lora_initialiser(layer: Any, name: str, inner: nn.Module, configs: dict[str, Any]
+                      ) -> Callable[[], None] | None:
+    """What peft's ``reset_lora_parameters`` does to the adapter matrix ``inner`` (``lora_A.<adapter>`` or
+    ``lora_B.<adapter>`` of the LoRA ``layer``) under the adapter's ``init_lora_weights``: A as ``nn.Linear``
+    initialises a weight (``True``) or normal with std ``1 / r`` (``"gaussian"``), B zero. None (refused) for
+    everything else: the initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, ...), DoRA's
+    magnitudes, embedding adapters, dropout modules with nothing to initialise."""
+    kind, _, adapter = name.partition(".")
+    config = configs.get(adapter)
+    if (kind not in ("lora_A", "lora_B") or config is None or not isinstance(inner, nn.Linear)
+            or config.init_lora_weights not in (True, "gaussian") or getattr(config, "use_dora", False)):
+        return None
+    rank: int = layer.r[adapter]
+    return functools.partial(_init_lora_matrix, inner, kind, config.init_lora_weights, rank)
+
+
+def _init_lora_matrix(linear: nn.Linear, kind: str, init: bool | str, rank: int) -> None:
+    """peft's initialisation of one adapter matrix (see :func:`_lora_initialiser`)."""
+    if kind == "lora_B":
+        for param in linear.parameters(recurse=False):
+            nn.init.zeros_(param)
+    elif init is True:
+        nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
+    else:
+        nn.init.normal_(linear.weight, std=1 / rank)
+
+
 def _initialise(owner: nn.Module, prefix: str, uncovered: list[str], fresh: set[str],
                 initialiser: Callable[[], None] | str | None = None) -> None:
     """``owner.reset_parameters()`` (or its ``initialiser``: :func:`_initialisers`), keeping the values of its
     tensors another module gave already (a tie: those not in ``fresh``, the ones just given memory, which reset or
     the checkpoint fill)."""
+    if isinstance(owner, NF4Linear):  # its weight is quantised values: a source's, never an initialisation
+        weights = [name for name in uncovered if name != "nf4_pairs"]
+        if weights:
+            raise MaterializeError(
+                f"{prefix} (NF4Linear) was built on the meta device and nothing gives its {', '.join(weights)} a "
+                "value: an NF4 weight holds quantised values, and there are none to quantise. Give it a source: "
+                "weights_from (its dense `weight`, quantised as it loads) or a checkpoint holding its NF4 entries")
+        owner.refill_levels()
+        return
     if isinstance(initialiser, str):
         raise MaterializeError(
             f"{initialiser} was built on the meta device and nothing gives {prefix}'s {', '.join(uncovered)} a "

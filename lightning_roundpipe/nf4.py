@@ -106,17 +106,23 @@ class NF4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> NF4Linear:
-        """``linear``'s NF4 twin: its weight quantised, its bias (the same parameter) kept."""
+        """``linear``'s NF4 twin: its weight quantised, its bias (the same parameter) kept. On the meta device the
+        twin is only shaped: RoundPipe gives it the values of ``weights_from`` (the dense ``weight``, quantised as
+        it loads) or of the checkpoint it resumes, as it materializes the module."""
         weight = linear.weight
-        if weight.is_meta:
-            raise ValueError("to_nf4 quantises a weight's values, and this one is on the meta device "
-                             "(Trainer.init_module(empty_init=True)): build the model with its weights in memory, "
-                             "or load them first, then call to_nf4")
         layer = cls(linear.in_features, linear.out_features, bias=False, weight_dtype=weight.dtype,
                     device=weight.device)
         layer.bias = linear.bias
-        layer.set_weight(weight)
+        layer.train(linear.training)
+        if not weight.is_meta:  # on the meta device the values come as RoundPipe materializes it (weights_from)
+            layer.set_weight(weight)
         return layer
+
+    @torch.no_grad()
+    def refill_levels(self) -> None:
+        """Make the (non-persistent) levels table again in place: after the module got memory for it."""
+        pairs = self.get_buffer("nf4_pairs")
+        pairs.copy_(_as_bits(level_pairs(pairs.device)))
 
     @torch.no_grad()
     def set_weight(self, weight: torch.Tensor) -> None:

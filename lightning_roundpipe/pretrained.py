@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.materialize import has_meta_tensors
+from lightning_roundpipe.nf4 import NF4Linear
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -109,7 +110,9 @@ def pretrained_source(module: nn.Module, path: str) -> SafetensorsWeights:
     module has no place for (another model, or keys under another prefix)."""
     prefix = weights_prefix(module)
     weights = SafetensorsWeights(path, prefix)
-    covered = {weights._name(key) for key in module.state_dict(keep_vars=True)}  # keys only: it is on meta
+    keys = [*module.state_dict(keep_vars=True),  # keys only: it is on meta
+            *(f"{name}.weight" for name, layer in module.named_modules() if isinstance(layer, NF4Linear))]
+    covered = {weights._name(key) for key in keys}  # an NF4 layer loads the dense weight, quantised
     unexpected = sorted(name for name in weights.names() if name not in covered)
     if unexpected:
         raise WeightsError(

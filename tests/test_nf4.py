@@ -114,11 +114,14 @@ def test_to_nf4_swaps_the_frozen_untied_linears_and_from_nf4_gives_dense_ones_ba
     assert not torch.equal(quantised, dense_frozen)
 
 
-def test_a_weight_on_the_meta_device_is_refused_with_what_to_do():
+def test_on_the_meta_device_to_nf4_shapes_the_layer_for_materializing():
+    """(Its values come from ``weights_from`` or a checkpoint as RoundPipe materializes it: test_pretrained.py.)"""
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(64, 64)).requires_grad_(False)
-    with pytest.raises(ValueError, match="on the meta device .* load them first, then call to_nf4"):
-        to_nf4(model)
+        model = nn.Sequential(nn.Linear(96, 64)).requires_grad_(False)
+    assert to_nf4(model) == 1
+    layer = model[0]
+    assert layer.weight_nf4.is_meta and layer.weight_nf4.shape == (96 * 64 // 2,)
+    assert layer.weight_absmax.shape == (96 * 64 // BLOCK,) and layer.weight_absmax.dtype == torch.float32
 
 
 def test_a_dense_state_dict_loads_quantised():

@@ -17,6 +17,7 @@ from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
 from lightning_roundpipe.engine import master_files  # noqa: E402
 from lightning_roundpipe.engine.step.disk_tier import DiskTier  # noqa: E402
 from lightning_roundpipe.materialize import MaterializeError  # noqa: E402
+from lightning_roundpipe.nf4 import NF4Linear, to_nf4  # noqa: E402
 from lightning_roundpipe.pretrained import INDEX, WeightsError  # noqa: E402
 from tests.numerics import assert_same_optimizer_state, assert_states_equal  # noqa: E402
 from tests.test_causal_lm import CausalLMModule, PaddedTokens, tiny_llama  # noqa: E402
@@ -25,17 +26,25 @@ from tests.test_causal_lm import CausalLMModule, PaddedTokens, tiny_llama  # noq
 class BuiltInConfigureModel(CausalLMModule):
     """The model built from its config in ``configure_model``, as the app builds its Hugging Face models."""
 
-    def __init__(self, config, lora: bool = False) -> None:
+    def __init__(self, config, lora: bool = False, nf4: bool = False, **lora_options) -> None:
         super().__init__(None)
-        self.config, self.lora = config, lora
+        self.config, self.lora, self.nf4, self.lora_options = config, lora, nf4, lora_options
 
     def configure_model(self) -> None:
         if self.model is None:
-            model = transformers.AutoModelForCausalLM.from_config(self.config)
-            if self.lora:
-                model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                   layers_to_transform=[2]))  # the last layer
-            self.model = model
+            self.model = with_adapters(transformers.AutoModelForCausalLM.from_config(self.config), self.lora,
+                                       self.nf4, **self.lora_options)
+
+
+def with_adapters(model, lora: bool, nf4: bool, **options):
+    """LoRA on the last layer's q and v projections (``options``: more of ``LoraConfig``); ``nf4``: then every
+    frozen projection in NF4."""
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                           layers_to_transform=[2], **options))
+    if nf4:
+        to_nf4(model)
+    return model
 
 
 def _save(tmp_path, tied: bool = True):
@@ -97,11 +106,69 @@ def test_weights_from_refuses_a_module_built_in_memory_and_another_models_files(
         _trainer(_roundpipe(weights_from=str(tmp_path)), "32-true").fit(BuiltInConfigureModel(config), _data())
 
 
+class InitialAdapters(pl.Callback):
+    """The adapters' values once setup has given them (materialized on the meta device), before any step."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.values = {name: param.detach().clone() for name, param in pl_module.named_parameters()
+                       if "lora_" in name}
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["lora", "qlora"])
+def test_adapters_on_a_meta_built_model_take_peft_initialisation_and_the_base_its_shards(tmp_path, nf4):
+    """LoRA (and QLoRA: the frozen projections NF4, quantised as each loads from the shards) built on the meta device
+    in configure_model with weights_from: A drawn as peft draws it (kaiming uniform, nn.Linear's bound), B zero;
+    the base (its NF4 bytes) what from_pretrained (then to_nf4) gives; training bitwise the in-memory model's given
+    the same initial adapters."""
+    pytest.importorskip("bitsandbytes")
+    config, directory = _save(tmp_path)
+    initial = InitialAdapters()
+    module = BuiltInConfigureModel(config, lora=True, nf4=nf4)
+    trainer = _trainer(_roundpipe(weights_from=str(directory)), "32-true")
+    trainer.callbacks.append(initial)
+    trainer.fit(module, _data())
+
+    reference = CausalLMModule(with_adapters(
+        transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), True, nf4))
+    assert {name for name, _ in reference.named_parameters() if "lora_" in name} == set(initial.values)
+    for name, value in initial.values.items():
+        if "lora_B" in name:
+            assert torch.equal(value, torch.zeros_like(value)), name
+        else:
+            bound = 1 / value.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)): nn.Linear's weight bound
+            assert value.abs().max() <= bound and value.std() > bound / 4, name
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name in initial.values:
+                param.copy_(initial.values[name])
+    reference_trainer = _trainer(_roundpipe(), "32-true")
+    reference_trainer.fit(reference, _data())
+    assert module.losses == reference.losses and len(module.losses) == 3
+    assert_states_equal(module, reference)
+    assert_same_optimizer_state(trainer, reference_trainer)
+    assert sum(isinstance(layer, NF4Linear) for layer in module.modules()) == (3 * 7 if nf4 else 0)
+
+
+def test_an_nf4_layer_built_on_meta_without_a_source_is_refused(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    config, _ = _save(tmp_path)
+    trainer = _trainer(_roundpipe(), "32-true")
+    with trainer.init_module(empty_init=True):
+        base = transformers.AutoModelForCausalLM.from_config(config).requires_grad_(False)
+        module = CausalLMModule(with_adapters(base, False, True))
+    with pytest.raises(MaterializeError, match=r"\(NF4Linear\) was built on the meta device and nothing gives its "
+                                               r"weight_nf4, weight_absmax a value: .*weights_from"):
+        trainer.fit(module, _data())
+
+
 def test_peft_adapters_built_on_meta_without_values_are_refused(tmp_path, roundpipe_threads, monkeypatch):
-    """peft initialises adapters from the model's config (B at zero): initialising them as plain Linear layers would
-    start training from another function, so the meta build is refused, naming the adapter and what to do. The
-    layers settled before it had moved their masters into files (``offload="optimizer+masters"``): the disk tier's
-    thread ends with the refused setup."""
+    """An adapter initialised from the base weights (DoRA's magnitudes, PiSSA, ...) is not replayed on a meta build:
+    initialising it as a plain Linear would start training from another function, so the meta build is refused,
+    naming the adapter and what to do. The layers settled before it had moved their masters into files
+    (``offload="optimizer+masters"``): the disk tier's thread ends with the refused setup."""
     config, directory = _save(tmp_path)
     made: list[DiskTier] = []
 
@@ -114,6 +181,6 @@ def test_peft_adapters_built_on_meta_without_values_are_refused(tmp_path, roundp
     strategy = _roundpipe(weights_from=str(directory), offload="optimizer+masters", offload_dir=str(tmp_path / "tier"))
     with pytest.raises(MaterializeError,
                        match=r"a peft adapter, was built on the meta device .*from_pretrained, then get_peft_model"):
-        _trainer(strategy, "bf16-mixed").fit(BuiltInConfigureModel(config, lora=True), _data())
+        _trainer(strategy, "bf16-mixed").fit(BuiltInConfigureModel(config, lora=True, use_dora=True), _data())
     assert len(made) == 1 and made[0].master_bytes() > 0  # layers 0 and 1 had moved their masters
     assert roundpipe_threads() == []
