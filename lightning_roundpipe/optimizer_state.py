@@ -69,11 +69,11 @@ def _known_class(optimizer: Any) -> str | None:
     return None
 
 
-def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
+def optimizer_state_bytes(optimizer: Any, widened: bool = False) -> tuple[int, str, bool]:
     """Bytes ``optimizer``'s state will hold once every trainable parameter has stepped, from its class
     and hyperparameters (no step is taken): ``(bytes, description, known)``. Frozen parameters get no
     state. A class not derived from a known ``torch.optim`` one is assumed to keep two buffers per
-    parameter (``known=False``)."""
+    parameter (``known=False``). ``widened`` (``stochastic_rounding``): a bfloat16 parameter's state is float32."""
     label = type(optimizer).__name__
     if eight_bit.is_eight_bit(optimizer):
         total, description = eight_bit.state_bytes(optimizer)
@@ -90,10 +90,11 @@ def optimizer_state_bytes(optimizer: Any) -> tuple[int, str, bool]:
         for param in group["params"]:
             if not param.requires_grad:
                 continue
+            width = 4 if widened and param.dtype == torch.bfloat16 else param.element_size()
             if buffers < 0:
-                total += _factored_bytes(param)
+                total += _factored_bytes(param) * width // param.element_size()
             else:
-                total += int(buffers * nbytes_of(param))
+                total += int(buffers * nbytes_of(param) * width // param.element_size())
             total += scalars * scalar
     shown = label if name is None or name == label else f"{label} (as {name})"
     return total, f"{shown}: {'; '.join(descriptions) or 'no parameters'}", name is not None

@@ -203,7 +203,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1,
                 gradients_kept_for: str | None = "param.grad", offload: str = "none",
                 offload_dir: str | None = None, disk_written: int = 0, frozen: FrozenSelection | None = None,
-                frozen_weights: str = "auto") -> MemoryPlan:
+                frozen_weights: str = "auto", stochastic_rounding: bool = False) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
@@ -225,11 +225,11 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     the masters; ``disk_written``: the bytes the engine moved there before start, which count as free). ``frozen``:
     the frozen weights the engine will keep at compute width
     (``RoundPipeEngine.frozen_selection``) under the ``frozen_weights`` option: their masters are freed at start
-    (each becomes its own upload copy)."""
+    (each becomes its own upload copy). ``stochastic_rounding``: the state of bfloat16 parameters is float32."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits
-    host = _host_figures(module, trunk, optimizers, training, async_step)
+    host = _host_figures(module, trunk, optimizers, training, async_step, stochastic_rounding)
     if training and gradients_kept_for is None:
         host = host._replace(next_gradient_bytes=0, gradient_bytes=_in_flight_gradient_bytes(
             module, trunk, plan, len(devices), host.gradient_bytes))
@@ -313,7 +313,7 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for,
         offload=options.offload, offload_dir=options.offload_dir, frozen=engine.frozen_selection(),
         disk_written=engine.master_files.written_bytes() if engine.master_files is not None else 0,
-        frozen_weights=options.frozen_weights)
+        frozen_weights=options.frozen_weights, stochastic_rounding=options.stochastic_rounding)
 
 
 def _free_for_tier(offload_dir: str | None, written: int) -> int | None:
@@ -357,7 +357,7 @@ class _HostFigures(NamedTuple):
 
 
 def _host_figures(module: nn.Module, trunk: Trunk, optimizers: Sequence[Any], training: bool,
-                  async_step: bool) -> _HostFigures:
+                  async_step: bool, stochastic_rounding: bool = False) -> _HostFigures:
     """Parameters by dtype, buffers, and, when ``training``, gradients and optimizer state (no step is taken)."""
     params = list(module.parameters())  # each once, tied weights too
     nf4_ids, _ = nf4_storage(module)
@@ -373,7 +373,7 @@ def _host_figures(module: nn.Module, trunk: Trunk, optimizers: Sequence[Any], tr
         if async_step:  # the step reads window k in param.grad while iteration k+1 fills the next window
             next_gradient_bytes = tensors_nbytes(trunk.trainable_parameters())
         for optimizer in optimizers:
-            nbytes, description, known = optimizer_state_bytes(optimizer)
+            nbytes, description, known = optimizer_state_bytes(optimizer, widened=stochastic_rounding)
             optimizer_bytes += nbytes
             notes.append(description)
             assumed = assumed or not known

@@ -66,6 +66,7 @@ from lightning_roundpipe.engine.options import FrozenWeights, Offload, Recompute
 from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step.groups import StreamingStep
 from lightning_roundpipe.engine.step.kernels import HostKernels
+from lightning_roundpipe.engine.step.rounding import restore_wide_state
 from lightning_roundpipe.engine.transport import transport_torch_dtype
 from lightning_roundpipe.gradient_readers import (
     AFTER_STEP_GRADIENT_HOOKS,
@@ -127,6 +128,9 @@ class RoundPipeStrategy(RingProcessStrategy):
             autocast's dtype holds exactly (a bf16 checkpoint's) is kept on the host in that dtype alone (2 bytes
             per parameter instead of 6); ``"as_stored"``: never; ``"round"``: every one, rounded. State dicts keep
             the module's dtypes.
+        stochastic_rounding: bfloat16 parameters (``precision="bf16-true"``) are stepped in float32 (their state
+            too) and rounded back stochastically, unbiased, so small updates are not lost; ``False``: as plain
+            training.
         recompute: ``"stage"`` or ``"layer"``: the inputs a backward stage keeps.
         pin_memory: CUDA: pin the host weights in place for fast uploads.
         transport_dtype: under ``bf16-mixed``/``16-mixed`` (``"auto"``), upload the Linear and Conv weights in
@@ -176,7 +180,7 @@ class RoundPipeStrategy(RingProcessStrategy):
                  device_memory_limit: int | str | None = None, *, transport_dtype: TransportDtype = "auto",
                  streaming_step: StreamingStep = "auto", host_optimizer: HostKernels = "exact",
                  offload: Offload = "none", offload_dir: str | os.PathLike[str] | None = None,
-                 frozen_weights: FrozenWeights = "auto",
+                 frozen_weights: FrozenWeights = "auto", stochastic_rounding: bool = False,
                  round_size: Literal["auto", "whole"] | int = "auto", ring: list[int] | None = None,
                  rings_per_node: int = 1, shard_optimizer: bool = False, reduce_dtype: ReduceDtype = "auto",
                  log_pipeline_metrics: bool = True, timeline: bool = False,
@@ -200,7 +204,7 @@ class RoundPipeStrategy(RingProcessStrategy):
             streaming_step=streaming_step, host_optimizer=host_optimizer, round_size=round_size,
             offload=offload,
             offload_dir=os.fspath(offload_dir) if isinstance(offload_dir, os.PathLike) else offload_dir,
-            frozen_weights=frozen_weights,
+            frozen_weights=frozen_weights, stochastic_rounding=stochastic_rounding,
             freeze_plan=freeze_plan, replan_hysteresis=replan_hysteresis, deferred_batchnorm=deferred_batchnorm,
             seed=seed, jitter=jitter, stress=stress, wait_timeout=wait_timeout))
         self.memory_plan: MemoryPlan | None = None  #: the last setup's pre-flight plan (None with preflight='off')
@@ -558,6 +562,9 @@ class RoundPipeStrategy(RingProcessStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        if self.engine_options.stochastic_rounding:  # torch narrowed the float32 state of bf16 parameters
+            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+                restore_wide_state(optimizer, saved["state"])
         if self.engine is not None:
             for optimizer in self.optimizers:  # a loaded state is in memory (or the checkpoint's pages): to its files
                 self.engine.offload_state(optimizer)

@@ -193,6 +193,7 @@ HYDRA_SAMPLES = {  # option: (override value, what the strategy holds); none is 
     "offload": ("optimizer", "optimizer"),
     "offload_dir": ("{tmp}/offload", "{tmp}/offload"),
     "frozen_weights": ("round", "round"),
+    "stochastic_rounding": ("true", True),
     "recompute": ("layer", "layer"),
     "pin_memory": ("false", False),
     "transport_dtype": ("off", "off"),

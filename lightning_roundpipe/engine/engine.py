@@ -132,7 +132,7 @@ class RoundPipeEngine:
             self.follower.start_pinning(ring.sources)
         ring.measurements.restore_activation_bytes(self._restored.get("activation_bytes", {}))
         self.dispatcher.workers = ring.workers
-        self.stepping.attach(ring.sources, ring.optimizer, ring.timeline, ring.disk)
+        self.stepping.attach(ring.sources, ring.optimizer, ring.timeline, ring.disk, self.base_seed)
         self._life.started = True
         return self
 

@@ -161,6 +161,16 @@ class EngineOptions:
     such a weight itself sees the narrow dtype (the same values). A weight made trainable mid-run is widened
     first; one a module outside the trunk also holds is kept as stored."""
 
+    stochastic_rounding: bool = False
+    """Host step of bfloat16 parameters (``precision="bf16-true"``, or a model stored in bfloat16: the master is
+    then its own upload copy, 2 host bytes per parameter). ``False``: as plain training, the optimizer steps them
+    in bfloat16, each update rounded to nearest (one under half a unit in the last place is lost).
+    ``True``: the optimizer steps float32 copies of the step group in flight (gradients widened, the state in
+    float32; bitsandbytes' 8-bit state as it is) and each result is rounded into its bfloat16 parameter
+    stochastically, unbiased, from a generator seeded by (``seed``, step, parameter): reproducible, resumable,
+    the same in every data-parallel process, the user's random streams untouched
+    (:mod:`lightning_roundpipe.engine.step.rounding`). Refused when no trainable parameter is bfloat16."""
+
     recompute: Recompute = "stage"
     """Recomputation grain of backward stages: ``"stage"`` keeps one input per backward stage, ``"layer"``
     keeps every layer's input (less device memory, more host traffic)."""

@@ -46,12 +46,18 @@ def _mix(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def layer_seed(base_seed: int, step: int, call: int, layer: int, microbatch: int) -> int:
-    """The seed of one layer on one microbatch; independent of devices and timing."""
+def mixed_seed(base_seed: int, *parts: int) -> int:
+    """A seed for the random numbers of ``parts`` (step, layer, ...): each part mixed in turn (splitmix64), so
+    nearby inputs give unrelated seeds; a non-negative 63-bit integer, as ``Generator.manual_seed`` takes."""
     seed = _mix(base_seed & _MASK64)
-    for part in (step, call, layer, microbatch):
+    for part in parts:
         seed = _mix(seed ^ (part & _MASK64))
     return seed & ((1 << 63) - 1)
+
+
+def layer_seed(base_seed: int, step: int, call: int, layer: int, microbatch: int) -> int:
+    """The seed of one layer on one microbatch; independent of devices and timing."""
+    return mixed_seed(base_seed, step, call, layer, microbatch)
 
 
 def draws_random_numbers(layer: nn.Module) -> bool:

@@ -9,6 +9,8 @@
 * ``kernels.py``: torch's fused CPU kernels where they are safe, and the step's measured cost;
 * ``eight_bit.py``: bitsandbytes' 8-bit optimizers through the stand-ins (their per-parameter settings), and
   the bytes their state takes;
+* ``rounding.py``: ``stochastic_rounding``, bfloat16 parameters stepped in float32 and rounded back
+  stochastically;
 * ``disk_tier.py``: :class:`~.disk_tier.DiskTier`, the optimizer state in files (``offload="optimizer"``), read
   ahead of each group and written behind it by a thread of its own.
 

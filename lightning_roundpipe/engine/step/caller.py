@@ -24,10 +24,11 @@ from lightning_roundpipe.engine.dataparallel import Averaging, DataParallel
 from lightning_roundpipe.engine.device import HostEvent
 from lightning_roundpipe.engine.dispatch import Dispatcher
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.options import EngineOptions
+from lightning_roundpipe.engine.options import EngineOptions, OptionError
 from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.groups import StepGroup, coupling, stage_groups, streaming_refusal, upload_waits
 from lightning_roundpipe.engine.step.queued import QueuedStep, StepRequest
+from lightning_roundpipe.engine.step.rounding import StochasticRounding, optimizer_positions
 from lightning_roundpipe.engine.step.thread import HostOptimizer, snapshot_param_groups
 from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
@@ -53,6 +54,7 @@ class StepQueue:
         self._surfaced = surfaced
         self._parts: tuple[UploadSources, HostOptimizer, Timeline] | None = None  # attach: made by start
         self.disk: DiskTier | None = None  # attach: offload's files, where the steps keep the optimizer state
+        self._base_seed = 0  # attach: the engine's seed
         self.last_step_done: HostEvent | None = None
         self.torn: tuple[int, list[str]] | None = None  # a step stopped part-way: its number, the groups stepped
         self._lent: deque[tuple[HostEvent, frozenset[int]]] = deque()  # per queued step, the gradients it was lent
@@ -61,10 +63,13 @@ class StepQueue:
         self._streaming_said: str | None = ""  # why the last step was not cut by stage, once logged
         self._warned_unstepped = False
 
-    def attach(self, sources: UploadSources, host: HostOptimizer, timeline: Timeline, disk: DiskTier | None) -> None:
-        """What the engine's start made: the upload sources, the optimizer thread, the timeline and the disk tier."""
+    def attach(self, sources: UploadSources, host: HostOptimizer, timeline: Timeline, disk: DiskTier | None,
+               base_seed: int) -> None:
+        """What the engine's start made: the upload sources, the optimizer thread, the timeline and the disk tier;
+        and the seed it settled on (``stochastic_rounding``'s random bits)."""
         self._parts = (sources, host, timeline)
         self.disk = disk
+        self._base_seed = base_seed
 
     def _started(self) -> tuple[UploadSources, HostOptimizer, Timeline]:
         assert self._parts is not None, "the engine's start attaches its parts before any step"
@@ -176,18 +181,31 @@ class StepQueue:
         self._lent_now()  # forgets the steps that have ended
         if lent:
             self._lent.append((finished, frozenset(id(grad) for grad in lent.values())))
+        rounding = self._rounding(optimizer, number)
         step = QueuedStep(StepRequest(
             optimizer=optimizer, number=number, params=params, groups=groups, window=window, lent=lent,
             hyperparameters=hyperparameters, proceed=proceed, averaging=averaging, keep_gradients=keep,
             trunk=self.trunk, sources=sources, host=host, timeline=timeline,
             host_kernels=self.options.host_optimizer, async_step=self.options.async_step,
             num_devices=self.dispatcher.num_devices,
-            sharding=self.data_parallel if self.data_parallel.sharded else None, disk=self.disk,
+            sharding=self.data_parallel if self.data_parallel.sharded else None, disk=self.disk, rounding=rounding,
             on_whole=self._record_step_seconds, on_torn=self._record_torn_step))
         self._kept = (step, params, lent) if keep else None
         host.submit(step.run, finished, f"step {number}")
         self.dispatcher.upload_waits = upload_waits(groups, len(self.trunk))
         return finished
+
+    def _rounding(self, optimizer: torch.optim.Optimizer, number: int) -> StochasticRounding | None:
+        """``stochastic_rounding=True``: step ``number``'s rounding of ``optimizer``'s bfloat16 parameters."""
+        if not self.options.stochastic_rounding:
+            return None
+        positions = optimizer_positions(optimizer)
+        if not positions:
+            raise OptionError(
+                "stochastic_rounding", f"rounds the host step into bfloat16 parameters, and none of "
+                f"{type(optimizer).__name__}'s parameters is bfloat16: train with precision='bf16-true' (or a model "
+                "stored in bfloat16), or leave stochastic_rounding off")
+        return StochasticRounding(self._base_seed, number, positions)
 
     def _record_step_seconds(self, seconds: list[float]) -> None:
         """On the optimizer thread: per layer, the seconds a step that ran whole spent on its parameters."""

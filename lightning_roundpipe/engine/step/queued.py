@@ -29,6 +29,7 @@ from lightning_roundpipe.engine.errors import PipelineError
 from lightning_roundpipe.engine.layers import Trunk
 from lightning_roundpipe.engine.step.disk_tier import DiskTier
 from lightning_roundpipe.engine.step.groups import StepGroup
+from lightning_roundpipe.engine.step.rounding import StochasticRounding
 from lightning_roundpipe.engine.step.thread import HostOptimizer, step_with_groups
 from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.engine.transport import UploadSources
@@ -75,6 +76,7 @@ class StepRequest:
     num_devices: int
     sharding: DataParallel | None
     disk: DiskTier | None
+    rounding: StochasticRounding | None  # stochastic_rounding=True: this step's rounding of bf16 parameters
     # where what it learns goes (on the optimizer thread)
     on_whole: Callable[[list[float]], None]
     on_torn: Callable[[int, list[str]], None]
@@ -120,6 +122,7 @@ class QueuedStep:
         self.on_whole = request.on_whole
         self.on_torn = request.on_torn
         self.disk = request.disk
+        self.rounding = request.rounding
         self._sums_budget = sums_budget(self.groups, request.num_devices)
         self._pending: list[int] = []  # the groups not stepped yet
         self._taking = False  # a group left pending and its gradients are not yet taken
@@ -357,7 +360,7 @@ class QueuedStep:
                   for copy in self.hyperparameters]
         try:
             step_with_groups(self.optimizer, [copy for copy in subset if copy["params"]], grads,
-                             host_kernels=self.host_kernels)
+                             host_kernels=self.host_kernels, rounding=self.rounding)
         except Exception as error:
             raise PipelineError(
                 f"optimizer step {self.number} ({type(self.optimizer).__name__}) raised {type(error).__name__} on "

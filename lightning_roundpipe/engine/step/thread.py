@@ -20,6 +20,7 @@ from torch import nn
 from lightning_roundpipe.engine.device import AbortSignal, EngineAborted, HostEvent
 from lightning_roundpipe.engine.step import eight_bit
 from lightning_roundpipe.engine.step.kernels import use_fused
+from lightning_roundpipe.engine.step.rounding import StochasticRounding, widen_state
 from lightning_roundpipe.observe.trace import Timeline
 
 
@@ -35,7 +36,8 @@ def snapshot_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 
 def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
-                     grads: Mapping[int, torch.Tensor], *, host_kernels: str | None = None) -> None:
+                     grads: Mapping[int, torch.Tensor], *, host_kernels: str | None = None,
+                     rounding: StochasticRounding | None = None) -> None:
     """Run ``optimizer``'s step arithmetic with ``groups`` as its param groups and ``grads`` (by parameter id)
     as the gradients, without reading or writing any ``param.grad``.
 
@@ -50,17 +52,28 @@ def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
     the groups it steps with torch's fused CPU kernel get ``fused=True``, in these copies only
     (:func:`~lightning_roundpipe.engine.step.kernels.use_fused`). bitsandbytes' optimizers find their
     per-parameter settings through :func:`~lightning_roundpipe.engine.step.eight_bit.prepare_twin`.
+    ``rounding`` (``stochastic_rounding=True``): a bfloat16 parameter's stand-in is a float32 copy instead, with
+    its gradient and optimizer state in float32, and the result is rounded into the parameter stochastically
+    (``rounding.py``).
     """
     owners: dict[int, nn.Parameter] = {}
     stand_ins: dict[int, torch.Tensor] = {}
+    widened: list[tuple[nn.Parameter, torch.Tensor]] = []  # rounding: (parameter, its float32 stand-in)
     twin_groups = []
     for group in groups:
         params = []
         for param in group["params"]:
             stand_in = stand_ins.get(id(param))
             if stand_in is None:
-                stand_in = param.detach().requires_grad_(param.requires_grad)
                 grad = grads.get(id(param))
+                if rounding is not None and rounding.applies(param) and grad is not None:
+                    stand_in = param.detach().float().requires_grad_(param.requires_grad)
+                    grad = grad.float()
+                    widened.append((param, stand_in))
+                    if param in optimizer.state:
+                        widen_state(optimizer.state[param])
+                else:
+                    stand_in = param.detach().requires_grad_(param.requires_grad)
                 if grad is not None:
                     stand_in.grad = grad
                 stand_ins[id(param)] = stand_in
@@ -76,6 +89,9 @@ def step_with_groups(optimizer: torch.optim.Optimizer, groups: list[dict],
     if host_kernels is not None:
         use_fused(twin, twin_groups, host_kernels)
     type(optimizer).step(twin)
+    for param, stand_in in widened:
+        assert rounding is not None
+        rounding.write(param, stand_in.detach())
 
 
 class _StateOfOwners(MutableMapping):
