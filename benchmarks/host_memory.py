@@ -8,10 +8,11 @@ Setup: ``sync_async.py``'s emulated trunk (``--layers`` blocks ``x + tanh(Linear
 followed by a sleep that stands for device time: ``--forward-ms`` per microbatch in forward, twice that in
 backward), 48 x 1024 wide by default: 50.4M parameters. ``RoundPipeStrategy`` on 2 CPU devices, one stage per
 ``--layers-per-stage`` layers (1: a step group is a layer, and the groups in flight are a small part of the model),
-``precision="bf16-mixed"`` (the Linear weights travel as bf16 copies), AdamW, ``torch.set_num_threads(1)``. Each
-configuration runs in a fresh process (its memory is its own), with ``MALLOC_MMAP_THRESHOLD_=65536``: otherwise
-glibc keeps freed blocks of up to 32 MB in its heap once one was freed, and the resident set would keep the
-high-water mark of every allocation rather than what is live (a setting worth having in training jobs too).
+``precision="bf16-mixed"`` (the Linear weights travel as bf16 copies; one configuration ``bf16-true``), AdamW,
+``torch.set_num_threads(1)``. Each configuration runs in a fresh process (its memory is its own), with
+``MALLOC_MMAP_THRESHOLD_=65536``: otherwise glibc keeps freed blocks of up to 32 MB in its heap once one was freed,
+and the resident set would keep the high-water mark of every allocation rather than what is live (a setting worth
+having in training jobs too).
 
 * ``gradients kept``: ``keep_gradients="always"``, what a step held before issue 26 (the whole model's fp32
   gradients in ``param.grad`` between steps);
@@ -38,6 +39,9 @@ high-water mark of every allocation rather than what is live (a setting worth ha
 * ``QLoRA, NF4 base``: the LoRA model with each base Linear's weight quantised to NF4 as it is built
   (``lightning_roundpipe.nf4.to_nf4``: half a byte a weight and a float32 scale per 64; the biases stay float32).
   Its bytes per parameter count an NF4 weight as one parameter.
+* ``bf16 masters (stochastic rounding) + 8-bit state``: every weight in bfloat16 (``precision="bf16-true"``: the
+  masters are the upload copies), stepped in float32 and rounded back stochastically (``stochastic_rounding``),
+  with bitsandbytes' ``AdamW8bit``: the full fine-tuning of issue 27, no disk.
 
 Resident bytes: a sampler thread reads, every ``--interval`` seconds, the process's anonymous and shared-memory
 resident bytes (``RssAnon`` + ``RssShmem``: file pages it maps, its libraries or a checkpoint read memory-mapped,
@@ -103,9 +107,12 @@ CONFIGS = {  # name: (label, strategy options, LoRA: its frozen base's kind, or 
     "8bit": ("8-bit state (AdamW8bit), in memory", {}, ""),
     "8bit-masters": ("8-bit state + masters on disk", {"offload": "optimizer+masters"}, ""),
     "qlora": ("QLoRA, NF4 base", {}, "nf4"),
+    "bf16-8bit": ("bf16 masters (stochastic rounding) + 8-bit state", {"stochastic_rounding": True}, ""),
 }
 # bitsandbytes' AdamW8bit (moments blockwise in 8 bits) instead of torch's AdamW
-EIGHT_BIT = ("8bit", "8bit-masters")
+EIGHT_BIT = ("8bit", "8bit-masters", "bf16-8bit")
+# every weight in bfloat16 (precision="bf16-true"), stepped in float32 and rounded back stochastically
+BF16_MASTERS = ("bf16-8bit",)
 # built in float32 in memory, 4 B/param before the strategy sees them: the "-meta" runs show how to avoid it
 BUILT_WIDE = ("lora", "masters")
 # built under Trainer.init_module(empty_init=True), resumed from the checkpoint the named configuration ended with
@@ -115,7 +122,7 @@ TOLERANCE = 1.05
 MMAP_THRESHOLD = 65536
 TARGETS = {"masters": 4.0, "lora": 2.2}
 # run again with half the layers (in this order: a checkpoint first)
-MARGINS = ("masters", "masters-meta", "lora", "in-flight", "8bit", "8bit-masters", "qlora")
+MARGINS = ("masters", "masters-meta", "lora", "in-flight", "8bit", "8bit-masters", "qlora", "bf16-8bit")
 SETUP_TARGET = 1.1
 
 
@@ -295,9 +302,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     timer = StepTimer(warmup=1)
     resumed = args.child in FROM_CHECKPOINT  # the checkpoint is at step `steps`: as many again
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=2 * steps if resumed else steps,
-                         precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         callbacks=[timer, Phases()])
+                         precision="bf16-true" if args.child in BF16_MASTERS else "bf16-mixed", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, Phases()])
     with trainer.init_module(empty_init=resumed):
         model = Model()
     nf4_ids, nf4_weights = nf4_storage(model)  # NF4 bytes count as the weights they stand for

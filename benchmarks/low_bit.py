@@ -1,6 +1,6 @@
 """Low-bit host state against float32 AdamW: final validation loss, its seed-to-seed spread, host bytes, step time.
 
-Run: ``python benchmarks/low_bit.py`` (about 30 minutes on 2 cores: 6 runs of 1,500 steps, 12 LoRA runs of 300;
+Run: ``python benchmarks/low_bit.py`` (about 60 minutes on 2 cores: 15 runs of 1,500 steps, 12 LoRA runs of 300;
 ``--steps``, ``--lora-steps``, ``--seeds`` to change; ``--smoke``: seconds). Not a test: it prints a table and a verdict per option and always
 exits 0.
 
@@ -9,13 +9,18 @@ parameters, on the Python standard library's sources, RoundPipe on 2 CPU devices
 validated every ``--steps / 3`` steps on ``--val-windows`` windows, for each option and seed:
 
 * ``adamw``: torch's AdamW, float32 moments (today's default; its runs give the seed-to-seed spread);
-* ``adamw8bit``: bitsandbytes' AdamW8bit (``model.optimizer=adamw8bit``), both moments blockwise in 8 bits.
+* ``adamw8bit``: bitsandbytes' AdamW8bit (``model.optimizer=adamw8bit``), both moments blockwise in 8 bits;
+* ``bf16``: every weight in bfloat16 (``trainer.precision=bf16-true``), stepped as plain training steps it (in
+  bfloat16, rounded to nearest; AdamW's moments bfloat16 too): what Lightning's ``bf16-true`` does;
+* ``bf16+sr``: the same with ``strategy.stochastic_rounding=true``: the weights stepped in float32 (float32
+  moments) and rounded back stochastically, the bf16 master weights of issue 27;
+* ``bf16+sr+adamw8bit``: both low-bit options, bf16 masters and 8-bit moments.
 
 Then the same for a tiny Hugging Face Llama's LoRA adapters (``model=llama_tiny +model/lora=default``, width 128,
 rank 32: each adapter matrix has 4096 elements, bitsandbytes' threshold for 8-bit moments), ``--lora-steps`` steps,
-with two more options: ``qlora``, the frozen base's projections in NF4 (``model.lora.base=nf4``, what
-``+model/lora=qlora`` sets), and ``qlora+adamw8bit``, both. An NF4 weight counts as one parameter in the bytes
-per parameter.
+with ``adamw``, ``adamw8bit`` and two more options: ``qlora``, the frozen base's projections in NF4
+(``model.lora.base=nf4``, what ``+model/lora=qlora`` sets), and ``qlora+adamw8bit``, both. An NF4 weight counts as
+one parameter in the bytes per parameter.
 
 Per run: the last validation loss; the median step time (one training batch's start to its end: the step, not the
 validation); the optimizer state's bytes per trained parameter (its tensors, each shared one once) and the host's
@@ -59,10 +64,15 @@ from common import add_smoke, quiet, sized  # noqa: E402 - the benchmarks' share
 from lightning_roundpipe.app.train import CONFIG_DIR, run  # noqa: E402
 from lightning_roundpipe.nf4 import nf4_storage  # noqa: E402
 
-OPTIONS = {"adamw": ["model.optimizer=adamw"], "adamw8bit": ["model.optimizer=adamw8bit"]}
+BF16 = ["trainer.precision=bf16-true"]
+SR = [*BF16, "strategy.stochastic_rounding=true"]
+OPTIONS = {"adamw": ["model.optimizer=adamw"], "adamw8bit": ["model.optimizer=adamw8bit"], "bf16": BF16,
+           "bf16+sr": SR, "bf16+sr+adamw8bit": [*SR, "model.optimizer=adamw8bit"]}
 """Each option's overrides of the main job's config; ``adamw`` is the reference."""
 QLORA_OPTIONS = {"qlora": ["model.lora.base=nf4"], "qlora+adamw8bit": ["model.lora.base=nf4", "model.optimizer=adamw8bit"]}
 """The options of the LoRA runs only: the frozen base in NF4 (``+model/lora=qlora``), alone and with 8-bit moments."""
+LORA_OPTIONS = ("adamw", "adamw8bit", *QLORA_OPTIONS)
+"""What the LoRA runs compare (the bf16 options are for full training: the embedded default model)."""
 
 LORA = ["model=llama_tiny", "+model/lora=default", "model.hidden_size=128", "model.intermediate_size=256",
         "model.lora.r=32", "model.lr=1e-3"]
@@ -282,14 +292,14 @@ def main() -> int:
               f"{', '.join([*OPTIONS, *QLORA_OPTIONS])}, adamw included")
         return 0
     options = [option for option in chosen if option in OPTIONS]
-    lora_options = [option for option in chosen if option in QLORA_OPTIONS]
+    lora_options = [option for option in chosen if option in LORA_OPTIONS]
     print(f"low-bit host state, torch {torch.__version__}")
     compare_kernels(args)
     if args.kernels_only:
         return 0
     with tempfile.TemporaryDirectory(dir=".") as root:
         runs = (("the embedded default model (gpt_small)", [], args.steps, options),
-                ("a tiny Llama's LoRA adapters", LORA, args.lora_steps, options + lora_options))
+                ("a tiny Llama's LoRA adapters", LORA, args.lora_steps, lora_options))
         for title, model, steps, chosen in runs:
             if steps:
                 compare_options(title, model, steps, chosen, args, pathlib.Path(root))
