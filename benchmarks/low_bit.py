@@ -229,11 +229,11 @@ def compare_options(title: str, model: list[str], steps: int, options: list[str]
             figures = train(model, steps, option, seed, args, root)
             results.setdefault(option, []).append(figures)
             print(f"  {option} seed {seed}: validation loss {figures.val_loss:.4f}", flush=True)
-    print(f"{'option':<16}{'seed':>5}{'val loss':>10}{'step ms':>9}{'state B/p':>11}{'host B/p':>10}"
+    print(f"{'option':<18}{'seed':>5}{'val loss':>10}{'step ms':>9}{'state B/p':>11}{'host B/p':>10}"
           f"{'uploaded/step':>15}")
     for option in options:
         for f in results[option]:
-            print(f"{f.option:<16}{f.seed:>5}{f.val_loss:>10.4f}{f.step_seconds * 1e3:>9.1f}"
+            print(f"{f.option:<18}{f.seed:>5}{f.val_loss:>10.4f}{f.step_seconds * 1e3:>9.1f}"
                   f"{f.state_bytes_per_param:>11.2f}{f.host_bytes_per_param:>10.2f}{f.uploaded_per_step:>15,.0f}")
     reference = [f.val_loss for f in results["adamw"]]
     low, high = min(reference), max(reference)

@@ -3,7 +3,7 @@
 A bfloat16 parameter (``precision="bf16-true"``, or a model stored in bfloat16) is its own master and its own
 upload copy: 2 host bytes per parameter instead of a float32 master's 4 and its bfloat16 copy's 2. Plain
 training steps it in bfloat16, rounding every update to the nearest bfloat16: an update under half a unit in the
-last place (about 0.4% of the weight) is lost whole, so small learning rates stop training. With this option
+last place (0.2 to 0.4% of the weight) is lost whole, so small learning rates stop training. With this option
 the host step computes in float32 instead: each parameter of the group being stepped gets a float32 copy, its
 gradient is widened, its optimizer state is kept in float32 (bitsandbytes' 8-bit state as it is), the optimizer
 steps the copies, and each result is rounded to one of the two bfloat16 values around it, up with probability
