@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_roundpipe import pipeline_loss, token_count
+from lightning_roundpipe import RoundPipeStrategy, pipeline_loss, token_count
 
 VOCAB, WIDTH, CONTEXT = 17, 16, 8
 R = TypeVar("R")
@@ -298,3 +298,20 @@ def three_class_data(width: int, samples: int = 24) -> DataLoader:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(samples, width, generator=generator)
     return DataLoader(TensorDataset(x, torch.randint(0, 3, (samples,), generator=generator)), batch_size=8)
+
+
+def one_microbatch_strategy(**options) -> RoundPipeStrategy:
+    """RoundPipe on two ring members of one CPU device, one microbatch a batch, three stages and a frozen plan (with
+    jitter): its sync step is then bitwise plain training. ``options`` add to or override these."""
+    return RoundPipeStrategy(**{"ring": [0, 0], "num_microbatches": 1, "num_stages": 3, "round_size": "whole",
+                                "freeze_plan": True, "jitter": 0.0005, **options})
+
+
+def fit_three_class(module: pl.LightningModule, strategy, root, width: int, *, epochs: int = 2, ckpt_path=None,
+                    checkpointing: bool = False, precision: str = "32-true") -> pl.Trainer:
+    """Fit ``module`` on :func:`three_class_data` of ``width`` features, one CPU device, for ``epochs``."""
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                         precision=precision, enable_checkpointing=checkpointing, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root)
+    trainer.fit(module, three_class_data(width), ckpt_path=ckpt_path)
+    return trainer

@@ -24,7 +24,7 @@ from lightning_roundpipe.engine.step.groups import streaming_refusal
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
 from lightning_roundpipe.preflight import HostMemoryError
-from tests.models import delayed_update_reference, three_class_data
+from tests.models import delayed_update_reference, fit_three_class, one_microbatch_strategy, three_class_data
 from tests.numerics import assert_states_equal
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -73,19 +73,13 @@ class Net(pl.LightningModule):
 
 
 def _strategy(**kwargs) -> RoundPipeStrategy:
-    options = {"ring": [0, 0], "num_microbatches": 1, "num_stages": 3, "round_size": "whole", "freeze_plan": True,
-               "jitter": 0.0005, **kwargs}
-    return RoundPipeStrategy(**options)
+    return one_microbatch_strategy(**kwargs)
 
 
 def _fit(module: Net, strategy, root: pathlib.Path, epochs: int = 2, ckpt_path=None,
          checkpointing: bool = False, precision: str = "32-true") -> pl.Trainer:
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                         precision=precision,
-                         enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=root)
-    trainer.fit(module, three_class_data(WIDTH), ckpt_path=ckpt_path)
-    return trainer
+    return fit_three_class(module, strategy, root, WIDTH, epochs=epochs, ckpt_path=ckpt_path,
+                           checkpointing=checkpointing, precision=precision)
 
 
 def _states(module: Net, trainer: pl.Trainer) -> dict[str, dict]:

@@ -19,7 +19,7 @@ from torch import nn
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.nf4 import BLOCK, NF4_LEVELS, NF4Linear, from_nf4, to_nf4
-from tests.models import three_class_data
+from tests.models import fit_three_class, one_microbatch_strategy
 from tests.numerics import assert_states_equal
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -177,18 +177,13 @@ class QLoRANet(pl.LightningModule):
 
 
 def _strategy(**kwargs) -> RoundPipeStrategy:
-    options = {"ring": [0, 0], "num_microbatches": 1, "num_stages": 3, "round_size": "whole", "freeze_plan": True,
-               "jitter": 0.0005, **kwargs}
-    return RoundPipeStrategy(**options)
+    return one_microbatch_strategy(**kwargs)
 
 
 def _fit(module: QLoRANet, strategy, root: pathlib.Path, epochs: int = 2, ckpt_path=None,
          checkpointing: bool = False, precision: str = "32-true") -> pl.Trainer:
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                         precision=precision, enable_checkpointing=checkpointing, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=root)
-    trainer.fit(module, three_class_data(WIDTH), ckpt_path=ckpt_path)
-    return trainer
+    return fit_three_class(module, strategy, root, WIDTH, epochs=epochs, ckpt_path=ckpt_path,
+                           checkpointing=checkpointing, precision=precision)
 
 
 def _assert_same_run(ours: QLoRANet, reference: QLoRANet, ours_trainer: pl.Trainer,

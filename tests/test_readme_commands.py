@@ -195,6 +195,9 @@ COMMANDS: dict[str, Check] = {
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu model.optimizer=adamw8bit": Compose(_FITS),
     "roundpipe-train model=llama_8b model.dtype=float32 trainer=gpu model.optimizer=adamw8bit "
     "strategy.offload=optimizer+masters strategy.offload_dir=/nvme/run1": Compose(_FITS),
+    "roundpipe-train model=llama_8b model.dtype=bfloat16 trainer=gpu +model/lora=qlora": Compose(_FITS),
+    "roundpipe-train model=llama_8b model.dtype=bfloat16 trainer=gpu trainer.precision=bf16-true "
+    "strategy.stochastic_rounding=true model.optimizer=adamw8bit": Compose(_FITS),
     # README: timelines and schedule pictures
     "roundpipe-train strategy.timeline=true experiment=quick": Run(expect="timeline"),
     "python -m lightning_roundpipe.observe.gantt schedule --paper Llama3-8B --png schedule.png": Script(),
