@@ -348,8 +348,8 @@ def test_qlora_keeps_the_frozen_projections_in_four_bits_and_the_tied_head_as_st
     module = instantiate(cfg.model)
     module.configure_model()
     base = module.model.get_base_model()
-    linears = {name: type(layer) for name, layer in base.named_modules() if isinstance(layer, torch.nn.Linear | NF4Linear)
-               and "lora_" not in name}
+    linears = {name: type(layer) for name, layer in base.named_modules()
+               if isinstance(layer, torch.nn.Linear | NF4Linear) and "lora_" not in name}
     frozen = {name for name, kind in linears.items() if name != "lm_head"}
     assert frozen and all(linears[name] is NF4Linear for name in frozen)  # adapted or not, every frozen projection
     assert linears["lm_head"] is torch.nn.Linear and base.lm_head.weight is base.model.embed_tokens.weight

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
-from lightning_roundpipe import RoundPipeStrategy, preflight
+from lightning_roundpipe import preflight
 from lightning_roundpipe.engine.step.groups import streaming_refusal
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
@@ -72,10 +72,6 @@ class Net(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _strategy(**kwargs) -> RoundPipeStrategy:
-    return one_microbatch_strategy(**kwargs)
-
-
 def _fit(module: Net, strategy, root: pathlib.Path, epochs: int = 2, ckpt_path=None,
          checkpointing: bool = False, precision: str = "32-true") -> pl.Trainer:
     return fit_three_class(module, strategy, root, WIDTH, epochs=epochs, ckpt_path=ckpt_path,
@@ -110,7 +106,7 @@ def _moment_dtypes(module: Net, trainer: pl.Trainer) -> dict[str, torch.dtype]:
 @pytest.mark.parametrize("optimizer", ["AdamW8bit", "Lion8bit"])
 def test_eight_bit_state_trains_bitwise_as_plain_lightning_and_steps_by_stage(tmp_path, optimizer):
     module, reference = Net(optimizer), Net(optimizer)
-    strategy = _strategy()
+    strategy = one_microbatch_strategy()
     trainer = _fit(module, strategy, tmp_path)
     reference_trainer = _fit(reference, "auto", tmp_path)
     _assert_same_run(module, reference, trainer, reference_trainer)
@@ -127,7 +123,7 @@ def test_eight_bit_state_trains_bitwise_as_plain_lightning_and_steps_by_stage(tm
 
 def test_a_module_override_keeps_its_moments_in_32_bits_as_under_plain_lightning(tmp_path):
     module, reference = Net(keep_first_in_32bit=True), Net(keep_first_in_32bit=True)
-    trainer = _fit(module, _strategy(), tmp_path)
+    trainer = _fit(module, one_microbatch_strategy(), tmp_path)
     reference_trainer = _fit(reference, "auto", tmp_path)
     assert _moment_dtypes(reference, reference_trainer)["net.0.weight"] == torch.float32
     assert _moment_dtypes(module, trainer)["net.0.weight"] == torch.float32
@@ -138,7 +134,7 @@ def test_a_module_override_keeps_its_moments_in_32_bits_as_under_plain_lightning
 def test_a_first_step_stores_the_moments_of_their_definition_within_the_quantisation_bound(tmp_path):
     # one step: Lightning's default strategy leaves its gradient in param.grad
     module, reference = Net(), Net()
-    one_batch = pl.Trainer(strategy=_strategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+    one_batch = pl.Trainer(strategy=one_microbatch_strategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                            default_root_dir=tmp_path)
     one_batch.fit(module, three_class_data(WIDTH))
@@ -171,14 +167,15 @@ def test_a_first_step_stores_the_moments_of_their_definition_within_the_quantisa
 @pytest.mark.parametrize("offload,precision", [("optimizer", "32-true"), ("optimizer+masters", "bf16-mixed")])
 def test_the_disk_tier_keeps_eight_bit_state_bitwise(tmp_path, offload, precision):
     module, reference = Net(), Net()
-    trainer = _fit(module, _strategy(offload=offload, offload_dir=tmp_path / "state"), tmp_path, precision=precision)
+    strategy = one_microbatch_strategy(offload=offload, offload_dir=tmp_path / "state")
+    trainer = _fit(module, strategy, tmp_path, precision=precision)
     reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
     _assert_same_run(module, reference, trainer, reference_trainer)
 
 
 def test_a_checkpoint_keeps_eight_bit_state_and_resumes_with_or_without_the_strategy(tmp_path):
     first = Net()
-    _fit(first, _strategy(), tmp_path, epochs=1, checkpointing=True)
+    _fit(first, one_microbatch_strategy(), tmp_path, epochs=1, checkpointing=True)
     checkpoint = next((tmp_path / "checkpoints").glob("*.ckpt"))
     saved = torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"]
     saved_dtypes = {entry["__bnb_optimizer_quant_state__"]["state1"].dtype for entry in saved.values()}
@@ -186,7 +183,7 @@ def test_a_checkpoint_keeps_eight_bit_state_and_resumes_with_or_without_the_stra
 
     uninterrupted = Net()
     reference_trainer = _fit(uninterrupted, "auto", tmp_path)
-    for strategy in (_strategy(), "auto"):
+    for strategy in (one_microbatch_strategy(), "auto"):
         resumed = Net()
         trainer = _fit(resumed, strategy, tmp_path, ckpt_path=checkpoint)
         assert len(resumed.losses) == len(uninterrupted.losses) // 2  # the second epoch
@@ -213,7 +210,7 @@ def test_the_async_step_steps_eight_bit_state_as_the_delayed_update_reference(tm
     """``async_step=True``: iteration k computes on W(k-2) and W(k) = step(W(k-1), g(k)) (plain PyTorch, the same
     bitsandbytes optimizer on masters of its own), one microbatch: bitwise."""
     module = Net(scheduled=False)
-    trainer = pl.Trainer(strategy=_strategy(async_step=True), accelerator="cpu", devices=1, max_epochs=2,
+    trainer = pl.Trainer(strategy=one_microbatch_strategy(async_step=True), accelerator="cpu", devices=1, max_epochs=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(module, three_class_data(WIDTH))
@@ -241,7 +238,7 @@ def test_the_app_keeps_embedding_moments_in_32_bits_and_takes_the_setting_back_a
     module = ByteLM(gpt(width=WIDTH, depth=2, heads=4, context=16), context=16, optimizer="adamw8bit")
     ids = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
-    trainer = pl.Trainer(strategy=_strategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
+    trainer = pl.Trainer(strategy=one_microbatch_strategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=tmp_path)
     trainer.fit(module, data)
@@ -256,7 +253,7 @@ def test_a_host_too_small_for_adamw_is_told_what_eight_bit_moments_would_save(tm
     monkeypatch.setattr(preflight, "read_host_limits", lambda: HostLimits(mem_available=10, cgroup=None, memlock=None))
     module = Net("torch.AdamW")
     with pytest.raises(HostMemoryError) as refused:
-        _fit(module, _strategy(), tmp_path)
+        _fit(module, one_microbatch_strategy(), tmp_path)
     # the three 64 x 64 weights: float32 moments of 8 bytes an element against a byte and a float32 scale per 256;
     # the biases and the head (under 4096 elements) would keep float32 moments
     saving = 3 * (8 * WIDTH * WIDTH - 2 * (WIDTH * WIDTH + 4 * WIDTH * WIDTH // 256))

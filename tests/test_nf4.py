@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
-from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.nf4 import BLOCK, NF4_LEVELS, NF4Linear, from_nf4, to_nf4
 from tests.models import fit_three_class, one_microbatch_strategy
 from tests.numerics import assert_states_equal
@@ -176,10 +175,6 @@ class QLoRANet(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _strategy(**kwargs) -> RoundPipeStrategy:
-    return one_microbatch_strategy(**kwargs)
-
-
 def _fit(module: QLoRANet, strategy, root: pathlib.Path, epochs: int = 2, ckpt_path=None,
          checkpointing: bool = False, precision: str = "32-true") -> pl.Trainer:
     return fit_three_class(module, strategy, root, WIDTH, epochs=epochs, ckpt_path=ckpt_path,
@@ -201,7 +196,7 @@ def _assert_same_run(ours: QLoRANet, reference: QLoRANet, ours_trainer: pl.Train
 def test_qlora_trains_bitwise_as_plain_lightning_with_the_base_uploaded_in_four_bits(tmp_path, precision):
     module, reference = QLoRANet(), QLoRANet()
     initial = {name: value.clone() for name, value in module.state_dict().items() if "base" in name}
-    strategy = _strategy()
+    strategy = one_microbatch_strategy()
     trainer = _fit(module, strategy, tmp_path, precision=precision)
     reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
     _assert_same_run(module, reference, trainer, reference_trainer)
@@ -219,21 +214,22 @@ def test_qlora_trains_bitwise_as_plain_lightning_with_the_base_uploaded_in_four_
 @pytest.mark.parametrize("offload,precision", [("optimizer", "32-true"), ("optimizer+masters", "bf16-mixed")])
 def test_the_disk_tier_takes_a_qlora_run_unchanged(tmp_path, offload, precision):
     module, reference = QLoRANet(), QLoRANet()
-    trainer = _fit(module, _strategy(offload=offload, offload_dir=tmp_path / "state"), tmp_path, precision=precision)
+    strategy = one_microbatch_strategy(offload=offload, offload_dir=tmp_path / "state")
+    trainer = _fit(module, strategy, tmp_path, precision=precision)
     reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
     _assert_same_run(module, reference, trainer, reference_trainer)
 
 
 def test_a_qlora_checkpoint_resumes_with_or_without_the_strategy_and_keeps_the_base_in_four_bits(tmp_path):
     first = QLoRANet()
-    _fit(first, _strategy(), tmp_path, epochs=1, checkpointing=True)
+    _fit(first, one_microbatch_strategy(), tmp_path, epochs=1, checkpointing=True)
     checkpoint = next((tmp_path / "checkpoints").glob("*.ckpt"))
     saved = torch.load(checkpoint, weights_only=True)["state_dict"]
     assert saved["net.0.base.weight_nf4"].dtype == torch.uint8 and "net.0.base.weight" not in saved
 
     uninterrupted = QLoRANet()
     reference_trainer = _fit(uninterrupted, "auto", tmp_path)
-    for strategy in (_strategy(), "auto"):
+    for strategy in (one_microbatch_strategy(), "auto"):
         resumed = QLoRANet()
         trainer = _fit(resumed, strategy, tmp_path, ckpt_path=checkpoint)
         assert len(resumed.losses) == len(uninterrupted.losses) // 2  # the second epoch
