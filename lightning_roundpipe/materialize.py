@@ -140,8 +140,8 @@ def _give_memory(entry: _Registration) -> None:
 def _initialisers(module: nn.Module) -> dict[int, Callable[[], None] | str]:
     """Per submodule id, what initialises it instead of its ``reset_parameters``: inside a ``transformers`` model, the
     outermost one's ``_init_weights(submodule)`` (what ``from_config`` initialises with, and the only thing that
-    fills the rotary tables); inside a ``peft`` tuner layer, the refusal to say (its adapters' initialisation lives
-    in the model's config, not in the layer)."""
+    fills the rotary tables); inside a ``peft`` tuner layer, peft's initialisation of a LoRA matrix under its
+    config (:func:`_lora_initialiser`), else the refusal to say (an initialisation computed from the base weights)."""
     found: dict[int, Callable[[], None] | str] = {}
     owners = list(module.named_modules())
     configs = _peft_configs(module)
