@@ -97,4 +97,8 @@ def optimizer_state_bytes(optimizer: Any, widened: bool = False) -> tuple[int, s
                 total += int(buffers * nbytes_of(param) * width // param.element_size())
             total += scalars * scalar
     shown = label if name is None or name == label else f"{label} (as {name})"
+    widened_any = widened and any(param.requires_grad and param.dtype == torch.bfloat16
+                                  for group in getattr(optimizer, "param_groups", []) for param in group["params"])
+    if widened_any:
+        descriptions.append("in float32 for the bf16 weights (stochastic_rounding)")
     return total, f"{shown}: {'; '.join(descriptions) or 'no parameters'}", name is not None

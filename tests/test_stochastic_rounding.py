@@ -205,6 +205,7 @@ def test_training_is_the_float32_step_rounded_stochastically_bitwise(tmp_path):
     model, losses, state = _plain_pytorch_run(epochs=2)
     made = sum(value.nbytes for entry in trainer.optimizers[0].state.values() for value in entry.values())
     assert strategy.memory_plan.optimizer_state_bytes == made  # the pre-flight counted float32 moments
+    assert "in float32 for the bf16 weights (stochastic_rounding)" in strategy.memory_plan.table()
     assert len(module.losses) == len(losses)
     assert all(torch.equal(a, b) for a, b in zip(module.losses, losses, strict=True))
     assert_states_equal(dict(module.net.named_parameters()), dict(model.named_parameters()))
