@@ -168,6 +168,8 @@ COMMANDS: dict[str, Check] = {
         "tests/test_app.py::test_a_hugging_face_model_trains_under_roundpipe", ("model=llama_tiny",)),
     "roundpipe-train model=qwen3_tiny +model/lora=default model.lora.r=4": Run(),
     "roundpipe-train model.optimizer=adamw8bit": Run(),
+    "roundpipe-train model=llama_tiny +model/lora=qlora": Run(),
+    "roundpipe-train trainer.precision=bf16-true strategy.stochastic_rounding=true": Run(),
     "roundpipe-train data=text_path data.path=/data/corpus.txt": Run(stand_ins={"/data/corpus.txt": "corpus"}),
     "roundpipe-train trainer.max_steps=3600 ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt": Run(
         extra=("trainer.max_steps=4",), stand_ins={"outputs/<date>/<time>": "quick_run_folder"}, expect="resumed"),
