@@ -205,6 +205,17 @@ def test_qlora_trains_bitwise_as_plain_lightning_with_the_base_uploaded_in_four_
             assert torch.equal(value, initial[name]), f"frozen {name} changed"
             assert value.dtype == (torch.uint8 if name.endswith("nf4") else torch.float32)
     # the plan counts the bases as stored, half a byte a weight and a float32 scale per 64, and as weights
+    # the devices upload each base as its NF4 bytes, scales, levels table and float32 bias instead of its dense
+    # weight and bias (float32, or bf16 under bf16-mixed: a stock Linear's travel in autocast's dtype): the same
+    # whole number of uploads of each of the three, in fewer bytes
+    dense = one_microbatch_strategy()
+    dense_trainer = _fit(QLoRANet(quantised=False), dense, tmp_path, precision=precision)
+    uploads = (float(dense_trainer.callback_metrics["roundpipe/uploaded_bytes"])
+               - float(trainer.callback_metrics["roundpipe/uploaded_bytes"]))
+    dense_bytes = (WIDTH * WIDTH + WIDTH) * (4 if precision == "32-true" else 2)
+    nf4_bytes = WIDTH * WIDTH // 2 + 4 * WIDTH * WIDTH // BLOCK + 256 * 2 * 4 + 4 * WIDTH
+    per_base = uploads / 3 / (dense_bytes - nf4_bytes)
+    assert per_base >= 2 and per_base == int(per_base), per_base  # at least a forward and a backward stage
     plan, weights = strategy.memory_plan, 3 * WIDTH * WIDTH
     assert plan.parameter_bytes_by_dtype["nf4"] == weights // 2 + 4 * weights // BLOCK
     assert plan.parameter_count == sum(p.numel() for p in QLoRANet(quantised=False).parameters())
