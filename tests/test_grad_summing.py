@@ -357,7 +357,12 @@ class _SlowFirstStep(torch.optim.SGD):
 def test_a_slow_host_step_holds_the_backward_to_its_pace(roundpipe_threads):
     """Eight layers, a backward stage each, one device: the budget is one group's gradients in the window, beside the
     group being stepped. The first group's step waits until every sum has started, which back-pressure never lets
-    happen: the sums the engine ever allocates stay within three layers', and the weights equal plain PyTorch's."""
+    happen: the sums the engine ever allocates stay within three layers', and the weights equal plain PyTorch's.
+    Back-pressure holds the sums while a step runs, and ``backward()`` returns before the backward stages do: the
+    stand-in devices' operations take some milliseconds (``jitter``), as a real device's do, so the step is queued
+    before the sums pile up. Without it a loaded machine (the suite under xdist) once ran the first iteration's
+    whole backward before its step was queued (five layers' sums), which the design allows (nothing is wrong, and
+    nothing to hold back until a step runs)."""
     width, depth, steps = 16, 8, 3
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width, dtype=torch.float64) for _ in range(depth)])
@@ -367,7 +372,7 @@ def test_a_slow_host_step_holds_the_backward_to_its_pace(roundpipe_threads):
     inputs, target = (torch.randn(8, width, dtype=torch.float64), torch.randn(8, width, dtype=torch.float64))
     layer_bytes = (width * width + width) * 8
     plan = Plan((range(0, depth - 1),), range(depth - 1, depth), tuple(range(k, k + 1) for k in range(depth - 2, -1, -1)))
-    options = EngineOptions(num_stages=plan, freeze_plan=True, wait_timeout=60.0, streaming_step="on")
+    options = EngineOptions(num_stages=plan, freeze_plan=True, wait_timeout=60.0, streaming_step="on", jitter=0.01)
     with RoundPipeEngine(model, 1, options) as engine:
         sums = engine.dispatcher.sum_buffers
         optimizer = _SlowFirstStep(model.parameters(), lambda: sums.fresh_bytes >= depth * layer_bytes, lr=0.5)
