@@ -218,7 +218,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch import nn
 
     from lightning_roundpipe import RoundPipeStrategy, pipeline_loss
-    from lightning_roundpipe.nf4 import nf4_storage, to_nf4
+    from lightning_roundpipe.nf4 import to_nf4, weight_count
 
     quiet()
     torch.set_num_threads(1)
@@ -307,9 +307,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, Phases()])
     with trainer.init_module(empty_init=resumed):
         model = Model()
-    nf4_ids, nf4_weights = nf4_storage(model)  # NF4 bytes count as the weights they stand for
-    params = nf4_weights + sum(p.numel() for p in model.parameters() if id(p) not in nf4_ids)
-    frozen = nf4_weights + sum(p.numel() for p in model.parameters() if not p.requires_grad and id(p) not in nf4_ids)
+    params, frozen = weight_count(model), weight_count(model, frozen_only=True)  # an NF4 weight counts as one
     trainer.fit(model, data, ckpt_path=args.checkpoint if resumed else None)
     sampler.stop()
     if args.save_checkpoint is not None:

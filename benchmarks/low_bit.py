@@ -62,7 +62,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import add_smoke, quiet, sized  # noqa: E402 - the benchmarks' shared helpers, beside this file
 
 from lightning_roundpipe.app.train import CONFIG_DIR, run  # noqa: E402
-from lightning_roundpipe.nf4 import nf4_storage  # noqa: E402
+from lightning_roundpipe.nf4 import weight_count  # noqa: E402
 
 BF16 = ["trainer.precision=bf16-true"]
 SR = [*BF16, "strategy.stochastic_rounding=true"]
@@ -113,8 +113,7 @@ class Measure(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = {id(param): param for param in pl_module.parameters()}.values()
-        nf4_ids, nf4_weights = nf4_storage(pl_module)  # the NF4 bytes count as the weights they stand for
-        self.params = nf4_weights + sum(param.numel() for param in params if id(param) not in nf4_ids)
+        self.params = weight_count(pl_module)  # an NF4 weight counts as one parameter, not as its bytes
         self.trained = sum(param.numel() for param in params if param.requires_grad)
         self.param_bytes = sum(param.nbytes for param in params)
         self.state_bytes = held_state_bytes(trainer.optimizers[0])

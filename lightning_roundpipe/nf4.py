@@ -220,3 +220,11 @@ def nf4_storage(module: nn.Module) -> tuple[set[int], int]:
     layers = [layer for layer in module.modules() if isinstance(layer, NF4Linear)]
     ids = {id(param) for layer in layers for param in (layer.weight_nf4, layer.weight_absmax)}
     return ids, sum(layer.in_features * layer.out_features for layer in layers)
+
+
+def weight_count(module: nn.Module, frozen_only: bool = False) -> int:
+    """``module``'s parameters (each once; ``frozen_only``: those not requiring grad), an NF4 layer's weight counted
+    as the weights it stands for, not its bytes (an NF4 weight is always frozen)."""
+    nf4_ids, nf4_weights = nf4_storage(module)
+    return nf4_weights + sum(param.numel() for param in module.parameters()
+                             if id(param) not in nf4_ids and not (frozen_only and param.requires_grad))

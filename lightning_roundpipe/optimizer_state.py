@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.engine.step import eight_bit
-from lightning_roundpipe.engine.transfer import nbytes_of
 
 
 def _scalar_bytes() -> int:
@@ -23,14 +22,15 @@ def _scalar_bytes() -> int:
     return 8 if torch.get_default_dtype() == torch.float64 else 4
 
 
-def _factored_bytes(param: torch.Tensor) -> int:
-    """Adafactor's second moment: a row and a column factor for 2+-dim parameters, else full."""
+def _factored_bytes(param: torch.Tensor, element_size: int) -> int:
+    """Adafactor's second moment, of ``element_size``-byte elements: a row and a column factor for 2+-dim
+    parameters, else full."""
     if param.dim() < 2:
-        return nbytes_of(param)
+        return param.numel() * element_size
     shape = list(param.shape)
     rows = math.prod(shape[:-1])
     cols = math.prod(shape[:-2] + shape[-1:])
-    return (rows + cols) * param.element_size()
+    return (rows + cols) * element_size
 
 
 # Per torch.optim class: (buffers the size of the parameter, per-parameter scalars, description). The
@@ -81,6 +81,7 @@ def optimizer_state_bytes(optimizer: Any, widened: bool = False) -> tuple[int, s
     name = _known_class(optimizer)
     scalar = _scalar_bytes()
     total = 0
+    widened_any = False  # some bfloat16 parameter's state counted in float32
     descriptions: list[str] = []
     for group in getattr(optimizer, "param_groups", []):
         rule = _rule(name, group) if name is not None else None
@@ -90,15 +91,15 @@ def optimizer_state_bytes(optimizer: Any, widened: bool = False) -> tuple[int, s
         for param in group["params"]:
             if not param.requires_grad:
                 continue
-            width = 4 if widened and param.dtype == torch.bfloat16 else param.element_size()
+            widens = widened and param.dtype == torch.bfloat16
+            widened_any = widened_any or widens
+            element_size = 4 if widens else param.element_size()
             if buffers < 0:
-                total += _factored_bytes(param) * width // param.element_size()
+                total += _factored_bytes(param, element_size)
             else:
-                total += int(buffers * nbytes_of(param) * width // param.element_size())
+                total += int(buffers * param.numel() * element_size)
             total += scalars * scalar
     shown = label if name is None or name == label else f"{label} (as {name})"
-    widened_any = widened and any(param.requires_grad and param.dtype == torch.bfloat16
-                                  for group in getattr(optimizer, "param_groups", []) for param in group["params"])
     if widened_any:
         descriptions.append("in float32 for the bf16 weights (stochastic_rounding)")
     return total, f"{shown}: {'; '.join(descriptions) or 'no parameters'}", name is not None

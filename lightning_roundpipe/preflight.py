@@ -83,7 +83,7 @@ from lightning_roundpipe.engine.transport import (
 )
 from lightning_roundpipe.hostmem import HostLimits, format_bytes, read_host_limits
 from lightning_roundpipe.memory_plan import MemoryPlan, Problem
-from lightning_roundpipe.nf4 import nf4_storage
+from lightning_roundpipe.nf4 import nf4_storage, weight_count
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
 from lightning_roundpipe.planning.partition import (
     ACTIVATION_RESERVE,
@@ -280,7 +280,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         frozen_freed_bytes=frozen.saved_bytes if frozen is not None else 0, frozen_narrowed=len(narrowed),
         frozen_kept_bytes=tensors_nbytes(frozen.kept) if frozen is not None else 0,
         frozen_kept=len(frozen.kept) if frozen is not None else 0, frozen_weights=frozen_weights,
-        parameter_count=_weight_count(module),
+        parameter_count=weight_count(module),
     )
     if training and host_optimizer is not None:
         # the scratch fits the node's headroom (each of its processes measures its own); a plan that does not fit
@@ -335,12 +335,6 @@ def _in_flight_gradient_bytes(module: nn.Module, trunk: Trunk, plan: Plan, num_d
     inside = {id(param) for param in trunk.trainable_parameters()}
     outside = tensors_nbytes(p for p in module.parameters() if p.requires_grad and id(p) not in inside)
     return min(whole, outside + (num_devices + 1) * largest_step_group_bytes(trunk, plan))
-
-
-def _weight_count(module: nn.Module) -> int:
-    """The module's parameters (each once), an NF4 layer's weights counted as the weights they stand for."""
-    nf4_ids, nf4_weights = nf4_storage(module)
-    return nf4_weights + sum(param.numel() for param in module.parameters() if id(param) not in nf4_ids)
 
 
 class _HostFigures(NamedTuple):

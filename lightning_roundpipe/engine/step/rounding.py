@@ -19,7 +19,7 @@ the sign bit is apart from the magnitude's); an infinity or NaN stays one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -63,20 +63,23 @@ class StochasticRounding:
         param.copy_(stochastic_round(values, self.generator(param)))
 
 
+def _rounded(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, nn.Parameter]]:
+    """Each trainable bfloat16 parameter of ``optimizer`` and its position in the param groups (every parameter
+    counted, in order: the same in every process and after a resume, and the state dict's key)."""
+    params = (param for group in optimizer.param_groups for param in group["params"])
+    return ((index, param) for index, param in enumerate(params) if param.dtype == ROUNDED and param.requires_grad)
+
+
 def optimizer_positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """Each trainable bfloat16 parameter's position in ``optimizer``'s param groups (every parameter counted, in
-    order: the same in every process and after a resume)."""
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    return {id(param): index for index, param in enumerate(params)
-            if param.dtype == ROUNDED and param.requires_grad}
+    """Each trainable bfloat16 parameter's position in ``optimizer``'s param groups, by parameter id."""
+    return {id(param): index for index, param in _rounded(optimizer)}
 
 
 def widen_state(state: dict) -> None:
     """Keep a parameter's floating-point optimizer state in float32 (state made by plain training, or narrowed by
     torch's ``load_state_dict``, which casts state to the parameter's dtype)."""
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype in (torch.bfloat16,
-                                                                                           torch.float16):
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
             state[key] = value.float()
 
 
@@ -84,11 +87,9 @@ def restore_wide_state(optimizer: torch.optim.Optimizer, saved: Mapping[int, Map
     """After ``optimizer.load_state_dict``, which casts floating-point state to each parameter's dtype: give the
     rounded (bfloat16) parameters their state as saved (``saved``: the state dict's ``"state"``, by position), so
     a float32 moment resumes exactly."""
-    positions = optimizer_positions(optimizer)
-    params = {id(param): param for group in optimizer.param_groups for param in group["params"]}
-    for key, position in positions.items():
+    for position, param in _rounded(optimizer):
         entry = saved.get(position)
-        state = optimizer.state.get(params[key])
+        state = optimizer.state.get(param)
         if entry is None or state is None:
             continue
         for name, value in entry.items():
