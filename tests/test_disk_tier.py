@@ -30,6 +30,7 @@ from lightning_roundpipe import PipelineError, RoundPipeEngine, RoundPipeStrateg
 from lightning_roundpipe.engine.errors import OffloadError
 from lightning_roundpipe.engine.layers import build_trunk
 from lightning_roundpipe.engine.options import EngineOptions, OptionError
+from lightning_roundpipe.engine.step import disk_tier
 from lightning_roundpipe.engine.step.disk_tier import PAGE, QUEUED_WRITES
 from lightning_roundpipe.engine.step.queued import READ_AHEAD
 from lightning_roundpipe.hostmem import HostLimits, format_bytes
@@ -133,6 +134,30 @@ def test_the_state_in_files_trains_bitwise_as_in_memory(tmp_path, fused, async_s
     assert all(_in_files(tensor, mappings) for tensor in large), "a state tensor outside the tier's files"
     assert not any(_in_files(param, mappings) for param in module.parameters())  # the masters stay in memory
     assert os.listdir(offload_dir) == []
+
+
+def test_a_file_system_that_refuses_readahead_reads_through_the_file_bitwise(tmp_path, monkeypatch):
+    """readahead(2) refused (a file system without it): the reads go through the file, the results the same."""
+    refused = []
+
+    class _NoReadahead:
+        def __init__(self, libc):
+            self._libc = libc
+
+        def readahead(self, *args):
+            refused.append(args)
+            return -1
+
+        def __getattr__(self, name):
+            return getattr(self._libc, name)
+
+    real = disk_tier._libc
+    monkeypatch.setattr(disk_tier, "_libc", lambda: _NoReadahead(real()))
+    module, trainer = _fit(tmp_path / "state", tmp_path)
+    reference, reference_trainer = _fit(None, tmp_path)
+    assert len(refused) == 1  # asked once, then the reads go through the file
+    assert_states_equal(module, reference)
+    assert_same_optimizer_state(trainer, reference_trainer)
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["full", "frozen-base"])
