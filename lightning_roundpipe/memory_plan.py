@@ -69,6 +69,9 @@ class MemoryPlan:
     unsharded_optimizer_state_bytes: int = 0  # the state of all parameters; optimizer_state_bytes: this process's
     staging_bytes: int = 0            # gradients on their way into the step: the download buffers of every device
     gradients_kept_for: str | None = "param.grad"  # what keeps the whole model's gradients; None: only in flight
+    # round_size="auto" in sync mode may dispatch in rounds, which keep every step group's gradients until the last
+    # round: the bytes that would add to those in flight (0: it cannot)
+    rounds_may_add_bytes: int = 0
     # the disk tier (offload): what goes to offload_dir, and what it has free (None: not known)
     offload: str = "none"
     offload_dir: str | None = None
@@ -151,8 +154,12 @@ class MemoryPlan:
         if not training:
             return "none: not training"
         if self.gradients_kept_for is None:
-            return (f"only in flight: the step groups being summed or stepped, about {self.num_devices + 1} of the "
+            note = (f"only in flight: the step groups being summed or stepped, about {self.num_devices + 1} of the "
                     "largest (nothing reads them whole; keep_gradients='always' keeps them)")
+            if self.rounds_may_add_bytes:
+                note += (f"; if round_size='auto' dispatches in rounds, up to {format_bytes(self.rounds_may_add_bytes)}"
+                         " more (a round's sums wait for the last round: round_size='whole' bounds them)")
+            return note
         return f"every trainable parameter's, in its dtype, kept whole for {self.gradients_kept_for}"
 
     def rows(self) -> list[tuple[str, str, str]]:

@@ -305,7 +305,14 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
     world_size = 1 if data_parallel is None else data_parallel.world_size
     sharded = data_parallel is not None and data_parallel.shard_optimizer
     training = trainer_fn == "fit"
-    return plan_memory(
+    whole_in_rounds = False  # whether rounds may sum every step group's gradients until the last round
+    if gradients_kept_for is None and not options.async_step:
+        if isinstance(options.round_size, int):
+            gradients_kept_for = (f"round_size={options.round_size} (a round's sums wait for the last round, when "
+                                  "the batch has more microbatches than that)")
+        elif options.round_size == "auto" and not options.deferred_batchnorm and options.offload == "none":
+            whole_in_rounds = True
+    memory_plan = plan_memory(
         module, engine.trunk, engine.plan, optimizers if training else [], devices=engine.torch_devices,
         async_step=options.async_step, recompute=options.recompute, device_memory_limit=engine.device_budget,
         pin_memory=options.pin_memory, training=training, trainer_fn=trainer_fn,
@@ -314,6 +321,10 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         offload=options.offload, offload_dir=options.offload_dir, frozen=engine.frozen_selection(),
         disk_written=engine.master_files.written_bytes() if engine.master_files is not None else 0,
         frozen_weights=options.frozen_weights, stochastic_rounding=options.stochastic_rounding)
+    if whole_in_rounds and training:
+        whole = tensors_nbytes(param for param in module.parameters() if param.requires_grad)
+        memory_plan.rounds_may_add_bytes = max(0, whole - memory_plan.gradient_bytes)
+    return memory_plan
 
 
 def _free_for_tier(offload_dir: str | None, written: int) -> int | None:

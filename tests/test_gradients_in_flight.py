@@ -110,3 +110,26 @@ def test_the_memory_plan_counts_the_gradients_in_flight_or_names_what_keeps_them
     whole = sum(param.numel() * 4 for param in Classifier().parameters())
     assert kept.gradient_bytes == whole and "_Timer.on_train_batch_end" in kept.table()
     assert 0 < in_flight.gradient_bytes < whole and "in flight" in in_flight.table()
+
+
+@pytest.mark.parametrize(("options", "counted", "may_add"), [
+    ({"round_size": 2}, "whole", False),                                 # rounds asked for: their sums wait for the last
+    ({}, "in flight", True),                                             # "auto" in sync mode may choose rounds
+    ({"async_step": True}, "in flight", False),                          # "auto" never chooses rounds in async mode
+    ({"round_size": "whole"}, "in flight", False),
+    ({"offload": "optimizer"}, "in flight", False),                      # nor with the disk tier
+], ids=["rounds", "auto-sync", "auto-async", "whole-jobs", "auto-disk-tier"])
+def test_the_memory_plan_counts_what_rounds_keep_of_the_gradients(options, counted, may_add, tmp_path):
+    """Rounds of microbatches sum every step group's gradients until the last round: a plan with rounds counts the
+    whole model's gradients, one where ``round_size="auto"`` may choose them says what they would add."""
+    if "offload" in options:
+        options = {**options, "offload_dir": tmp_path}
+    strategy = RoundPipeStrategy(num_microbatches=4, num_stages=2, **options)
+    _fit(strategy, False, {"max_steps": 1}, [])
+    plan = strategy.memory_plan
+    whole = sum(param.numel() * 4 for param in Classifier().parameters())  # float32, every parameter trained
+    assert (plan.gradient_bytes == whole) == (counted == "whole")
+    assert plan.rounds_may_add_bytes == (whole - plan.gradient_bytes if may_add else 0)
+    assert ("if round_size='auto' dispatches in rounds" in plan.table()) == may_add
+    if counted == "whole":
+        assert "round_size=2" in plan.table()

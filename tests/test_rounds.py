@@ -207,3 +207,23 @@ def test_the_round_size_follows_the_cost_of_a_job():
     plan = Plan.from_sizes([2, 2, 3], 1, [1] * 7)
     assert choose_round_size(plan, costs, 8, 16, recompute_ahead=True) == 8
     assert choose_round_size(plan, costs, 8, 16, recompute_ahead=True, job_cost=100.0) is None
+
+
+def test_auto_never_dispatches_in_rounds_with_the_disk_tier(tmp_path, monkeypatch):
+    """``round_size="auto"`` with ``offload``: whole jobs even where the simulator predicts rounds faster (rounds
+    would keep every step group's gradients until the last round, the memory the tier saves)."""
+    from types import SimpleNamespace
+
+    from lightning_roundpipe.engine import dispatch as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "choose_round_size", lambda *args, **kwargs: 2)
+    for tier, expected in (({}, 2), ({"offload": "optimizer", "offload_dir": str(tmp_path)}, None)):
+        with RoundPipeEngine(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [torch.device("cpu")] * 2,
+                             EngineOptions(round_size="auto", **tier)) as engine:
+            dispatcher = engine.dispatcher
+            planner = dispatcher.planner
+            dispatcher.planner = SimpleNamespace(estimate=[], settled=True, job_cost=0.0)  # type: ignore[assignment]
+            try:
+                assert dispatcher.round_size(planner.plan, 4) == expected
+            finally:
+                dispatcher.planner = planner

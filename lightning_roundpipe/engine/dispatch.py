@@ -225,15 +225,18 @@ class Dispatcher:
         fixed cost once more, which the first estimates do not know; under deterministic algorithms nothing is
         measured, so always), then the dispatch :func:`~lightning_roundpipe.planning.simulate.choose_round_size`
         predicts fastest for a sync iteration from those costs and the last step's time per layer, in the order
-        its parts ran. Decided again only when the plan, the batch split or the settled state of the
-        measurements changes, so the dispatch (and the order gradients are summed in) does not flap."""
+        its parts ran. Never with the disk tier (``offload``): a round's gradient sums wait for the last round, so
+        rounds hold every step group's gradients, the memory the tier is there to save. Decided again only when the
+        plan, the batch split or the settled state of the measurements changes, so the dispatch (and the order
+        gradients are summed in) does not flap."""
         option = self.options.round_size
         if option == "whole" or num_microbatches == 1:
             return None
         if option != "auto":
             return option if option < num_microbatches else None
         costs = self.planner.estimate
-        if self.options.async_step or self.options.deferred_batchnorm or costs is None:
+        if (self.options.async_step or self.options.deferred_batchnorm or self.options.offload != "none"
+                or costs is None):
             return None
         key = (plan, num_microbatches, self.planner.settled)
         if self._rounds_for[0] != key:
