@@ -57,7 +57,10 @@ Step time: the median from one batch start to the next, over ``--steps`` steps a
 
 Where a tier slows the step: each tier's step against ``in flight`` at several microbatch counts (``--sweep``):
 more microbatches per step means more device time per step for the same disk bytes, so the first count at which
-the ratio is at most ``TOLERANCE`` is the batch at which the tier stops costing (on this machine's disk).
+the ratio is at most ``TOLERANCE`` is the batch at which the tier stops costing (on this machine's disk). These runs
+are for their step time alone: glibc's default allocator (``MALLOC_MMAP_THRESHOLD_`` maps and faults in every
+large block afresh, CPU time that on 2 cores slowed the in-memory step by about a third and the tiers more) and a
+memory sample a second at most (a sample of the tier's files is kernel time for each of their pages).
 
 A second table splits the steady peak's sample: what the engine's own parts held then (:func:`known_parts`: the
 upload copies, the tier's pages in memory, the gradient sums kept for reuse, the download buffers) and the rest
@@ -322,13 +325,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_child(config: str, microbatches: int, args: argparse.Namespace, layers: int | None = None,
-              checkpoint: str | None = None, save_checkpoint: str | None = None) -> dict[str, Any]:
+              checkpoint: str | None = None, save_checkpoint: str | None = None,
+              timing: bool = False) -> dict[str, Any]:
+    """``config`` in a process of its own; ``timing``: for its step time alone, with glibc's default allocator and
+    a sample a second at most (a sample of the disk tier asks the kernel about every page of its files)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         layers = args.layers if layers is None else layers
         command = [sys.executable, __file__, "--child", config, "--out", out.name, "--microbatches", str(microbatches),
                    "--width", str(args.width), "--layers", str(layers), "--steps", str(args.steps),
                    "--forward-ms", str(args.forward_ms), "--layers-per-stage", str(args.layers_per_stage),
-                   "--rank", str(args.rank), "--interval", str(args.interval)]
+                   "--rank", str(args.rank), "--interval", str(max(args.interval, 1.0) if timing else args.interval)]
         if args.dir is not None:
             command += ["--dir", args.dir]
         if checkpoint is not None:
@@ -337,8 +343,12 @@ def run_child(config: str, microbatches: int, args: argparse.Namespace, layers: 
             command += ["--save-checkpoint", save_checkpoint]
         # glibc keeps a freed block of up to 32 MB in its heap once one such block was freed (its dynamic mmap
         # threshold), so the resident set would keep the high-water mark of every allocation; with a fixed
-        # threshold, large blocks go back to the system when freed and the resident set follows what is live
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+        # threshold, large blocks go back to the system when freed and the resident set follows what is live. That
+        # costs CPU time (each such block is mapped and faulted in afresh, the host step's temporaries too), so
+        # step times are measured without it
+        env = {key: value for key, value in os.environ.items() if key != "MALLOC_MMAP_THRESHOLD_"}
+        if not timing:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
         result = subprocess.run(command, capture_output=True, text=True, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"{config} failed:\n{result.stderr[-3000:]}")
@@ -441,8 +451,7 @@ def main() -> int:
     timing = {tier: {} for tier in ("in-flight", *TIERS)}
     for microbatches in sweep:
         for tier in timing:
-            reuse = microbatches == args.microbatches
-            timing[tier][microbatches] = (results[tier] if reuse else run_child(tier, microbatches, args))["step_s"]
+            timing[tier][microbatches] = run_child(tier, microbatches, args, timing=True)["step_s"]
     print("\nStep time against the in-memory run (in flight), by microbatches per step")
     print("| microbatches | in memory ms/step | " + " | ".join(f"{CONFIGS[t][0]} ms/step (ratio)" for t in TIERS) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in TIERS) + " |")
