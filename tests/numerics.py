@@ -170,6 +170,16 @@ def assert_same_optimizer_state(ours: Any, reference: Any) -> None:
         assert_states_equal(entry, reference_state["state"][key])
 
 
+def assert_same_run(ours: nn.Module, reference: nn.Module, ours_trainer: Any, reference_trainer: Any) -> None:
+    """Bitwise: two runs of modules that record their training losses in ``losses`` (``ours`` may have resumed: the
+    reference's last ones), their weights, and their trainers' first optimizer's state dicts."""
+    assert 0 < len(ours.losses) <= len(reference.losses)
+    later = reference.losses[len(reference.losses) - len(ours.losses):]
+    assert all(torch.equal(a, b) for a, b in zip(ours.losses, later, strict=True))
+    assert_states_equal(ours, reference)
+    assert_same_optimizer_state(ours_trainer, reference_trainer)
+
+
 def assert_states_equal(ours: Mapping[str, Any] | nn.Module, reference: Mapping[str, Any] | nn.Module) -> None:
     """Bitwise: for results of the same kernels on the same data in the same order (NaN equals NaN)."""
     maps = [state(m) if isinstance(m, nn.Module) else m for m in (ours, reference)]

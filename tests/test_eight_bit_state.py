@@ -25,7 +25,7 @@ from lightning_roundpipe.hostmem import HostLimits, format_bytes
 from lightning_roundpipe.optimizer_state import optimizer_state_bytes
 from lightning_roundpipe.preflight import HostMemoryError
 from tests.models import delayed_update_reference, fit_three_class, one_microbatch_strategy, three_class_data
-from tests.numerics import assert_states_equal
+from tests.numerics import assert_same_run, assert_states_equal
 
 bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.optim import GlobalOptimManager  # noqa: E402 - after the skip
@@ -84,21 +84,6 @@ def _states(module: Net, trainer: pl.Trainer) -> dict[str, dict]:
     return {names[id(param)]: dict(entry) for param, entry in trainer.optimizers[0].state.items()}
 
 
-def _assert_same_run(ours: Net, reference: Net, ours_trainer: pl.Trainer, reference_trainer: pl.Trainer) -> None:
-    """Bitwise the same weights and state, and the same losses (``ours`` may have resumed: the last ones)."""
-    assert 0 < len(ours.losses) <= len(reference.losses)
-    later = reference.losses[len(reference.losses) - len(ours.losses):]
-    assert all(torch.equal(a, b) for a, b in zip(ours.losses, later, strict=True))
-    assert_states_equal(ours, reference)
-    ours_state, reference_state = _states(ours, ours_trainer), _states(reference, reference_trainer)
-    assert ours_state.keys() == reference_state.keys()
-    for name, entry in ours_state.items():
-        assert entry.keys() == reference_state[name].keys(), name
-        assert entry.pop("step") == reference_state[name].pop("step"), name
-        assert_states_equal({f"{name}.{key}": value for key, value in entry.items()},
-                            {f"{name}.{key}": value for key, value in reference_state[name].items()})
-
-
 def _moment_dtypes(module: Net, trainer: pl.Trainer) -> dict[str, torch.dtype]:
     return {name: entry["state1"].dtype for name, entry in _states(module, trainer).items()}
 
@@ -109,7 +94,7 @@ def test_eight_bit_state_trains_bitwise_as_plain_lightning_and_steps_by_stage(tm
     strategy = one_microbatch_strategy()
     trainer = _fit(module, strategy, tmp_path)
     reference_trainer = _fit(reference, "auto", tmp_path)
-    _assert_same_run(module, reference, trainer, reference_trainer)
+    assert_same_run(module, reference, trainer, reference_trainer)
     # the pre-flight plan counted the state the run made, and says how it is kept
     made = sum(value.nbytes for entry in trainer.optimizers[0].state.values() for key, value in entry.items()
                if isinstance(value, torch.Tensor) and not key.startswith("qmap"))
@@ -128,7 +113,7 @@ def test_a_module_override_keeps_its_moments_in_32_bits_as_under_plain_lightning
     assert _moment_dtypes(reference, reference_trainer)["net.0.weight"] == torch.float32
     assert _moment_dtypes(module, trainer)["net.0.weight"] == torch.float32
     assert _moment_dtypes(module, trainer)["net.2.weight"] == torch.uint8
-    _assert_same_run(module, reference, trainer, reference_trainer)
+    assert_same_run(module, reference, trainer, reference_trainer)
 
 
 def test_a_first_step_stores_the_moments_of_their_definition_within_the_quantisation_bound(tmp_path):
@@ -170,7 +155,7 @@ def test_the_disk_tier_keeps_eight_bit_state_bitwise(tmp_path, offload, precisio
     strategy = one_microbatch_strategy(offload=offload, offload_dir=tmp_path / "state")
     trainer = _fit(module, strategy, tmp_path, precision=precision)
     reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
-    _assert_same_run(module, reference, trainer, reference_trainer)
+    assert_same_run(module, reference, trainer, reference_trainer)
 
 
 def test_a_checkpoint_keeps_eight_bit_state_and_resumes_with_or_without_the_strategy(tmp_path):
@@ -187,7 +172,7 @@ def test_a_checkpoint_keeps_eight_bit_state_and_resumes_with_or_without_the_stra
         resumed = Net()
         trainer = _fit(resumed, strategy, tmp_path, ckpt_path=checkpoint)
         assert len(resumed.losses) == len(uninterrupted.losses) // 2  # the second epoch
-        _assert_same_run(resumed, uninterrupted, trainer, reference_trainer)
+        assert_same_run(resumed, uninterrupted, trainer, reference_trainer)
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW8bit", "Lion8bit", "AdamW"])

@@ -19,7 +19,7 @@ from torch import nn
 import lightning_roundpipe  # noqa: F401 - registers the strategy names (editable installs have no .pth hook)
 from lightning_roundpipe.nf4 import BLOCK, NF4_LEVELS, NF4Linear, from_nf4, to_nf4
 from tests.models import fit_three_class, one_microbatch_strategy
-from tests.numerics import assert_states_equal
+from tests.numerics import assert_same_run
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
@@ -181,17 +181,6 @@ def _fit(module: QLoRANet, strategy, root: pathlib.Path, epochs: int = 2, ckpt_p
                            checkpointing=checkpointing, precision=precision)
 
 
-def _assert_same_run(ours: QLoRANet, reference: QLoRANet, ours_trainer: pl.Trainer,
-                     reference_trainer: pl.Trainer) -> None:
-    """Bitwise the same weights (the 4-bit bases untouched), optimizer state and losses (``ours`` may have resumed:
-    the last ones)."""
-    later = reference.losses[len(reference.losses) - len(ours.losses):]
-    assert 0 < len(ours.losses) and all(torch.equal(a, b) for a, b in zip(ours.losses, later, strict=True))
-    assert_states_equal(ours, reference)
-    assert_states_equal(ours_trainer.optimizers[0].state_dict()["state"],
-                        reference_trainer.optimizers[0].state_dict()["state"])
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_qlora_trains_bitwise_as_plain_lightning_with_the_base_uploaded_in_four_bits(tmp_path, precision):
     module, reference = QLoRANet(), QLoRANet()
@@ -199,7 +188,7 @@ def test_qlora_trains_bitwise_as_plain_lightning_with_the_base_uploaded_in_four_
     strategy = one_microbatch_strategy()
     trainer = _fit(module, strategy, tmp_path, precision=precision)
     reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
-    _assert_same_run(module, reference, trainer, reference_trainer)
+    assert_same_run(module, reference, trainer, reference_trainer)
     for name, value in module.state_dict().items():
         if "base.weight" in name:
             assert torch.equal(value, initial[name]), f"frozen {name} changed"
@@ -228,7 +217,7 @@ def test_the_disk_tier_takes_a_qlora_run_unchanged(tmp_path, offload, precision)
     strategy = one_microbatch_strategy(offload=offload, offload_dir=tmp_path / "state")
     trainer = _fit(module, strategy, tmp_path, precision=precision)
     reference_trainer = _fit(reference, "auto", tmp_path, precision=precision)
-    _assert_same_run(module, reference, trainer, reference_trainer)
+    assert_same_run(module, reference, trainer, reference_trainer)
 
 
 def test_a_qlora_checkpoint_resumes_with_or_without_the_strategy_and_keeps_the_base_in_four_bits(tmp_path):
@@ -244,4 +233,4 @@ def test_a_qlora_checkpoint_resumes_with_or_without_the_strategy_and_keeps_the_b
         resumed = QLoRANet()
         trainer = _fit(resumed, strategy, tmp_path, ckpt_path=checkpoint)
         assert len(resumed.losses) == len(uninterrupted.losses) // 2  # the second epoch
-        _assert_same_run(resumed, uninterrupted, trainer, reference_trainer)
+        assert_same_run(resumed, uninterrupted, trainer, reference_trainer)
