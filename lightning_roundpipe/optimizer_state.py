@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_roundpipe.engine.step import eight_bit
+from lightning_roundpipe.engine.step.rounding import ROUNDED
 
 
 def _scalar_bytes() -> int:
@@ -91,7 +92,7 @@ def optimizer_state_bytes(optimizer: Any, widened: bool = False) -> tuple[int, s
         for param in group["params"]:
             if not param.requires_grad:
                 continue
-            widens = widened and param.dtype == torch.bfloat16
+            widens = widened and param.dtype == ROUNDED  # the dtype stochastic rounding steps in float32
             widened_any = widened_any or widens
             element_size = 4 if widens else param.element_size()
             if buffers < 0:

@@ -203,7 +203,8 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
                 processes_per_node: int = 1, optimizer_shards: int = 1, world_size: int = 1,
                 gradients_kept_for: str | None = "param.grad", offload: str = "none",
                 offload_dir: str | None = None, disk_written: int = 0, frozen: FrozenSelection | None = None,
-                frozen_weights: str = "auto", stochastic_rounding: bool = False) -> MemoryPlan:
+                frozen_weights: str = "auto", stochastic_rounding: bool = False,
+                rounds_possible: bool = False) -> MemoryPlan:
     """The memory plan of training ``module`` (the whole LightningModule; ``trunk`` is its pipelined part)
     with ``plan`` on ``devices`` and ``optimizers`` (not yet stepped). ``training=False`` (validate, test,
     predict) counts no gradients and no optimizer state. ``limits`` defaults to :func:`read_host_limits`.
@@ -225,14 +226,20 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
     the masters; ``disk_written``: the bytes the engine moved there before start, which count as free). ``frozen``:
     the frozen weights the engine will keep at compute width
     (``RoundPipeEngine.frozen_selection``) under the ``frozen_weights`` option: their masters are freed at start
-    (each becomes its own upload copy). ``stochastic_rounding``: the state of bfloat16 parameters is float32."""
+    (each becomes its own upload copy). ``stochastic_rounding``: the state of bfloat16 parameters is float32.
+    ``rounds_possible``: with gradients in flight, ``round_size="auto"`` may dispatch in rounds, which keep every
+    step group's gradients until the last round; the plan says what that would add."""
     _check_process_counts(processes_per_node=processes_per_node, optimizer_shards=optimizer_shards,
                           world_size=world_size)
     limits = read_host_limits() if limits is None else limits
     host = _host_figures(module, trunk, optimizers, training, async_step, stochastic_rounding)
+    rounds_may_add = 0
     if training and gradients_kept_for is None:
+        whole_gradients = host.gradient_bytes
         host = host._replace(next_gradient_bytes=0, gradient_bytes=_in_flight_gradient_bytes(
-            module, trunk, plan, len(devices), host.gradient_bytes))
+            module, trunk, plan, len(devices), whole_gradients))
+        if rounds_possible:
+            rounds_may_add = whole_gradients - host.gradient_bytes
     # the host copies uploads read instead of the masters: async's published copy, the low-precision copies
     upload_copies, upload_reads = upload_copy_bytes(trunk, async_step=async_step, transport=transport)
     sync_copies = upload_copy_bytes(trunk, async_step=False, transport=transport)[0]
@@ -273,7 +280,7 @@ def plan_memory(module: nn.Module, trunk: Trunk, plan: Plan, optimizers: Sequenc
         async_only_copy_bytes=upload_copies - sync_copies,
         processes_per_node=processes_per_node, optimizer_shards=optimizer_shards, world_size=world_size,
         unsharded_optimizer_state_bytes=host.optimizer_bytes, staging_bytes=staging,
-        gradients_kept_for=gradients_kept_for if training else None,
+        gradients_kept_for=gradients_kept_for if training else None, rounds_may_add_bytes=rounds_may_add,
         offload=offload, offload_dir=offload_dir, disk_state_bytes=disk_state, disk_master_bytes=disk_masters,
         disk_free_bytes=_free_for_tier(offload_dir, disk_written) if offload != "none" else None,
         state_in_flight_bytes=in_flight_state, movable_master_bytes=movable_masters,
@@ -305,14 +312,14 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
     world_size = 1 if data_parallel is None else data_parallel.world_size
     sharded = data_parallel is not None and data_parallel.shard_optimizer
     training = trainer_fn == "fit"
-    whole_in_rounds = False  # whether rounds may sum every step group's gradients until the last round
+    rounds_possible = False  # whether "auto" may dispatch in rounds, which keep every group's gradients
     if gradients_kept_for is None and not options.async_step:
         if isinstance(options.round_size, int):
             gradients_kept_for = (f"round_size={options.round_size} (a round's sums wait for the last round, when "
                                   "the batch has more microbatches than that)")
         elif options.round_size == "auto" and not options.deferred_batchnorm and options.offload == "none":
-            whole_in_rounds = True
-    memory_plan = plan_memory(
+            rounds_possible = True
+    return plan_memory(
         module, engine.trunk, engine.plan, optimizers if training else [], devices=engine.torch_devices,
         async_step=options.async_step, recompute=options.recompute, device_memory_limit=engine.device_budget,
         pin_memory=options.pin_memory, training=training, trainer_fn=trainer_fn,
@@ -320,11 +327,8 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         optimizer_shards=world_size if sharded else 1, world_size=world_size, gradients_kept_for=gradients_kept_for,
         offload=options.offload, offload_dir=options.offload_dir, frozen=engine.frozen_selection(),
         disk_written=engine.master_files.written_bytes() if engine.master_files is not None else 0,
-        frozen_weights=options.frozen_weights, stochastic_rounding=options.stochastic_rounding)
-    if whole_in_rounds and training:
-        whole = tensors_nbytes(param for param in module.parameters() if param.requires_grad)
-        memory_plan.rounds_may_add_bytes = max(0, whole - memory_plan.gradient_bytes)
-    return memory_plan
+        frozen_weights=options.frozen_weights, stochastic_rounding=options.stochastic_rounding,
+        rounds_possible=rounds_possible)
 
 
 def _free_for_tier(offload_dir: str | None, written: int) -> int | None:
