@@ -16,6 +16,7 @@ inside its matmul) the results must stay within what ``bf16-mixed`` itself chang
 from __future__ import annotations
 
 import functools
+import itertools
 
 import lightning.pytorch as pl
 import pytest
@@ -201,6 +202,26 @@ def test_grad_staging_views_are_shaped_aligned_and_reused():
     assert other.views(grads)[0].data_ptr() not in pointers
     buffer.release()
     assert staging.acquire(AbortSignal(5.0)) is buffer
+
+
+def test_grad_staging_views_follow_each_layout_and_the_memory_when_it_grows():
+    # jobs of different layouts take turns on a buffer; one larger than the memory makes it grow, after which
+    # every layout's views lie in the new memory, each its own non-overlapping range, shaped like its gradients
+    buffer = GradStaging(pin=False).acquire(AbortSignal(5.0))
+    small = [torch.ones(4, 4), torch.ones(3, dtype=torch.bfloat16)]
+    other = [torch.ones(2), torch.ones(5, 2)]
+    large = [torch.ones(64, 64)]
+    for grads in (small, other, small, large, other, small):
+        views = buffer.views(grads)
+        assert buffer.memory is not None
+        start = buffer.memory.data_ptr()
+        ranges = sorted((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()) for view in views)
+        assert all(start <= low and high <= start + buffer.memory.numel() for low, high in ranges)
+        assert all(high <= low for (_, high), (low, _) in itertools.pairwise(ranges))
+        assert [(view.shape, view.dtype) for view in views] == [(grad.shape, grad.dtype) for grad in grads]
+        for view, grad in zip(views, grads, strict=True):
+            view.copy_(grad * 3)
+        assert all(torch.equal(view, grad * 3) for view, grad in zip(buffer.views(grads), grads, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- pre-flight

@@ -293,8 +293,11 @@ class StageOperations:
         grads = [grad for grad in per_slot if grad is not None]
         buffer = staging.acquire(self._abort)
         host = buffer.views(grads)
-        for target, grad in zip(host, grads, strict=True):
-            target.copy_(grad, non_blocking=True)
+        if device.is_cuda:
+            for target, grad in zip(host, grads, strict=True):
+                target.copy_(grad, non_blocking=True)
+        elif host:  # one torch call for them all: each call gives up the GIL (StagingBuffer.views says why)
+            torch._foreach_copy_(host, grads)
         device.download_stream.copy_late(grads, host)  # stress mode: they land at the synchronize
         device.download_stream.synchronize()
         downloaded = iter(host)

@@ -322,12 +322,24 @@ class GradStaging:
 class StagingBuffer:
     """One buffer of a :class:`GradStaging`: host tensors for one job's gradients at a time."""
 
+    _KEPT_LAYOUTS = 16  # the views of this many layouts are kept (a device's jobs each have one)
+
     def __init__(self, staging: GradStaging) -> None:
         self._staging = staging
         self.memory: torch.Tensor | None = None
+        self._views: dict[tuple[tuple[torch.dtype, torch.Size], ...], list[torch.Tensor]] = {}
 
     def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host tensors shaped like ``tensors``, carved out of the buffer's memory (grown if too small)."""
+        """Host tensors shaped like ``tensors``, carved out of the buffer's memory (grown if too small).
+
+        The views of a layout (the dtypes and shapes, in order) are made once per memory and kept: a job's
+        gradients then download with no tensor call besides their copies. Each torch call releases the GIL and
+        takes it back, which, while another thread runs Python (Lightning's loop, the user's hooks), can wait
+        for that thread's switch interval: carving 28 views took 68 ms beside a busy Python thread, 0.08 alone."""
+        layout = tuple((tensor.dtype, tensor.shape) for tensor in tensors)
+        kept = self._views.get(layout)
+        if kept is not None:
+            return list(kept)
         align = GradStaging._ALIGN
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
         offsets, total = [], 0
@@ -336,11 +348,16 @@ class StagingBuffer:
             total += -(-size // align) * align
         if self.memory is None or self.memory.numel() < total:
             outgrown, self.memory = self.memory, None
+            self._views.clear()  # views of the outgrown memory would keep it alive
             self.memory = self._staging._allocate(total, outgrown)
             del outgrown  # freed now, after its registration
         memory = self.memory
-        return [memory[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+        made = [memory[offset:offset + size].view(tensor.dtype).view(tensor.shape)
                 for tensor, offset, size in zip(tensors, offsets, sizes, strict=True)]
+        if len(self._views) >= self._KEPT_LAYOUTS:
+            del self._views[next(iter(self._views))]  # the oldest layout
+        self._views[layout] = made
+        return list(made)
 
     def release(self) -> None:
         """The window has summed out of this buffer's tensors: the next job may use it."""
