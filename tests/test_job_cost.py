@@ -292,8 +292,10 @@ def test_uploads_reuse_only_the_memory_of_released_stage_copies():
     small_freed = released.params[0][1]
     released.params.clear()  # what operations.finish does once nothing reads the copy any more
     spares.collect()
-    reused = spares.copy(torch.full((n,), 2.0), cpu)
+    # a layer's tensors at once: the spare for the one that has one, fresh memory for the other, each its value
+    reused, small_fresh = spares.copy_all([torch.full((n,), 2.0), torch.full((n - 1,), 5.0)], cpu)
     assert reused.data_ptr() == freed.data_ptr() and torch.equal(reused, torch.full((n,), 2.0))
+    assert small_fresh.data_ptr() != small_freed.data_ptr() and torch.equal(small_fresh, torch.full((n - 1,), 5.0))
     fresh = spares.copy(torch.full((n,), 3.0), cpu)  # no spare left: new memory, never the live copy's
     assert fresh.data_ptr() not in (kept.data_ptr(), freed.data_ptr()) and torch.equal(kept, torch.ones(n))
     small = spares.copy(torch.full((n - 1,), 4.0), cpu)  # too small to be kept: the allocator's own

@@ -199,13 +199,27 @@ class UploadSpares:
 
     def copy(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``copy_tensor(source, device)``, into a spare of its shape where there is one."""
-        spares = (self._free.get(self._key(source))
-                  if type(source) is torch.Tensor and nbytes_of(source) >= self.SMALLEST else None)
-        if not spares:
-            return copy_tensor(source, device)
-        target = spares.pop()
-        self._free_bytes -= nbytes_of(target)
-        return target.copy_(source)
+        return self.copy_all([source], device)[0]
+
+    def copy_all(self, sources: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """:meth:`copy` of each of ``sources``; the copies into spares in one torch call, as each call gives up
+        the GIL and may wait for it while another thread runs Python (``transport.StagingBuffer.views``)."""
+        copies: list[torch.Tensor] = []
+        into, sent = [], []  # spares and their sources
+        for source in sources:
+            spares = (self._free.get(self._key(source))
+                      if type(source) is torch.Tensor and nbytes_of(source) >= self.SMALLEST else None)
+            if not spares:
+                copies.append(copy_tensor(source, device))
+                continue
+            target = spares.pop()
+            self._free_bytes -= nbytes_of(target)
+            copies.append(target)
+            into.append(target)
+            sent.append(source)
+        if into:
+            torch._foreach_copy_(into, sent)
+        return copies
 
     def collect(self) -> None:
         """Take back what the stage copies released since the last call held."""
@@ -291,8 +305,10 @@ class StageRunner:
         if spares is not None:
             spares.collect()
 
-        def copy(source: torch.Tensor, to: torch.device) -> torch.Tensor:
-            return spares.copy(source, to) if spares is not None else copy_tensor(source, to, asynchronous)
+        def copy(sources: list[torch.Tensor], to: torch.device) -> list[torch.Tensor]:
+            if spares is not None:
+                return spares.copy_all(sources, to)
+            return [copy_tensor(source, to, asynchronous) for source in sources]
         made: list[torch.Tensor] = []
         # a backward job recomputes each layer on the buffer snapshots its forward saw (bound before the layer
         # runs) and writes no buffer: the live buffers, which another job may be writing back, are not uploaded
@@ -300,9 +316,9 @@ class StageRunner:
         for layer in task.job.layers:
             state = self.trunk.states[layer]
             host = [sources.source(param, layer, low_precision) for param in state.params]
-            params = [copy(source, device.torch_device) for source in host]
+            params = copy(host, device.torch_device)
             host_buffers = [buffer.detach() for buffer in state.buffers] if upload_buffers else []
-            buffers = [copy(buffer, device.torch_device) for buffer in host_buffers]
+            buffers = copy(host_buffers, device.torch_device)
             made += params + buffers
             if device.stress:  # the copies land late, at the synchronize below
                 device.param_stream.copy_late(host + host_buffers, params + buffers)
@@ -329,7 +345,7 @@ class StageRunner:
                 # forward's outputs, which the loss is computed from, must be bitwise the recompute's and
                 # plain training's
                 if param.requires_grad:
-                    copied.requires_grad_(True)
+                    copied.requires_grad = True  # not requires_grad_(): no dispatcher call, which gives up the GIL
                 resident += copies * nbytes_of(copied)
             resident += tensors_nbytes(stage_copy.buffers[layer])
         stage_copy.nbytes = resident
