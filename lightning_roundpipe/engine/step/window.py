@@ -16,6 +16,7 @@ step is in flight (but not change a gradient it handed over in place: the step r
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -35,20 +36,29 @@ from lightning_roundpipe.engine.errors import EngineAborted
 _COUNTS_REFERENCES = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.Tensor, "_use_count")
 
 
+@functools.cache
+def _alone_counts() -> tuple[int, int, int]:
+    """The reference counts of a tensor that one frame alone holds, measured as :func:`_unseen` measures its
+    argument's (Python references, holders of the tensor, holders of its storage): made once, since making the
+    probe is a torch call, and each gives up the GIL (``transport.StagingBuffer.views`` says what that costs)."""
+    probe = torch.empty(1)
+    return (sys.getrefcount(probe), probe._use_count(),  # type: ignore[attr-defined]
+            torch._C._storage_Use_Count(probe.untyped_storage()._cdata))
+
+
 def _unseen(tensor: torch.Tensor) -> bool:
     """Whether nothing but the caller's one reference can see ``tensor`` or its memory: no other Python reference
     (``param.grad`` kept by a callback), no weak one, no C++ holder of it (a parameter's or a stand-in's ``.grad``)
-    and no other tensor on its storage (a view). The counts are compared with those of a tensor this function
-    alone holds, so they do not depend on how the interpreter counts a frame's references."""
+    and no other tensor on its storage (a view). The counts are compared with those of a tensor one frame alone
+    holds (:func:`_alone_counts`), so they do not depend on how the interpreter counts a frame's references."""
     if not _COUNTS_REFERENCES:
         return False
-    probe = torch.empty(1)
-    return (sys.getrefcount(tensor) <= sys.getrefcount(probe) + 1  # the caller's reference on top of this frame's
+    references, holders, storage_holders = _alone_counts()
+    return (sys.getrefcount(tensor) <= references + 1  # the caller's reference on top of this frame's
             and weakref.getweakrefcount(tensor) == 0
-            and tensor._use_count() == probe._use_count()  # type: ignore[attr-defined]
+            and tensor._use_count() == holders  # type: ignore[attr-defined]
             and tensor._base is None
-            and (torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-                 <= torch._C._storage_Use_Count(probe.untyped_storage()._cdata)))
+            and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= storage_holders)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
