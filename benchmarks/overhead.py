@@ -47,6 +47,11 @@ teardown, which are not per-step overheads. The first ``--warmup`` steps of ever
 ``CPU ms/step`` is the process's CPU time (all threads) per step, from the same callback: less
 sensitive to a busy machine than wall time, and for (c) it shows the work the engine's helper threads
 add (copies, hand-offs), which on an idle machine can partly overlap the compute on the second core.
+``switches/step`` counts the process's context switches per step (``getrusage``): voluntary ones (a thread
+blocked: waiting for another thread's event or queue, or for the GIL) and involuntary ones (a thread preempted:
+more runnable threads than cores). (a) and (b) run on one thread and make next to none; the engine's
+hand-offs between its threads are each a voluntary switch and a wake-up, whose latency (tens of microseconds
+on a virtual machine) a CPU stand-in device pays on its critical path.
 The verdict lines ((c)/(b) and (d)/(a)) add two cross-checks: by CPU time, and by each run's 10th-percentile step
 time (noise from other processes only ever adds time, so the fastest steps are the least disturbed).
 
@@ -67,6 +72,7 @@ import cProfile
 import itertools
 import json
 import pstats
+import resource
 import statistics
 import sys
 import threading
@@ -118,12 +124,15 @@ class StepTimer(pl.Callback):
         self.warmup = warmup
         self.starts: list[float] = []
         self.cpu: list[float] = []  # process CPU time, all threads
+        self.switches: list[tuple[int, int]] = []  # the process's context switches so far: voluntary, involuntary
         self.compute: list[float] = []
         self.engine = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.switches.append((usage.ru_nvcsw, usage.ru_nivcsw))
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             self.engine = engine
@@ -134,6 +143,12 @@ class StepTimer(pl.Callback):
 
     def cpu_seconds(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self.cpu[self.warmup:])]
+
+    def switches_per_step(self) -> tuple[float, float]:
+        """Median context switches per step of the process's threads: voluntary (a thread blocked: waiting for
+        another thread, an event, the GIL) and involuntary (preempted: more runnable threads than cores)."""
+        steps = list(itertools.pairwise(self.switches[self.warmup:]))
+        return (statistics.median(b[0] - a[0] for a, b in steps), statistics.median(b[1] - a[1] for a, b in steps))
 
     def compute_share(self) -> float | None:
         """Share of the measured wall time the (one) device spent computing; None if not RoundPipe."""
@@ -226,7 +241,7 @@ def run_once(variant: str, args: argparse.Namespace, profile: CpuProfile | None 
     median = statistics.median(times)
     result = {"variant": variant, "median_step_s": median, "tokens_per_s": args.batch * args.context / median,
               "median_cpu_s": statistics.median(timer.cpu_seconds()), "steps": len(times),
-              "p10_step_s": statistics.quantiles(times, n=10)[0]}
+              "p10_step_s": statistics.quantiles(times, n=10)[0], "switches_per_step": timer.switches_per_step()}
     if timer.engine is not None:
         result["compute_share"] = timer.compute_share()
         result["plan"] = plan_shape(timer.engine.plan)
@@ -303,18 +318,20 @@ def summarize(rounds: list[dict[str, dict]], args: argparse.Namespace) -> dict:
     summary = {}
     print()
     print(f"{'variant':<27} {'ms/step':>8} {'tokens/s':>9} {'vs (b)':>7} {'(min..max)':>12} {'vs (a)':>7} "
-          f"{'(min..max)':>12} {'CPU ms/step':>12}")
+          f"{'(min..max)':>12} {'CPU ms/step':>12} {'switches/step':>14}")
     for variant in VARIANTS:
         tps = statistics.median(r[variant]["tokens_per_s"] for r in rounds)
         ms = 1e3 * statistics.median(r[variant]["median_step_s"] for r in rounds)
         cpu = 1e3 * statistics.median(r[variant]["median_cpu_s"] for r in rounds)
+        voluntary, involuntary = (statistics.median(r[variant]["switches_per_step"][kind] for r in rounds)
+                                  for kind in (0, 1))
         vb, va = ratios(variant, "b"), ratios(variant, "a")
         summary[variant] = {"name": NAMES[variant], "median_ms_per_step": ms, "median_tokens_per_s": tps,
                             "ratio_vs_b": statistics.median(vb), "ratio_vs_a": statistics.median(va),
                             "ratio_vs_b_range": [min(vb), max(vb)], "ratio_vs_a_range": [min(va), max(va)],
-                            "median_cpu_ms_per_step": cpu}
+                            "median_cpu_ms_per_step": cpu, "switches_per_step": [voluntary, involuntary]}
         print(f"{NAMES[variant]:<27} {ms:8.1f} {tps:9.0f} {statistics.median(vb):7.3f} "
-              f"{min(vb):5.2f}..{max(vb):<5.2f} {statistics.median(va):7.3f} {min(va):5.2f}..{max(va):<5.2f} {cpu:12.1f}")
+              f"{min(vb):5.2f}..{max(vb):<5.2f} {statistics.median(va):7.3f} {min(va):5.2f}..{max(va):<5.2f} {cpu:12.1f} {f'{voluntary:.0f} + {involuntary:.0f}':>14}")
     shares = [r["c"]["compute_share"] for r in rounds if r["c"].get("compute_share") is not None]
     if shares:
         print(f"\n(c) plans (layers per stage, forward | fused | backward): {plan_shape_of(rounds, 'c')}; (d): "
