@@ -317,7 +317,7 @@ def plan_for(engine: RoundPipeEngine, module: nn.Module, optimizers: Sequence[An
         if isinstance(options.round_size, int):
             gradients_kept_for = (f"round_size={options.round_size} (a round's sums wait for the last round, when "
                                   "the batch has more microbatches than that)")
-        elif options.round_size == "auto" and not options.deferred_batchnorm and options.offload == "none":
+        elif options.round_size == "auto" and options.auto_may_use_rounds:
             rounds_possible = True
     return plan_memory(
         module, engine.trunk, engine.plan, optimizers if training else [], devices=engine.torch_devices,

@@ -285,7 +285,7 @@ def test_uploads_reuse_only_the_memory_of_released_stage_copies():
     spares = UploadSpares()
     live, released = StageCopy(), StageCopy()
     for stage_copy in (live, released):
-        copied = [spares.copy(torch.ones(n), cpu), spares.copy(torch.ones(n - 1), cpu)]
+        copied = spares.copy_all([torch.ones(n), torch.ones(n - 1)], cpu)
         stage_copy.params[0] = copied
         spares.watch(stage_copy, copied)
     kept, freed = live.params[0][0], released.params[0][0]
@@ -296,9 +296,9 @@ def test_uploads_reuse_only_the_memory_of_released_stage_copies():
     reused, small_fresh = spares.copy_all([torch.full((n,), 2.0), torch.full((n - 1,), 5.0)], cpu)
     assert reused.data_ptr() == freed.data_ptr() and torch.equal(reused, torch.full((n,), 2.0))
     assert small_fresh.data_ptr() != small_freed.data_ptr() and torch.equal(small_fresh, torch.full((n - 1,), 5.0))
-    fresh = spares.copy(torch.full((n,), 3.0), cpu)  # no spare left: new memory, never the live copy's
+    (fresh,) = spares.copy_all([torch.full((n,), 3.0)], cpu)  # no spare left: new memory, never the live copy's
     assert fresh.data_ptr() not in (kept.data_ptr(), freed.data_ptr()) and torch.equal(kept, torch.ones(n))
-    small = spares.copy(torch.full((n - 1,), 4.0), cpu)  # too small to be kept: the allocator's own
+    (small,) = spares.copy_all([torch.full((n - 1,), 4.0)], cpu)  # too small to be kept: the allocator's own
     assert small.data_ptr() != small_freed.data_ptr()  # (small_freed is alive here: not reusable by malloc)
     assert torch.equal(small, torch.full((n - 1,), 4.0)) and not small.requires_grad
 

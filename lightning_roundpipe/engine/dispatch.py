@@ -235,8 +235,7 @@ class Dispatcher:
         if option != "auto":
             return option if option < num_microbatches else None
         costs = self.planner.estimate
-        if (self.options.async_step or self.options.deferred_batchnorm or self.options.offload != "none"
-                or costs is None):
+        if not self.options.auto_may_use_rounds or costs is None:
             return None
         key = (plan, num_microbatches, self.planner.settled)
         if self._rounds_for[0] != key:

@@ -104,8 +104,9 @@ class EngineOptions:
     fixed cost of a job are measured (always under ``torch.use_deterministic_algorithms``), then whole jobs
     or rounds of N or 2N (N devices in the ring), whichever the simulator predicts faster for the current
     plan, those costs and the host step (logged when it changes); decided again when the plan changes or
-    the measurements settle. Whole jobs in async mode (the next iteration fills the drain) and with
-    ``deferred_batchnorm``, which needs them.
+    the measurements settle. Whole jobs in async mode (the next iteration fills the drain), with
+    ``deferred_batchnorm``, which needs them, and with the disk tier (``offload``: rounds keep every step group's
+    gradients until the last round, the memory the tier saves) (:attr:`auto_may_use_rounds`).
     Rounds sum the microbatches' gradients in another order (equal within float rounding)."""
 
     async_step: bool = False
@@ -305,6 +306,12 @@ class EngineOptions:
         limit = self.device_memory_limit
         assert not isinstance(limit, str), "parsed in __post_init__"
         return limit
+
+    @property
+    def auto_may_use_rounds(self) -> bool:
+        """Whether ``round_size="auto"`` may choose rounds: in sync mode, without ``deferred_batchnorm`` and without
+        the disk tier (see ``round_size``). The dispatch and the pre-flight's memory plan both ask this."""
+        return not self.async_step and not self.deferred_batchnorm and self.offload == "none"
 
     def microbatches_for(self, num_devices: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else default_microbatches(num_devices)

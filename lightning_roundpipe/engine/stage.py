@@ -197,13 +197,10 @@ class UploadSpares:
     def _key(tensor: torch.Tensor) -> tuple[Any, ...]:
         return tuple(tensor.shape), tensor.stride(), tensor.dtype
 
-    def copy(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``copy_tensor(source, device)``, into a spare of its shape where there is one."""
-        return self.copy_all([source], device)[0]
-
     def copy_all(self, sources: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        """:meth:`copy` of each of ``sources``; the copies into spares in one torch call, as each call gives up
-        the GIL and may wait for it while another thread runs Python (``transport.StagingBuffer.views``)."""
+        """``copy_tensor(source, device)`` of each of ``sources``, into a spare of its shape where there is one;
+        the copies into spares in one torch call, as each call gives up the GIL and may wait for it while another
+        thread runs Python (``transport.StagingBuffer.views``)."""
         copies: list[torch.Tensor] = []
         into, sent = [], []  # spares and their sources
         for source in sources:
@@ -238,7 +235,7 @@ class UploadSpares:
                 del self._free[key]
 
     def watch(self, stage_copy: StageCopy, copies: list[torch.Tensor]) -> None:
-        """``copies`` (made by :meth:`copy`) are free once ``stage_copy`` is released."""
+        """``copies`` (made by :meth:`copy_all`) are free once ``stage_copy`` is released."""
         self._most = max(self._most, tensors_nbytes(copies))
         # detached aliases: the same memory, not the stage's tensors (their gradients and autograd state)
         self._watched.append((stage_copy, [(self._key(tensor), tensor.detach()) for tensor in copies
