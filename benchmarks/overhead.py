@@ -16,8 +16,10 @@ checkpointing, no progress bar):
   layers and the loss) is never recomputed, like the head here.
 * ``(c) roundpipe``: ``RoundPipeStrategy(num_microbatches=1, num_stages=1)`` on one CPU device, sync step, the
   loss fused with ``pipeline_loss`` (``ByteLM(fused=True)``): one forward stage, the head fused with the loss,
-  and a backward stage that recomputes every layer before it, so the FLOPs are (b)'s (the embedding is
-  recomputed too, which (b) does not wrap, a negligible difference). The difference to (b) is the engine's
+  and backward stages that recompute every layer before it, so the FLOPs are (b)'s (the embedding is
+  recomputed too, which (b) does not wrap, a negligible difference). The planner sizes the backward stages
+  as for a ring, each about as costly as the forward stage (at the default size four of them, so six jobs a
+  step: the output's plan line shows them). The difference to (b) is the engine's
   own cost: per-stage parameter copies to the "device" and gradient copies back (real copies even on a CPU
   device), thread hand-offs between the main, worker, stream and optimizer threads, and bookkeeping.
   ``--num-stages auto`` lets the planner choose instead (on one device without a memory limit it weighs
