@@ -54,6 +54,10 @@ blocked: waiting for another thread's event or queue, or for the GIL) and involu
 more runnable threads than cores). (a) and (b) run on one thread and make next to none; the engine's
 hand-offs between its threads are each a voluntary switch and a wake-up, whose latency (tens of microseconds
 on a virtual machine) a CPU stand-in device pays on its critical path.
+``CPU ms/step by thread`` (Linux only, (c) and (d)): each thread's CPU time over the measured steps, from
+``/proc/self/task``, the median over rounds: where the engine's extra CPU goes (its compute thread, the host
+optimizer, the main thread's Lightning loop and dispatch, the copies and hand-offs of the stream threads). The
+kernel counts it in clock ticks (10 ms), so a figure is exact to about 10 ms over the measured steps.
 The verdict lines ((c)/(b) and (d)/(a)) add two cross-checks: by CPU time, and by each run's 10th-percentile step
 time (noise from other processes only ever adds time, so the fastest steps are the least disturbed).
 
@@ -73,6 +77,7 @@ import argparse
 import cProfile
 import itertools
 import json
+import os
 import pstats
 import resource
 import statistics
@@ -117,13 +122,30 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """Each live thread's CPU time so far (user + system), by thread name; empty where ``/proc`` does not have it."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    seconds = {}
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        except (OSError, IndexError):
+            continue
+        seconds[thread.name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime: fields 14, 15
+    return seconds
+
+
 class StepTimer(pl.Callback):
-    """Times from one ``on_train_batch_start`` to the next; also samples the engine's compute counter."""
+    """Times from one ``on_train_batch_start`` to the next; also samples the engine's compute counter and, given
+    ``measured`` (the steps after the warm-up), each thread's CPU time at the first and the last measured start."""
 
     roundpipe_reads_gradients = False  # reads no gradient: RoundPipe need not gather them for this hook
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, measured: int | None = None) -> None:
         self.warmup = warmup
+        self.measured = measured
+        self.thread_cpu: list[dict[str, float]] = []  # at the first and the last measured start
         self.starts: list[float] = []
         self.cpu: list[float] = []  # process CPU time, all threads
         self.switches: list[tuple[int, int]] = []  # the process's context switches so far: voluntary, involuntary
@@ -135,6 +157,8 @@ class StepTimer(pl.Callback):
         self.cpu.append(time.process_time())
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.switches.append((usage.ru_nvcsw, usage.ru_nivcsw))
+        if self.measured is not None and len(self.starts) - 1 in (self.warmup, self.warmup + self.measured):
+            self.thread_cpu.append(thread_cpu_seconds())
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             self.engine = engine
@@ -145,6 +169,14 @@ class StepTimer(pl.Callback):
 
     def cpu_seconds(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self.cpu[self.warmup:])]
+
+    def thread_cpu_per_step(self) -> dict[str, float]:
+        """CPU seconds per measured step of each thread alive at both ends of the measured steps, by thread name
+        (empty without ``measured`` or ``/proc``)."""
+        if len(self.thread_cpu) < 2 or not self.measured:
+            return {}
+        first, last = self.thread_cpu[0], self.thread_cpu[-1]
+        return {name: (last[name] - first[name]) / self.measured for name in last if name in first}
 
     def switches_per_step(self) -> tuple[float, float]:
         """Median context switches per step of the process's threads: voluntary (a thread blocked: waiting for
@@ -233,7 +265,7 @@ def run_once(variant: str, args: argparse.Namespace, profile: CpuProfile | None 
         strategy = RoundPipeStrategy(num_microbatches=1, num_stages=stages)
     else:
         strategy = SingleDeviceStrategy(device=torch.device("cpu"))
-    timer = StepTimer(args.warmup)
+    timer = StepTimer(args.warmup, args.steps)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0,
@@ -243,12 +275,30 @@ def run_once(variant: str, args: argparse.Namespace, profile: CpuProfile | None 
     median = statistics.median(times)
     result = {"variant": variant, "median_step_s": median, "tokens_per_s": args.batch * args.context / median,
               "median_cpu_s": statistics.median(timer.cpu_seconds()), "steps": len(times),
-              "p10_step_s": statistics.quantiles(times, n=10)[0], "switches_per_step": timer.switches_per_step()}
+              "p10_step_s": statistics.quantiles(times, n=10)[0], "switches_per_step": timer.switches_per_step(),
+              "thread_cpu_s": timer.thread_cpu_per_step()}
     if timer.engine is not None:
         result["compute_share"] = timer.compute_share()
         result["plan"] = plan_shape(timer.engine.plan)
         result["recomputed_blocks"] = recomputed_blocks(timer.engine.plan, args.depth)
     return result
+
+
+def variant_label(variant: str) -> str:
+    return NAMES[variant].split(" ", 1)[0]
+
+
+def thread_breakdown(rounds: list[dict[str, dict]], variant: str) -> dict[str, float]:
+    """``variant``'s CPU ms per step by thread, the median over the rounds that measured it, the largest first;
+    the engine's threads named without their ``roundpipe-`` prefix, Lightning's thread as ``main``."""
+    per_round = [r[variant].get("thread_cpu_s") or {} for r in rounds]
+    names = {name for measured in per_round for name in measured}
+    medians = {}
+    for name in names:
+        values = [measured[name] for measured in per_round if name in measured]
+        short = "main" if name == "MainThread" else name.removeprefix("roundpipe-")
+        medians[short] = 1e3 * statistics.median(values)
+    return dict(sorted(medians.items(), key=lambda item: -item[1]))
 
 
 def recomputed_blocks(plan, depth: int) -> int:
@@ -339,6 +389,13 @@ def summarize(rounds: list[dict[str, dict]], args: argparse.Namespace) -> dict:
         print(f"\n(c) plans (layers per stage, forward | fused | backward): {plan_shape_of(rounds, 'c')}; (d): "
               f"{plan_shape_of(rounds, 'd')}. (c)'s device compute share of the step period: median "
               f"{statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, Lightning)")
+    for variant in ("c", "d"):
+        by_thread = thread_breakdown(rounds, variant)
+        if by_thread:
+            summary[variant]["thread_cpu_ms_per_step"] = by_thread
+            tick = 1e3 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100) / args.steps
+            print(f"{variant_label(variant)} CPU ms/step by thread (median over rounds, each to {tick:.1f}): " + ", ".join(
+                f"{name} {ms:.1f}" for name, ms in by_thread.items()))
     fewer = sorted({r["c"]["recomputed_blocks"] for r in rounds if r["c"].get("recomputed_blocks", args.depth) < args.depth})
     if fewer:
         print(f"Note: (c)'s last plans recomputed only {' or '.join(map(str, fewer))} of the {args.depth} blocks (b) "

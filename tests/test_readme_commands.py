@@ -226,7 +226,8 @@ COMMANDS: dict[str, Check] = {
               "rounds", "seconds")),
     "python benchmarks/overhead.py [--quick]": Benchmark(
         (r"^variant +ms/step +tokens/s", r"^\(c\) roundpipe, 1 device", r"^\(d\) roundpipe, no recompute",
-         r"^Verdict: \(c\)/\(b\) = \d", r"^Verdict: \(d\)/\(a\) = \d"),
+         r"^\(c\) CPU ms/step by thread .*: .*dev0-compute \d", r"^Verdict: \(c\)/\(b\) = \d",
+         r"^Verdict: \(d\)/\(a\) = \d"),
         sized=("--quick",), json=("config", "summary", "rounds", "seconds")),
     "python benchmarks/overhead.py --profile d": Benchmark(  # the engine's threads are profiled too
         (r"^\(d\) roundpipe, no recompute, 2 measured steps under cProfile", r"^all threads, CPU ms/step: \d",
