@@ -122,9 +122,12 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
+CLOCK_TICK_S = 1 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+"""The unit of the kernel's per-thread CPU times (``/proc/self/task/*/stat``)."""
+
+
 def thread_cpu_seconds() -> dict[str, float]:
     """Each live thread's CPU time so far (user + system), by thread name; empty where ``/proc`` does not have it."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     seconds = {}
     for thread in threading.enumerate():
         try:
@@ -132,7 +135,7 @@ def thread_cpu_seconds() -> dict[str, float]:
                 fields = stat.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
         except (OSError, IndexError):
             continue
-        seconds[thread.name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime: fields 14, 15
+        seconds[thread.name] = (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S  # utime, stime: fields 14, 15
     return seconds
 
 
@@ -393,9 +396,8 @@ def summarize(rounds: list[dict[str, dict]], args: argparse.Namespace) -> dict:
         by_thread = thread_breakdown(rounds, variant)
         if by_thread:
             summary[variant]["thread_cpu_ms_per_step"] = by_thread
-            tick = 1e3 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100) / args.steps
-            print(f"{variant_label(variant)} CPU ms/step by thread (median over rounds, each to {tick:.1f}): " + ", ".join(
-                f"{name} {ms:.1f}" for name, ms in by_thread.items()))
+            print(f"{variant_label(variant)} CPU ms/step by thread (median over rounds, each to "
+                  f"{1e3 * CLOCK_TICK_S / args.steps:.1f}): " + ", ".join(f"{name} {ms:.1f}" for name, ms in by_thread.items()))
     fewer = sorted({r["c"]["recomputed_blocks"] for r in rounds if r["c"].get("recomputed_blocks", args.depth) < args.depth})
     if fewer:
         print(f"Note: (c)'s last plans recomputed only {' or '.join(map(str, fewer))} of the {args.depth} blocks (b) "
