@@ -291,17 +291,23 @@ def variant_label(variant: str) -> str:
     return NAMES[variant].split(" ", 1)[0]
 
 
-def thread_breakdown(rounds: list[dict[str, dict]], variant: str) -> dict[str, float]:
-    """``variant``'s CPU ms per step by thread, the median over the rounds that measured it, the largest first;
-    the engine's threads named without their ``roundpipe-`` prefix, Lightning's thread as ``main``."""
-    per_round = [r[variant].get("thread_cpu_s") or {} for r in rounds]
-    names = {name for measured in per_round for name in measured}
+def median_by_thread(per_run: list[dict[str, float]]) -> dict[str, float]:
+    """CPU ms per step by thread (``StepTimer.thread_cpu_per_step`` of each run), the median over the runs that
+    measured the thread, the largest first; the engine's threads named without their ``roundpipe-`` prefix,
+    Lightning's thread as ``main``."""
+    names = {name for measured in per_run for name in measured}
     medians = {}
     for name in names:
-        values = [measured[name] for measured in per_round if name in measured]
+        values = [measured[name] for measured in per_run if name in measured]
         short = "main" if name == "MainThread" else name.removeprefix("roundpipe-")
         medians[short] = 1e3 * statistics.median(values)
     return dict(sorted(medians.items(), key=lambda item: -item[1]))
+
+
+def by_thread_line(by_thread: dict[str, float], steps: int) -> str:
+    """``median_by_thread``'s figures in one line, with the resolution of the kernel's clock over ``steps``."""
+    return (f"CPU ms/step by thread (median over rounds, each to {1e3 * CLOCK_TICK_S / steps:.1f}): "
+            + ", ".join(f"{name} {ms:.1f}" for name, ms in by_thread.items()))
 
 
 def recomputed_blocks(plan, depth: int) -> int:
@@ -393,11 +399,10 @@ def summarize(rounds: list[dict[str, dict]], args: argparse.Namespace) -> dict:
               f"{plan_shape_of(rounds, 'd')}. (c)'s device compute share of the step period: median "
               f"{statistics.median(shares):.2f} (the rest: copies, hand-offs, host step, Lightning)")
     for variant in ("c", "d"):
-        by_thread = thread_breakdown(rounds, variant)
+        by_thread = median_by_thread([r[variant].get("thread_cpu_s") or {} for r in rounds])
         if by_thread:
             summary[variant]["thread_cpu_ms_per_step"] = by_thread
-            print(f"{variant_label(variant)} CPU ms/step by thread (median over rounds, each to "
-                  f"{1e3 * CLOCK_TICK_S / args.steps:.1f}): " + ", ".join(f"{name} {ms:.1f}" for name, ms in by_thread.items()))
+            print(f"{variant_label(variant)} {by_thread_line(by_thread, args.steps)}")
     fewer = sorted({r["c"]["recomputed_blocks"] for r in rounds if r["c"].get("recomputed_blocks", args.depth) < args.depth})
     if fewer:
         print(f"Note: (c)'s last plans recomputed only {' or '.join(map(str, fewer))} of the {args.depth} blocks (b) "

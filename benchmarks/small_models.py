@@ -24,7 +24,8 @@ next, the first ``--warmup`` steps dropped, interleaved rounds of fresh ``fit``s
 then the median over rounds; the ratio is the median of the per-round ratios (min..max shown). Two cross-checks
 less sensitive to a busy machine, each the median over rounds of a paired ratio: by CPU time (the process's, all
 threads), and by each run's fastest-decile step (noise from other processes only ever adds time, so the fastest
-steps are the least disturbed). The verdict is the medians'.
+steps are the least disturbed). The verdict is the medians'. Then, per model and strategy (Linux only), each
+thread's CPU ms per step as ``overhead.py`` prints them: where the engine's extra CPU goes.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import add_smoke, quiet, sized  # noqa: E402
-from overhead import StepTimer  # noqa: E402
+from overhead import StepTimer, by_thread_line, median_by_thread  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -138,20 +139,25 @@ def build(model: str, args: argparse.Namespace) -> tuple[Classifier, RandomImage
     return Classifier(net, "adamw"), RandomImages((3, args.image, args.image), 10, args.vit_batch, count)
 
 
-def run_once(model: str, strategy: str, args: argparse.Namespace) -> tuple[float, float, float]:
-    """One fresh ``fit``: its median step, its median CPU time (the process's, all threads) and its fastest-decile
-    step (the 10th percentile), in seconds."""
+Run = tuple[float, float, float, dict[str, float]]
+"""One ``fit``'s figures (:func:`run_once`)."""
+
+
+def run_once(model: str, strategy: str, args: argparse.Namespace) -> Run:
+    """One fresh ``fit``: its median step, its median CPU time (the process's, all threads), its fastest-decile
+    step (the 10th percentile), in seconds, and each thread's CPU seconds per measured step, by thread name."""
     module, data = build(model, args)
-    timer = StepTimer(args.warmup)
+    timer = StepTimer(args.warmup, args.steps)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=args.warmup + args.steps + 1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
     trainer.fit(module, datamodule=data)
     steps = timer.step_seconds()
-    return statistics.median(steps), statistics.median(timer.cpu_seconds()), statistics.quantiles(steps, n=10)[0]
+    return (statistics.median(steps), statistics.median(timer.cpu_seconds()), statistics.quantiles(steps, n=10)[0],
+            timer.thread_cpu_per_step())
 
 
-def paired_ratio(runs: dict[str, list[tuple[float, float, float]]], field: int) -> float:
+def paired_ratio(runs: dict[str, list[Run]], field: int) -> float:
     """The median over rounds of roundpipe's figure ``field`` (0: median step, 1: CPU time, 2: fastest-decile step)
     over the default strategy's in the same round."""
     return statistics.median(r[field] / a[field] for a, r in zip(runs["auto"], runs["roundpipe"], strict=True))
@@ -193,7 +199,7 @@ def main() -> int:
           f"{args.steps} measured steps; cli-app: CNN {args.channels}/{2 * args.channels} channels, batch "
           f"{args.cnn_batch}, Adam; vit-tiny: width {args.width}, {args.depth} blocks, {args.image}px images in "
           f"{args.patch}px patches, batch {args.vit_batch}, AdamW; fp32")
-    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {model: {s: [] for s in STRATEGIES}
+    results: dict[str, dict[str, list[Run]]] = {model: {s: [] for s in STRATEGIES}
                                                                  for model in ("cli-app", "vit-tiny")}
     for index in range(args.repeats):
         for model, runs in results.items():
@@ -219,6 +225,14 @@ def main() -> int:
         print(f"| {model} | {row['default_ms']:.1f} | {row['roundpipe_ms']:.1f} | {row['ratio']:.2f} "
               f"({min(ratios):.2f}..{max(ratios):.2f}) | {cpu['auto']:.1f} / {cpu['roundpipe']:.1f} | "
               f"{row['cpu_ratio']:.2f} | {row['fast_ratio']:.2f} |")
+    print()
+    for model, runs in results.items():
+        for strategy in STRATEGIES:
+            by_thread = median_by_thread([run[3] for run in runs[strategy]])
+            if by_thread:
+                summary[model][f"{strategy}_thread_cpu_ms"] = by_thread
+                print(f"{model}, {'default strategy' if strategy == 'auto' else strategy}: "
+                      f"{by_thread_line(by_thread, args.steps)}")
     worst = max(row["ratio"] for row in summary.values())
     print(f"Verdict: roundpipe / default at most {worst:.2f}x -> target <= {TARGET}x "
           f"{'MET' if worst <= TARGET else 'NOT MET'}. Cross-checks, the worst model: by CPU time "

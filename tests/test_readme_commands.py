@@ -234,6 +234,7 @@ COMMANDS: dict[str, Check] = {
          r"^\| `engine/stage\.py:fused_microbatch` \| \d+\.\d\d \| 1\.0 \|$")),
     "python benchmarks/small_models.py [--quick]": Benchmark(
         (r"^\| model \| default strategy ms/step \| roundpipe ms/step", r"^\| cli-app \| \d", r"^\| vit-tiny \| \d",
+         r"^cli-app, roundpipe: CPU ms/step by thread .*: .*dev0-compute \d",
          r"^Verdict: roundpipe / default at most \d"), sized=("--quick",), json=("config", "summary", "runs")),
     "python benchmarks/memory.py [--quick] [--transport off]": Benchmark(
         (r"^Device memory \(engine accounting", r"^Host bytes per parameter", r"^total +\d+\.\d\d +\d+\.\d\d$",
