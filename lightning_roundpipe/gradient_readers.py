@@ -6,6 +6,7 @@ model's gradients (``StrategyOptions.keep_gradients``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,25 +43,38 @@ def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
         return None
 
 
-def _gradient_hook_override(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
-    """The first of ``hooks`` in which ``obj`` (a LightningModule or a callback) has user code: an override
-    defined outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
-    if getattr(obj, "roundpipe_reads_gradients", True) is False:
-        return None
+def first_override(obj: Any, base: type, hooks: tuple[str, ...], counts: Callable[[type], bool]) -> str | None:
+    """The first of ``hooks`` that ``obj`` (a LightningModule or a callback) overrides with code that counts: one
+    set on the instance (``LambdaCallback``'s), or one defined in a class below ``base`` for which ``counts``
+    is true."""
     for hook in hooks:
         if hook in vars(obj):
             return hook
         for cls in type(obj).__mro__:
             if hook in vars(cls):
-                if cls is not base and not (cls.__module__ or "").startswith(_NOT_USER_CODE):
+                if cls is not base and counts(cls):
                     return hook
                 break
     return None
 
 
-def gradient_hook_reader(module: pl.LightningModule | None, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
-    """Who may read ``param.grad`` in ``hooks``: ``"Owner.hook"`` for the first override of the module's or a
-    callback's, ``"manual optimization"`` (anywhere, right after ``manual_backward`` say), or ``None``."""
+def is_user_code(cls: type) -> bool:
+    """Whether ``cls`` is defined outside Lightning and this package."""
+    return not (cls.__module__ or "").startswith(_NOT_USER_CODE)
+
+
+def _gradient_hook_override(obj: Any, base: type, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
+    """The first of ``hooks`` in which ``obj`` (a LightningModule or a callback) has user code: an override
+    defined outside Lightning and this package, unless ``obj`` says ``roundpipe_reads_gradients = False``."""
+    if getattr(obj, "roundpipe_reads_gradients", True) is False:
+        return None
+    return first_override(obj, base, hooks, is_user_code)
+
+
+def first_hook_of_run(module: pl.LightningModule | None, override: Callable[[Any, type], str | None]) -> str | None:
+    """``"Owner.hook"`` for the first of the module and its Trainer's callbacks for which ``override(obj, base)``
+    (``base``: ``LightningModule`` or ``Callback``) names a hook, ``"manual optimization"`` (the user's
+    ``training_step`` then runs between backward and step, and after the step), or ``None``."""
     if module is None:
         return None
     if not module.automatic_optimization:
@@ -68,10 +82,16 @@ def gradient_hook_reader(module: pl.LightningModule | None, hooks: tuple[str, ..
     trainer = trainer_of(module)
     callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
     for obj, base in [(module, pl.LightningModule), *((callback, pl.Callback) for callback in callbacks)]:
-        hook = _gradient_hook_override(obj, base, hooks)
+        hook = override(obj, base)
         if hook is not None:
             return f"{type(obj).__name__}.{hook}"
     return None
+
+
+def gradient_hook_reader(module: pl.LightningModule | None, hooks: tuple[str, ...] = GRADIENT_HOOKS) -> str | None:
+    """Who may read ``param.grad`` in ``hooks``: ``"Owner.hook"`` for the first override of the module's or a
+    callback's, ``"manual optimization"`` (anywhere, right after ``manual_backward`` say), or ``None``."""
+    return first_hook_of_run(module, lambda obj, base: _gradient_hook_override(obj, base, hooks))
 
 
 def whole_gradients_reader(module: pl.LightningModule | None, precision_plugin: Any) -> str | None:

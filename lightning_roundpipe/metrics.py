@@ -18,7 +18,7 @@ class PipelineMetrics(Callback):
     steps (when Lightning's loggers write), at the last batch of each epoch and at the fit's last step (so the
     final figures are there for whoever reads them after ``fit``): each figure covers the steps since the last
     report. Not every step: a ``log`` call costs about 1 ms, which on a small model is a sizeable
-    share of the step. ``engine`` returns the running engine, or ``None`` between fits."""
+    share of the step, and in sync mode the figures first wait for the step (``weight_readers.py``). ``engine`` returns the running engine, or ``None`` between fits."""
 
     def __init__(self, engine: Callable[[], RoundPipeEngine | None]) -> None:
         self._engine = engine
@@ -35,6 +35,8 @@ class PipelineMetrics(Callback):
         if trainer.global_step % max(every, 1) and not last:
             return  # the figures accumulate until the next logging step
         self._logged_step = trainer.global_step
+        if not engine.options.async_step:  # a sync step may still run (the strategy waits at the next batch):
+            engine.synchronize()            # the figures cover it whole, as they always did
         for name, value in engine.pipeline_metrics().items():
             pl_module.log(f"roundpipe/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 

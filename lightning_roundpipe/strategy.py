@@ -35,6 +35,10 @@ backward that made them until ``zero_grad``, whenever user code could read them,
 * otherwise (and for objects that declare ``roundpipe_reads_gradients = False``) the gradients go from the
   pipeline to the optimizer thread without a wait; sync mode still shows the step's gradients after it.
 
+A sync step is waited for before user code can see the weights it writes: right after it is queued where a hook
+of the user's may run before the next batch arrives, else when it arrives (``batch_to_device``), so that Lightning's
+end of the batch and the next fetch overlap the step (:mod:`~lightning_roundpipe.weight_readers`).
+
 ``zero_grad`` works as usual; zeroing in place (``set_to_none=False``) first lets the step in flight finish,
 as it reads those tensors.
 
@@ -90,6 +94,7 @@ from lightning_roundpipe.strategy_options import (
 )
 from lightning_roundpipe.strategy_processes import RingProcessStrategy
 from lightning_roundpipe.trunk import build_module_trunk
+from lightning_roundpipe.weight_readers import weights_reader_between_steps
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +224,8 @@ class RoundPipeStrategy(RingProcessStrategy):
         self._materialize_from: tuple[Mapping[str, Any], bool] | None = None
         self._restore_matmul: Callable[[], None] | None = None  # undoes fp16_accumulation's process-global flag
         self._gradients_said: tuple[str | None] | None = None  # what kept the last step's gradients, once logged
+        self._waits_said: tuple[str | None] | None = None  # where sync steps are waited for, once logged
+        self._step_unwaited = False  # a sync step runs on until the next batch arrives (``_wait_for_step``)
 
     # ------------------------------------------------------------------ the host as root device
     @property
@@ -352,6 +359,7 @@ class RoundPipeStrategy(RingProcessStrategy):
         self._guard_zero_grad()  # in case Lightning rebuilt its optimizer wrappers after setup
 
     def _release(self, finish_steps: bool, finish_jobs: bool = True) -> None:
+        self._step_unwaited = False  # closing finishes the steps, or drops them after a failure
         if self.engine is not None:
             self.engine.close(finish_steps=finish_steps, finish_jobs=finish_steps and finish_jobs)
             self._write_timeline()
@@ -499,17 +507,53 @@ class RoundPipeStrategy(RingProcessStrategy):
         precision.queue_step(self.precision_plugin, self.engine, optimizer, module, result,
                              keep_gradients=reader is not None, **kwargs)
         if not self.engine_options.async_step:
-            # what Lightning runs next (on_train_batch_end, an epoch's end and start, the next batch's hooks)
-            # sees the step done and every buffer copied back, as under its default strategy: a callback may
-            # read the weights (SWA's average, EMA) or write them (``param.data = ...``, ``load_state_dict``,
-            # SWA's BatchNorm reset), which must not race the step on the optimizer thread. Sync uploads wait
-            # for the step anyway; what no longer overlaps it is the main thread's own work until the next
-            # upload (hooks, the next batch, dispatch).
+            # user code that runs next sees the step done and every buffer copied back, as under Lightning's
+            # default strategy: a callback may read the weights (SWA's average, EMA) or write them
+            # (``param.data = ...``, ``load_state_dict``, SWA's BatchNorm reset), and ``training_step`` may read
+            # them, which must not race the step on the optimizer thread. Where no hook of the user's runs before
+            # the next batch reaches the strategy, the wait is there (``_wait_for_step``): Lightning's end of the
+            # batch and the next batch's fetch overlap the step's tail (sync uploads wait for the step anyway)
+            if reader is None and self._step_may_run_until_next_batch():
+                self._step_unwaited = True
+                return result
             self.engine.synchronize()
             # and param.grad holds the step's gradients until zero_grad(), as under the default strategy: a
             # step that follows no backward (SWA's BatchNorm epoch) applies them again, as Lightning's would
             self.engine.restore_gradients()
         return result
+
+    def _step_may_run_until_next_batch(self) -> bool:
+        """Whether nothing of the user's may see the weights between this sync step and the next batch's arrival
+        (``weight_readers.py``); one process only: another's collectives between steps (``self.log(...,
+        sync_dist=True)``, a stop decision) would interleave with this process's step."""
+        reader = weights_reader_between_steps(self.lightning_module)
+        if self._waits_said != (reader,):
+            self._waits_said = (reader,)
+            log.debug("RoundPipe waits for each sync step %s", "when the next batch arrives" if reader is None
+                      else f"right after it is queued: {reader} may read the weights")
+        return reader is None and self.world_size == 1
+
+    def _wait_for_step(self) -> None:
+        """Wait for a sync step left to run past ``optimizer_step`` (see there), before anything reads the weights."""
+        if self._step_unwaited:
+            self._step_unwaited = False
+            if self.engine is not None and not self.engine.closed:
+                self.engine.synchronize()
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        self._wait_for_step()  # before the module's transfer hooks and everything of the batch after them
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._wait_for_step()  # a loop fetching from `dataloader_iter` moves no batch
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._wait_for_step()
+        return super().validation_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def _quiesce(self) -> None:
