@@ -21,10 +21,12 @@ configurations: without clipping, and with ``Trainer(gradient_clip_val=1.0)``:
   in ``param.grad``: sync shows them once its step is done, without a wait; async has no such point and waits
   for each backward (the strategy's docstring says why). Verdict: sync/async with the callback, each against
   the same variant without it, and sync with the callback against async without it.
-* ``sync, no synchronize()`` (not with ``--quick``): a diagnostic, the strategy less the
-  ``engine.synchronize()`` its ``optimizer_step`` makes after every sync step (a subclass that queues the
-  step and returns). The engine keeps sync exact without it (uploads wait for the step); the strategy waits
-  so that callbacks after the step see current weights. Its difference to ``sync`` is what that wait costs.
+* ``sync, no synchronize()`` (not with ``--quick``): a diagnostic, the strategy less its wait for every sync step
+  (a subclass whose ``optimizer_step`` queues the step and returns). The engine keeps sync exact without it
+  (uploads wait for the step); the strategy waits so that user code sees current weights: right after the step
+  where a hook of the user's may run before the next batch or the step keeps its gradients (here: with
+  clipping), else when the next batch arrives (here: without clipping; the step timer's hook runs after that).
+  Its difference to ``sync`` is what that wait costs.
 
 Emulated devices. On a GPU the devices do not use host cores, so the host step competes only with the
 runtime's own threads. CPU stand-in devices compute on host cores, so here a device's compute is mostly a
@@ -59,8 +61,8 @@ Timing, as in ``overhead.py``: per step, from one ``on_train_batch_start`` to th
 engine's ``optimizer_seconds`` per step and ``exposed`` its ``optimizer_exposed_seconds`` (device time spent
 waiting for a step's weights, per device), both from ``engine.pipeline_metrics()``, read by the callback at
 each step (the strategy's own metrics logging is off); medians per run, then over the rounds. ``exposed``
-is about 0 for ``sync``: there the strategy's ``synchronize()`` waits on the main thread for the step before
-the next batch is dispatched, so the devices never wait for weights; the wait is in ``ms/step``. Ratios
+is about 0 for ``sync``: there the strategy waits on the main thread for the step before the next batch is
+dispatched, so the devices never wait for weights; the wait is in ``ms/step``. Ratios
 (``vs async``) are medians of the per-round ratios (each between runs of the same round), with their
 min..max, against the faster async variant of the configuration (``async`` or ``async, streaming_step off``,
 the one with more samples/s over the rounds): sync is held to async at its best.
@@ -212,8 +214,8 @@ class EmulatedModel(pl.LightningModule):
 
 
 class WithoutSynchronize(RoundPipeStrategy):
-    """Diagnostic only: the strategy's ``optimizer_step`` less the ``engine.synchronize()`` after a sync step
-    (safe here: no callback reads or writes the weights between steps)."""
+    """Diagnostic only: the strategy's ``optimizer_step`` less its wait for a sync step (safe here: nothing reads or
+    writes the weights between steps, nor in ``training_step``)."""
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         module = model or self.lightning_module
@@ -528,7 +530,7 @@ def main() -> None:
     if "sync_nosync" in variants:
         for config in CONFIGS:
             with_wait, without = (summary[config][v]["median_ms_per_step"] for v in ("sync", "sync_nosync"))
-            print(f"  {config}: the strategy's synchronize() after each sync step costs {with_wait - without:.1f} "
+            print(f"  {config}: the strategy's wait for each sync step costs {with_wait - without:.1f} "
                   f"ms/step ({with_wait:.1f} against {without:.1f} ms without it)")
     sync_step = min(clip[v]["host_step_ms"] for v in variants if v.startswith("sync"))  # the least contended
     clip_ref = clip[refs["clip 1.0"]]

@@ -17,8 +17,9 @@ class PipelineMetrics(Callback):
     works) at the end of a batch that stepped the optimizer, every ``trainer.log_every_n_steps`` optimizer
     steps (when Lightning's loggers write), at the last batch of each epoch and at the fit's last step (so the
     final figures are there for whoever reads them after ``fit``): each figure covers the steps since the last
-    report. Not every step: a ``log`` call costs about 1 ms, which on a small model is a sizeable
-    share of the step, and in sync mode the figures first wait for the step (``weight_readers.py``). ``engine`` returns the running engine, or ``None`` between fits."""
+    report. Not every step: a ``log`` call costs about 1 ms, which on a small model is a sizeable share of the
+    step, and in sync mode the figures first wait for the step (``weight_readers.py``). ``engine`` returns the
+    running engine, or ``None`` between fits."""
 
     def __init__(self, engine: Callable[[], RoundPipeEngine | None]) -> None:
         self._engine = engine
