@@ -10,7 +10,7 @@ Processes: one by default, driving every device of the Trainer as one ring; with
 
 Checkpoints: beside Lightning's entries, ``checkpoint["roundpipe"]`` holds the engine's state (the plan in use, the
 step count and base seed that seed the random layers), which ``ckpt_path`` gives back to the next run's engine, so
-that a resumed run continues the saved one exactly.
+that a resumed run continues the saved one exactly (:mod:`~lightning_roundpipe.strategy_checkpoints`).
 
 Optimizer contract: the module's parameters are the master weights, stepped on the engine's optimizer
 thread, which steps its own references to the gradients and never touches ``param.grad``: only the main
@@ -60,7 +60,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_roundpipe import metrics, precision, preflight, pretrained
@@ -70,7 +70,6 @@ from lightning_roundpipe.engine.options import FrozenWeights, Offload, Recompute
 from lightning_roundpipe.engine.pipelined import InstancePatch, ZeroGradGuard
 from lightning_roundpipe.engine.step.groups import StreamingStep
 from lightning_roundpipe.engine.step.kernels import HostKernels
-from lightning_roundpipe.engine.step.rounding import restore_wide_state
 from lightning_roundpipe.engine.transport import transport_torch_dtype
 from lightning_roundpipe.gradient_readers import (
     AFTER_STEP_GRADIENT_HOOKS,
@@ -84,6 +83,7 @@ from lightning_roundpipe.materialize import has_meta_tensors, materialize
 from lightning_roundpipe.observe.trace import write_timeline
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.preflight import MemoryPlan
+from lightning_roundpipe.strategy_checkpoints import CheckpointingStrategy
 from lightning_roundpipe.strategy_names import register_near_misses
 from lightning_roundpipe.strategy_options import (
     TIMELINE_MAX_EVENTS,
@@ -92,19 +92,16 @@ from lightning_roundpipe.strategy_options import (
     ReduceDtype,
     build_options,
 )
-from lightning_roundpipe.strategy_processes import RingProcessStrategy
 from lightning_roundpipe.trunk import build_module_trunk
 from lightning_roundpipe.weight_readers import weights_reader_between_steps
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "roundpipe"
-"""The checkpoint entry that holds the engine's state (:meth:`RoundPipeEngine.state_dict`)."""
 
 
 
 
-class RoundPipeStrategy(RingProcessStrategy):
+class RoundPipeStrategy(CheckpointingStrategy):
     """Train a LightningModule with RoundPipe: ``Trainer(strategy="roundpipe", accelerator=..., devices=N)``.
 
     Each option is summed up here and documented in full where it is declared, in
@@ -420,12 +417,6 @@ class RoundPipeStrategy(RingProcessStrategy):
         # failed; the batch in flight is dropped. Every wait in there is bounded by `wait_timeout`.
         self._release(finish_steps=self.engine is not None and not self.engine.failed, finish_jobs=False)
 
-    def _interrupted(self) -> bool:
-        """Whether the run is being interrupted: Lightning handles an exception (it calls the callbacks'
-        ``on_exception``, e.g. ``OnExceptionCheckpoint``'s save, then the strategy's, then teardown)."""
-        trainer = trainer_of(self.lightning_module)
-        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-
     # ------------------------------------------------------------------ training
     def _backward_scale(self) -> float:
         return precision.backward_scale(self.precision_plugin, self.lightning_module)
@@ -554,70 +545,6 @@ class RoundPipeStrategy(RingProcessStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._wait_for_step()
         return super().validation_step(*args, **kwargs)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _quiesce(self) -> None:
-        """Make the module's weights consistent before they are read (a checkpoint): let the steps in flight
-        finish. While an exception propagates (``OnExceptionCheckpoint`` saves before the strategy hears of
-        it) stop the engine instead, without waiting for the interrupted batch: the steps Lightning counted
-        complete, unless the pipeline itself failed (then queued steps are dropped; each step is applied
-        whole or not at all)."""
-        engine = self.engine
-        if engine is None or engine.closed:
-            return
-        if engine.failed:
-            engine.close(finish_steps=False)
-        elif self._interrupted():
-            engine.close(finish_steps=True, finish_jobs=False)
-        else:
-            engine.synchronize()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._quiesce()
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        self._quiesce()  # Lightning asks every process, before save_checkpoint
-        return super().optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        # the engine's own state beside Lightning's (the plan in use, the step count and base seed that seed the
-        # random layers): resuming continues the run exactly. One more top-level key, of plain values only:
-        # load_from_checkpoint without the strategy ignores it. Lightning calls this on every process (each has
-        # quiesced its engine while Lightning gathered the states); only global rank 0 writes, as with DDP
-        if self.engine is not None:
-            self._quiesce()
-            if not self.is_global_zero:
-                return
-            torn = self.engine.torn_step
-            if torn is not None:  # weights of two steps: a checkpoint would claim a state no run ever had
-                log.warning(f"RoundPipe did not write the checkpoint {filepath}: {torn}")
-                return
-            checkpoint = {**checkpoint, CHECKPOINT_KEY: self.engine.state_dict()}
-        try:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-        finally:
-            if self.engine is not None:
-                self.engine.drop_offloaded_pages()  # the save read every file's pages: out of memory again
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self.engine_options.stochastic_rounding:  # torch narrowed the float32 state of bf16 parameters
-            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-                restore_wide_state(optimizer, saved["state"])
-        if self.engine is not None:
-            for optimizer in self.optimizers:  # a loaded state is in memory (or the checkpoint's pages): to its files
-                self.engine.offload_state(optimizer)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume_state = checkpoint.get(CHECKPOINT_KEY)  # setup, which follows, gives it to the engine
-        return checkpoint
 
     @classmethod
     @override

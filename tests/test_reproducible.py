@@ -36,7 +36,7 @@ from lightning_roundpipe.engine.device import AbortSignal
 from lightning_roundpipe.engine.recompute import seeded
 from lightning_roundpipe.engine.step.window import GradWindow
 from lightning_roundpipe.planning.partition import Planner, costs_from_bytes
-from lightning_roundpipe.strategy import CHECKPOINT_KEY
+from lightning_roundpipe.strategy_checkpoints import CHECKPOINT_KEY
 from tests.models import gpt_batch, gpt_loss, tiny_gpt
 from tests.numerics import assert_states_equal, state
 
