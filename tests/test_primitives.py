@@ -3,6 +3,7 @@ layer replicas, byte counts. Expectations are worked out by hand; ordering is ch
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -22,6 +23,7 @@ from lightning_roundpipe.engine.transfer import (
     nbytes_of,
     tensors_nbytes,
     tree_flatten,
+    tree_leaves,
     tree_map,
     tree_nbytes,
     tree_unflatten,
@@ -437,3 +439,33 @@ def test_tree_walks_agree_with_pytree_and_open_dataclasses():
     assert leaves[0] is a and leaves[1] is b and leaves[2] == 2
     rebuilt = tree_unflatten(leaves, spec)
     assert type(rebuilt) is _Output and rebuilt.logits is a and rebuilt.extra[0] is b and rebuilt.extra[1] == 2
+
+
+class _Pair(collections.namedtuple("_Pair", "left right")):
+    pass
+
+
+def test_the_plain_tree_walk_gives_pytrees_leaves_and_containers():
+    # tree_leaves and tree_map walk plain tuples, lists and dicts themselves and leave anything else to _pytree:
+    # against _pytree itself, every mix of the two gives the same leaves, in the same order, the same containers
+    a, b = torch.zeros(2), torch.ones(3)
+    parameter = nn.Parameter(torch.ones(1))
+    trees = [
+        a, None, 3, "text", True, 2.5, (), [], {},
+        ((a,), {}), {"z": a, "a": b, "m": None},  # a dict's leaves in insertion order, not sorted
+        [a, (b, [parameter, {"k": 1}]), "s"],
+        (a, _Pair(b, [a])), {"p": _Pair(a, None)},  # a namedtuple inside a plain tree: the general path
+        collections.OrderedDict(y=a, x=b), [collections.OrderedDict(y=a), (b,)],
+        (a, collections.defaultdict(list, {"d": [b]})),
+    ]
+    for tree in trees:
+        reference_leaves, reference_spec = pytree.tree_flatten(tree)
+        leaves = tree_leaves(tree)
+        assert len(leaves) == len(reference_leaves)
+        assert all(x is y for x, y in zip(leaves, reference_leaves, strict=True)), tree
+        mapped = tree_map(lambda leaf: ("seen", leaf), tree)
+        mapped_leaves, mapped_spec = pytree.tree_flatten(mapped, is_leaf=lambda node: type(node) is tuple
+                                                         and len(node) == 2 and node[0] == "seen")
+        assert mapped_spec == reference_spec, tree  # the same container types, keys and order
+        assert all(x == ("seen", y) if not isinstance(y, torch.Tensor) else x[1] is y
+                   for x, y in zip(mapped_leaves, reference_leaves, strict=True))

@@ -19,7 +19,7 @@ import torch
 from lightning_roundpipe.engine.device import HostEvent, poison
 from lightning_roundpipe.engine.errors import PipelineError as PipelineError  # re-exported: its home before errors.py
 from lightning_roundpipe.engine.layers import Trunk
-from lightning_roundpipe.engine.recompute import draws_random_numbers
+from lightning_roundpipe.engine.recompute import module_draws_random_numbers
 from lightning_roundpipe.engine.transfer import tree_tensors
 from lightning_roundpipe.planning.partition import Plan
 from lightning_roundpipe.planning.schedule import Job, StageKind
@@ -43,10 +43,15 @@ class CallContext:
         autocast = tuple(
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda")
         )
-        training = tuple(tuple(module.training for module in layer.modules()) for layer in trunk.layers)
-        random_layers = frozenset(index for index, layer in enumerate(trunk.layers) if draws_random_numbers(layer))
-        return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, training,
-                           random_layers)
+        training: list[tuple[bool, ...]] = []
+        random_layers: set[int] = set()
+        for index, layer in enumerate(trunk.layers):  # one walk of each layer's modules: this runs every call
+            modules = tuple(layer.modules())
+            training.append(tuple(module.training for module in modules))
+            if any(module_draws_random_numbers(module) for module in modules):
+                random_layers.add(index)
+        return CallContext(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, tuple(training),
+                           frozenset(random_layers))
 
     def autocast_dtype(self, device_type: str) -> torch.dtype | None:
         """The dtype autocast runs the call in on ``device_type`` devices; None without autocast there."""

@@ -52,7 +52,10 @@ def batch_size(tree: Any, what: str = "inputs") -> int | None:
 
 
 def split(tree: Any, sizes: list[int]) -> list[Any]:
-    """Split every tensor with a dim 0 of ``tree`` into chunks of ``sizes``; replicate the rest."""
+    """Split every tensor with a dim 0 of ``tree`` into chunks of ``sizes``; replicate the rest. One size:
+    ``tree`` itself, whose tensors the one chunk would only view whole."""
+    if len(sizes) == 1:
+        return [tree]
     leaves, spec = tree_flatten(tree)
     columns = [
         torch.split(leaf, sizes) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * len(sizes)

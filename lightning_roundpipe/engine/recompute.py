@@ -60,14 +60,12 @@ def layer_seed(base_seed: int, step: int, call: int, layer: int, microbatch: int
     return mixed_seed(base_seed, step, call, layer, microbatch)
 
 
-def draws_random_numbers(layer: nn.Module) -> bool:
-    """Whether ``layer`` may draw random numbers now: one of its modules in training mode is a dropout
-    module or sets ``roundpipe_random = True`` (for custom random ops)."""
-    return any(
-        module.training
-        and (isinstance(module, nn.modules.dropout._DropoutNd) or getattr(module, "roundpipe_random", False))
-        for module in layer.modules()
-    )
+def module_draws_random_numbers(module: nn.Module) -> bool:
+    """Whether ``module`` itself (not its children) may draw random numbers now: it is a dropout module in
+    training mode, or in training mode and sets ``roundpipe_random = True`` (for custom random ops). A layer
+    draws them if any of its modules does."""
+    return module.training and (isinstance(module, nn.modules.dropout._DropoutNd)
+                                or getattr(module, "roundpipe_random", False))
 
 
 @contextmanager

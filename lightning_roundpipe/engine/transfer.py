@@ -92,12 +92,50 @@ def tree_unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
     return _close(tree) if spec_has_dataclass(spec) else tree
 
 
+# The trees the engine walks many times per step (a layer's ``((tensor,), {})``, a stage's outputs) are plain
+# tuples, lists and dicts around tensors. ``_pytree`` walks those in 10-20 us a call; the plain walk below takes
+# a tenth of that and gives the same leaves in the same order (a dict's in insertion order, ``None`` a leaf), the
+# same containers around ``tree_map``'s results. Any other type (a namedtuple, an ``OrderedDict``, a dataclass, a
+# ``NoGrad``, a tensor subclass other than ``Parameter``, anything registered with ``_pytree``) takes the
+# general path.
+_PLAIN_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str})
+
+
+def _plain_leaves(tree: Any, leaves: list[Any]) -> bool:
+    """Append the leaves of ``tree`` to ``leaves`` if it is plain (see above); False, with ``leaves`` partly
+    filled, at the first thing that is not."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return all(_plain_leaves(child, leaves) for child in tree)
+    if kind is dict:
+        return all(_plain_leaves(child, leaves) for child in tree.values())
+    if kind in _PLAIN_LEAF_TYPES:
+        leaves.append(tree)
+        return True
+    return False
+
+
+def _plain_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """:func:`tree_map` of a plain tree (checked by the caller)."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple(_plain_map(fn, child) for child in tree)
+    if kind is list:
+        return [_plain_map(fn, child) for child in tree]
+    if kind is dict:
+        return {key: _plain_map(fn, child) for key, child in tree.items()}
+    return fn(tree)
+
+
 def tree_leaves(tree: Any) -> list[Any]:
-    return tree_flatten(tree)[0]
+    leaves: list[Any] = []
+    return leaves if _plain_leaves(tree, leaves) else tree_flatten(tree)[0]
 
 
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``fn`` applied to every leaf of ``tree``, the containers (dataclasses too) rebuilt around the results."""
+    if _plain_leaves(tree, []):
+        return _plain_map(fn, tree)
     leaves, spec = tree_flatten(tree)
     return tree_unflatten([fn(leaf) for leaf in leaves], spec)
 
