@@ -148,3 +148,28 @@ def test_two_calls_in_one_step_each_back_propagate_their_own_kept_graphs():
         assert engine.devices[0].residency.current == 0
     for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert_float64_equal(param.grad, expected.grad, what=f"{name}.grad")
+
+
+def test_the_callers_backward_returns_once_the_kept_graph_is_back_propagating(monkeypatch):
+    """``loss.backward()`` through a kept graph returns only after the backward job has started: until then the job's
+    threads need the GIL, which the caller's Python (Lightning's end of the batch) would hold. Stress mode lands
+    the output gradients' upload late (``STRESS_LANDING_DELAY``), long after a return that did not wait."""
+    from lightning_roundpipe.engine.dispatch import Dispatcher
+
+    dispatched: list = []
+    dispatch = Dispatcher.dispatch
+
+    def spy(self, call, jobs, first_output_grads):
+        tasks = dispatch(self, call, jobs, first_output_grads)
+        dispatched.extend(tasks)
+        return tasks
+
+    monkeypatch.setattr(Dispatcher, "dispatch", spy)
+    model = _model(SharedLog())
+    with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=2, num_stages=ALL_FUSED, stress=True)) as engine:
+        for _ in range(3):
+            dispatched.clear()
+            F.mse_loss(engine(torch.randn(4, 6)), torch.randn(4, 6)).backward()
+            backward = [task for task in dispatched if task.uses_kept_graph]
+            assert len(backward) == 1 and backward[0].backpropagating.is_set()
+            engine.step(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -173,12 +173,20 @@ class Dispatcher:
 
     def run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[HostCell]:
         """Dispatch the backward jobs of ``call`` from the gradients of its outputs (per microbatch); returns the
-        cells of its inputs' gradients."""
+        cells of its inputs' gradients.
+
+        A call that kept its deepest stage's graphs (one device) returns only once the first backward job has
+        started back-propagating them, which is as soon as its output gradients are on the device: until then
+        that job's upload and compute threads need the GIL for Python of their own, which the caller would
+        hold for the rest of its batch (Lightning's end of the batch, the next fetch) up to a switch interval
+        at a time. Once back-propagating, the compute thread runs autograd's engine without the GIL."""
         if call.held is not None:
             call.held.claim()
         jobs = backward_jobs(call.plan, self.num_devices, call.num_microbatches, self.next_job)
         self.next_job += len(jobs)
-        self.dispatch(call, jobs, first_output_grads=output_grads)
+        first = self.dispatch(call, jobs, first_output_grads=output_grads)[0]
+        if first.backpropagating is not None:
+            self.wait(first.backpropagating)
         return call.job_outputs(jobs[-1])
 
     @staticmethod
@@ -261,9 +269,9 @@ class Dispatcher:
             self._dispatch_logged = (chosen,)
 
     # ------------------------------------------------------------------ jobs
-    def dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> None:
+    def dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> list[Task]:
         """Make the host cells ``jobs`` exchange (all of them first: a job's reader may be enqueued before it),
-        then hand each job to its device's worker with the events it waits on."""
+        then hand each job to its device's worker with the events it waits on; returns their tasks."""
         for job in jobs:
             call.outputs[job.index] = {m: HostCell(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
                                        for m in job.microbatches}
@@ -274,10 +282,13 @@ class Dispatcher:
                 call.input_cell(job, microbatch).expect_reader()
             if job.kind is StageKind.FORWARD and call.checkpoint_layers and not call.holds(job):
                 self._make_checkpoint_cells(call, job)
+        tasks = []
         for job in jobs:
             task = self._task(call, job)
             self.workers[job.device].put(task)
             self._last_done[job.device] = task.done  # after the put: never wait for a job that was not queued
+            tasks.append(task)
+        return tasks
 
     def _task(self, call: Call, job: Job) -> Task:
         """What the worker needs for ``job``: the events it waits on and sets, and where its gradients go."""
@@ -315,6 +326,8 @@ class Dispatcher:
         if task.keeps_graph:
             assert call.held is not None
             call.held.ready = task.done
+        elif task.uses_kept_graph:
+            task.backpropagating = HostEvent(f"stage {job.label} (job {job.index}) back-propagating")
         return task
 
     def _make_checkpoint_cells(self, call: Call, job: Job) -> None:

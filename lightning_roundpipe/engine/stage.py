@@ -72,6 +72,8 @@ class Task:
     deferred: dict[int, list[batchnorm.DeferredNorm]] = field(default_factory=dict)
     # a forward job that keeps its graphs for its call's backward, or the backward job that uses them
     held: HeldGraph | None = None
+    # the backward job that uses them: set as its first microbatch starts back-propagating (``run_backward``)
+    backpropagating: HostEvent | None = None
 
     @property
     def kind(self) -> StageKind:

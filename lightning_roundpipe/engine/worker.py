@@ -267,7 +267,11 @@ class Worker:
             compute.wait_event(self._enqueue_input_upload(task, microbatch, cells, handoff, where))  # [6]
             take = handoff.take_inputs
 
+        started = task.backpropagating if microbatch == job.microbatches[0] else None
+
         def run() -> None:  # the inputs are passed on, not held here: the compute releases them
+            if started is not None:
+                started.set()
             handoff.outputs = operations.compute(task, stage_copy, microbatch, take())
 
         compute.submit(_named(run, lambda: f"computing {where}", device))
