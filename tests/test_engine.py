@@ -435,9 +435,11 @@ def test_bad_inputs_and_outputs_are_refused_clearly():
         def forward(self, x):
             return x.sum()
 
-    with RoundPipeEngine(nn.Sequential(nn.Linear(2, 2), Scalar()), 1, EngineOptions(num_microbatches=2)) as engine:
-        with torch.no_grad(), pytest.raises(ValueError, match="0-dim tensor, which cannot be merged"):
-            engine(torch.randn(4, 2))
+    for microbatches in (2, 1):  # one microbatch's output is not concatenated, yet refused alike
+        with RoundPipeEngine(nn.Sequential(nn.Linear(2, 2), Scalar()), 1,
+                             EngineOptions(num_microbatches=microbatches)) as engine:
+            with torch.no_grad(), pytest.raises(ValueError, match="0-dim tensor, which cannot be merged"):
+                engine(torch.randn(4, 2))
     with RoundPipeEngine(nn.Sequential(nn.Bilinear(2, 2, 1)), 1, EngineOptions(num_microbatches=2)) as engine:
         with pytest.raises(ValueError, match=r"different sizes on dim 0 \(\[4, 3\]\)"):
             engine(torch.randn(4, 2), torch.randn(3, 2))

@@ -65,7 +65,8 @@ def split(tree: Any, sizes: list[int]) -> list[Any]:
 
 
 def merge(outputs: list[Any]) -> Any:
-    """Concatenate per-microbatch outputs on dim 0; plain values must agree across microbatches."""
+    """Concatenate per-microbatch outputs on dim 0; plain values must agree across microbatches. One output is
+    returned as it is (checked as any), not copied: a language model's logits are most of the host's activations."""
     flat = [tree_flatten(output) for output in outputs]
     spec = flat[0][1]
     if spec_has_dataclass(spec):
@@ -91,7 +92,7 @@ def merge(outputs: list[Any]) -> Any:
                     "(sum or mean?). Return per-sample values with a batch dim 0, or compute the loss in the "
                     "last stage with `forward_backward`/`pipeline_loss`."
                 )
-            merged.append(torch.cat(column, dim=0))
+            merged.append(torch.cat(column, dim=0) if len(column) > 1 else first)
         else:
             if any(value != first for value in column[1:]):
                 raise ValueError(
@@ -99,7 +100,7 @@ def merge(outputs: list[Any]) -> Any:
                     f"({column[0]!r} vs others); only tensors are concatenated, plain values must agree"
                 )
             merged.append(first)
-    return tree_unflatten(merged, spec)
+    return tree_unflatten(merged, spec) if len(outputs) > 1 else outputs[0]
 
 
 LossWeight = Callable[[Any], "int | float | torch.Tensor"]
