@@ -34,7 +34,8 @@ microbatches::
     backward (``stage.HeldGraph``): its first backward job uploads nothing, binds nothing and recomputes
     nothing. Instead of [1]-[3] its parameter stream waits for the forward job's finish and adopts that
     job's stage copy (released at this job's [8]); each microbatch uploads only its output gradient [4] and
-    back-propagates the kept graph [6].
+    back-propagates the kept graph [6]. Its first microbatch's compute sets ``task.backpropagating`` as it
+    starts, which the caller's backward waits for (``Dispatcher.run_backward``).
 [3] A job that writes buffers (forward, fused) uploads them once the previous job writing the same
     layers' buffers has copied them back to the host (its [8]).
 [4] The stage input (the previous stage's output, the call's inputs, or output gradients) and, for a
