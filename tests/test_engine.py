@@ -283,6 +283,29 @@ def test_a_forward_whose_backward_never_comes_releases_what_it_held():
         engine.synchronize()
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_an_output_lives_as_long_as_the_caller_keeps_it(microbatches, grad):
+    """Freed by reference counting alone once the caller lets it go, as a plain module's output is: one
+    microbatch's output is returned uncopied, and autograd's graph of it keeps the call."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    gc.disable()
+    try:
+        with RoundPipeEngine(model, 1, EngineOptions(num_microbatches=microbatches)) as engine:
+            for _ in range(2):
+                with torch.set_grad_enabled(grad):
+                    out = engine(torch.randn(4, 4))
+                if grad:
+                    out.sum().backward()
+                    engine.step(torch.optim.SGD(model.parameters(), lr=0.1))
+                engine.synchronize()
+                output = weakref.ref(out)
+                del out
+                assert output() is None
+    finally:
+        gc.enable()
+
+
 def test_uneven_splits_and_short_batches():
     assert microbatch_sizes(10, 4) == [3, 3, 2, 2]
     assert microbatch_sizes(11, 5) == [3, 2, 2, 2, 2]

@@ -111,6 +111,16 @@ class HostCell:
                     poison(tree_tensors(self.value))
                 self.value = None
 
+    def take(self) -> Any:
+        """The caller's read of a value no job reads (a call's output): returns it and drops the cell's reference,
+        so that the value lives exactly as long as the caller keeps it."""
+        with self._lock:
+            if self._readers:
+                raise RuntimeError(f"{self.event.name} is still to be read by {self._readers} job(s); only a value "
+                                   "no job reads may be taken")
+            value, self.value = self.value, None
+        return value
+
     def put(self, value: Any, poison_on_drop: bool = False, copied: torch.cuda.Event | None = None) -> None:
         """Publish ``value``. ``copied``: a CUDA event after the copies that fill it, still running: a reader's
         stream waits for it on the GPU, a host reader synchronizes it (see ``RoundPipeEngine._wait``)."""

@@ -168,7 +168,10 @@ class Dispatcher:
         outputs = []
         for cell in call.job_outputs(jobs[-1]):
             self.wait(cell.event)
-            outputs.append(single_argument(cell.value))  # a stage's output cell holds the next layer's input
+            # a stage's output cell holds the next layer's input. Taken, not read: a differentiable call returns
+            # these very tensors, whose grad_fn keeps the call, which would otherwise keep them in a cycle that
+            # only the garbage collector frees (a language model's logits, after the caller has let them go)
+            outputs.append(single_argument(cell.take()))
         return outputs
 
     def run_backward(self, call: Call, output_grads: list[list[torch.Tensor | None]]) -> list[HostCell]:
