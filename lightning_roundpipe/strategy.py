@@ -98,9 +98,6 @@ from lightning_roundpipe.weight_readers import weights_reader_between_steps
 log = logging.getLogger(__name__)
 
 
-
-
-
 class RoundPipeStrategy(CheckpointingStrategy):
     """Train a LightningModule with RoundPipe: ``Trainer(strategy="roundpipe", accelerator=..., devices=N)``.
 

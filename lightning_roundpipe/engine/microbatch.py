@@ -65,8 +65,8 @@ def split(tree: Any, sizes: list[int]) -> list[Any]:
 
 
 def merge(outputs: list[Any]) -> Any:
-    """Concatenate per-microbatch outputs on dim 0; plain values must agree across microbatches. One output is
-    returned as it is (checked as any), not copied: a language model's logits are most of the host's activations."""
+    """Concatenate per-microbatch outputs on dim 0; plain values must agree across microbatches. One output's
+    tensors are not copied (checked as any): a language model's logits are most of the host's activations."""
     flat = [tree_flatten(output) for output in outputs]
     spec = flat[0][1]
     if spec_has_dataclass(spec):
@@ -100,7 +100,7 @@ def merge(outputs: list[Any]) -> Any:
                     f"({column[0]!r} vs others); only tensors are concatenated, plain values must agree"
                 )
             merged.append(first)
-    return tree_unflatten(merged, spec) if len(outputs) > 1 else outputs[0]
+    return tree_unflatten(merged, spec)
 
 
 LossWeight = Callable[[Any], "int | float | torch.Tensor"]
