@@ -199,6 +199,56 @@ def test_a_backward_stage_recomputes_before_its_output_gradient_arrives(recomput
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+class _CallerWatch(nn.Module):
+    """Identity that records, when it recomputes, whether the caller got its loss back within ``patience``
+    seconds (``returned``, which the test sets as ``forward_backward`` returns)."""
+
+    def __init__(self, patience: float) -> None:
+        super().__init__()
+        self.patience = patience
+        self.returned = threading.Event()
+        self.seen: list[bool] = []
+
+    def __deepcopy__(self, memo: dict) -> _CallerWatch:
+        return self  # device replicas share the record with the host layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_recomputing():
+            self.seen.append(self.returned.wait(self.patience))
+        return x
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_on_one_device_the_loss_returns_once_the_first_backward_job_has_recomputed(microbatches):
+    """Plan F0 [0-1] | L [2-3] | B0 [0-1] on one device. The loss comes back only once B0 has recomputed its first
+    microbatch: the caller's Python would otherwise hold the GIL the recompute needs (``Dispatcher.run_training``).
+    B0's recompute gives the caller ``patience`` seconds to return first; a loss handed back as soon as L has
+    computed it returns within them (then ``seen`` starts with True), one that waits for the recompute cannot.
+    The results stay plain training's."""
+    torch.manual_seed(0)
+    watch = _CallerWatch(patience=0.5)
+    model = nn.Sequential(nn.Linear(4, 4), watch, nn.Tanh(), nn.Linear(4, 2))
+    reference = clone(model)
+    options = EngineOptions(num_microbatches=microbatches, num_stages=Plan.from_sizes([2], 2, [2]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with RoundPipeEngine(model, 1, options) as engine:
+        loss = engine.forward_backward(x, y, nn.functional.mse_loss)
+        watch.returned.set()
+        assert watch.seen[:1] == [False], "the loss came back before the first backward job had recomputed"
+        engine.step(optimizer)
+        engine.synchronize()
+    assert len(watch.seen) == microbatches
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sizes = split_sizes(6, microbatches)
+    reference_loss = reference_microbatch_step(reference, x, y, nn.functional.mse_loss, [float(s) for s in sizes],
+                                               sizes)
+    reference_optimizer.step()
+    torch.testing.assert_close(loss, torch.as_tensor(reference_loss, dtype=loss.dtype), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def test_the_round_size_follows_the_cost_of_a_job():
     """8 devices, 16 microbatches, 8 equal layers (forward 1, backward 2), 3 forward and 7 backward stages: whole
     jobs start the first backward after 16 microbatches of forward (makespan 100 units), rounds of 8 after 8

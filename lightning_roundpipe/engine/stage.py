@@ -72,7 +72,8 @@ class Task:
     deferred: dict[int, list[batchnorm.DeferredNorm]] = field(default_factory=dict)
     # a forward job that keeps its graphs for its call's backward, or the backward job that uses them
     held: HeldGraph | None = None
-    # the backward job that uses them: set as its first microbatch starts back-propagating (``run_backward``)
+    # set as its first microbatch starts back-propagating: the backward job that uses them (``run_backward``), and
+    # on a one-device ring a training call's first backward job, after its recompute (``run_training``)
     backpropagating: HostEvent | None = None
 
     @property

@@ -45,6 +45,9 @@ microbatches::
     gradient, which uploads after them; the backward proper waits for it. The recompute then overlaps the
     previous stage's work instead of following it (a device runs a microbatch's recompute right after the
     previous microbatch's backward, as the paper's simulator does).
+    On a one-device ring a training call's first backward job sets ``task.backpropagating`` as its first
+    microbatch's backward proper starts, which the caller waits for before it gets the loss
+    (``Dispatcher.run_training``): its Python then runs beside autograd's engine, not beside the recompute.
     Each cell is consumed after its copy, which drops the host value after its last counted reader. On a
     GPU the copy is only enqueued then (no host sync): the host memory outlives it (see ``upload``).
 [5] Parameters and buffers are on the device: bind them into the device's layer replicas.
