@@ -224,14 +224,14 @@ def test_on_one_device_the_loss_returns_once_the_first_backward_job_has_recomput
     microbatch: the caller's Python would otherwise hold the GIL the recompute needs (``Dispatcher.run_training``).
     B0's recompute gives the caller ``patience`` seconds to return first; a loss handed back as soon as L has
     computed it returns within them (then ``seen`` starts with True), one that waits for the recompute cannot.
-    The results stay plain training's."""
+    The results stay plain training's (float64)."""
     torch.manual_seed(0)
     watch = _CallerWatch(patience=0.5)
-    model = nn.Sequential(nn.Linear(4, 4), watch, nn.Tanh(), nn.Linear(4, 2))
+    model = double(nn.Sequential(nn.Linear(4, 4), watch, nn.Tanh(), nn.Linear(4, 2)))
     reference = clone(model)
     options = EngineOptions(num_microbatches=microbatches, num_stages=Plan.from_sizes([2], 2, [2]))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
     with RoundPipeEngine(model, 1, options) as engine:
         loss = engine.forward_backward(x, y, nn.functional.mse_loss)
         watch.returned.set()
@@ -244,9 +244,8 @@ def test_on_one_device_the_loss_returns_once_the_first_backward_job_has_recomput
     reference_loss = reference_microbatch_step(reference, x, y, nn.functional.mse_loss, [float(s) for s in sizes],
                                                sizes)
     reference_optimizer.step()
-    torch.testing.assert_close(loss, torch.as_tensor(reference_loss, dtype=loss.dtype), rtol=1e-5, atol=1e-6)
-    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert_float64_equal(loss, torch.tensor(reference_loss, dtype=torch.float64), what="float64 loss")
+    assert_states_float64_equal(state(model), state(reference))
 
 
 def test_the_round_size_follows_the_cost_of_a_job():
