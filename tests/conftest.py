@@ -18,6 +18,15 @@ def _seed() -> None:
     random.seed(0)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Let Ctrl-C reach the tests that send it (``test_faults.py``, ``test_interrupt.py``). A shell without job
+    control starts a background command (``make test &`` in a script) with SIGINT ignored, which Python keeps and
+    every child process inherits: those tests would then see no ``KeyboardInterrupt`` and fail. Runs in each
+    pytest-xdist worker too."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handler() -> Generator[None, None, None]:
     """Give the next test the SIGINT handler this one started with: Lightning sets SIGINT to ignored once it
