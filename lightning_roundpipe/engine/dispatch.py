@@ -228,14 +228,17 @@ class Dispatcher:
         jobs = training_rounds(call.plan, self.num_devices, call.num_microbatches,
                                round_size or call.num_microbatches, self.next_job)
         self.next_job += len(jobs)
-        tasks = self.dispatch(call, jobs, first_output_grads=None)
+        first_backward = (next((job for job in jobs if job.kind is StageKind.BACKWARD), None)
+                          if self.num_devices == 1 else None)
+        tasks = self.dispatch(call, jobs, first_output_grads=None, signals_backpropagation=first_backward)
         losses = []
         for cell, weight in zip(fused.losses, fused.scales, strict=True):
             self.wait(cell.event)
             if weight != 0.0:  # a microbatch with nothing to count has a NaN mean and no say
                 losses.append(cell.value * weight)
         for task in tasks:
-            if task.backpropagating is not None:
+            if task.job is first_backward:
+                assert task.backpropagating is not None
                 self.wait(task.backpropagating)
         return torch.stack(losses).sum()
 
@@ -282,9 +285,12 @@ class Dispatcher:
             self._dispatch_logged = (chosen,)
 
     # ------------------------------------------------------------------ jobs
-    def dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None) -> list[Task]:
+    def dispatch(self, call: Call, jobs: list[Job], first_output_grads: list | None, *,
+                 signals_backpropagation: Job | None = None) -> list[Task]:
         """Make the host cells ``jobs`` exchange (all of them first: a job's reader may be enqueued before it),
-        then hand each job to its device's worker with the events it waits on; returns their tasks."""
+        then hand each job to its device's worker with the events it waits on; returns their tasks.
+        ``signals_backpropagation``: a backward job whose task also says when it starts back-propagating (set
+        before the worker can see the task)."""
         for job in jobs:
             call.outputs[job.index] = {m: HostCell(f"the output of stage {job.label} (job {job.index}) microbatch {m}")
                                        for m in job.microbatches}
@@ -295,12 +301,9 @@ class Dispatcher:
                 call.input_cell(job, microbatch).expect_reader()
             if job.kind is StageKind.FORWARD and call.checkpoint_layers and not call.holds(job):
                 self._make_checkpoint_cells(call, job)
-        # a training call on a one-device ring hands back its loss once this job back-propagates (run_training)
-        signals = (next((job for job in jobs if job.kind is StageKind.BACKWARD), None)
-                   if call.fused is not None and self.num_devices == 1 else None)
         tasks = []
         for job in jobs:
-            task = self._task(call, job, signals_backpropagation=job is signals)
+            task = self._task(call, job, signals_backpropagation=job is signals_backpropagation)
             self.workers[job.device].put(task)
             self._last_done[job.device] = task.done  # after the put: never wait for a job that was not queued
             tasks.append(task)
